@@ -1,0 +1,32 @@
+"""A config problem: what every validation rule returns and every front end (text, JSON, sweeps) prints."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List
+
+ERROR = "error"
+WARNING = "warning"
+
+
+@dataclass(frozen=True)
+class Problem:
+    code: str
+    """Stable identifier of the rule, e.g. `tp_divides_attention_heads`."""
+    key: str
+    """The config key to change, e.g. `parallelism.tp`."""
+    message: str
+    """One line with the numbers."""
+    hint: str = ""
+    """A valid alternative, e.g. `try parallelism.tp=4`."""
+    severity: str = ERROR
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    def render(self) -> str:
+        head = f"{self.severity}: [{self.code}] {self.key}: {self.message}"
+        return head + (f"\n  hint: {self.hint}" if self.hint else "")
+
+
+def errors(problems: List[Problem]) -> List[Problem]:
+    return [p for p in problems if p.severity == ERROR]

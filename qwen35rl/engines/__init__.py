@@ -1,0 +1,1 @@
+"""Training and rollout engines behind two narrow interfaces (see `base`)."""

@@ -1,0 +1,94 @@
+"""The two engine interfaces the GRPO loop sees. FSDP2 and Megatron implement TrainEngine; transformers
+`generate` and vLLM implement RolloutEngine. Everything crossing them is plain tensors in the dataclasses below."""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+
+@dataclass
+class RolloutRequest:
+    """Prompts for one generation call. `prompt_ids` are unpadded token lists, one per prompt."""
+
+    prompt_ids: List[List[int]]
+    n: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    images: Optional[List[Any]] = None
+    """Per-prompt list of PIL images (multimodal data), or None."""
+    seed: Optional[int] = None
+
+
+@dataclass
+class RolloutResult:
+    """n responses per prompt, prompt-major: response j of prompt i is row i*n + j."""
+
+    response_ids: List[List[int]]
+    """Generated tokens per response, without padding, EOS included when generated."""
+    log_probs: List[List[float]]
+    """Log-prob of each generated token under the sampling distribution (temperature applied)."""
+    finish_reasons: List[str]
+    """`stop` (EOS / stop token) or `length` (hit max_new_tokens)."""
+
+
+@dataclass
+class Batch:
+    """A padded batch of prompt+response sequences for the train engine (one DP rank's share).
+
+    input_ids, attention_mask, position_ids: [B, T]; response_mask: [B, T] marks response tokens whose log-prob
+    counts (the token predicted at position t is input_ids[:, t]; its log-prob comes from logits at t-1).
+    Per-token tensors (old_log_probs, ref_log_probs, advantages) are [B, T] aligned with input_ids.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor
+    position_ids: Optional[torch.Tensor] = None
+    old_log_probs: Optional[torch.Tensor] = None
+    ref_log_probs: Optional[torch.Tensor] = None
+    advantages: Optional[torch.Tensor] = None
+    multimodal: Dict[str, torch.Tensor] = field(default_factory=dict)
+    """Processor outputs for image data (pixel_values, image_grid_thw, ...)."""
+
+
+class TrainEngine(abc.ABC):
+    """One data-parallel rank's shard of the policy (and optimizer)."""
+
+    @abc.abstractmethod
+    def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Per-token log-probs [B, T] (and entropy) of batch.input_ids, zero outside response_mask."""
+
+    @abc.abstractmethod
+    def train_mini_batch(self, micro_batches: List[Batch], global_scale: Dict[str, float]) -> Dict[str, float]:
+        """One optimizer step over this rank's micro batches of a mini batch. `global_scale` carries the global
+        normalisers (e.g. valid tokens / sequences in the whole mini batch across DP ranks). Returns metrics."""
+
+    @abc.abstractmethod
+    def export_weights(self, bucket_mb: int) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+        """Full (unsharded) HF-named tensors in buckets of about bucket_mb, for the rollout engine."""
+
+    @abc.abstractmethod
+    def state_dict_for_checkpoint(self) -> Dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def load_checkpoint_state(self, state: Dict[str, Any]) -> None: ...
+
+
+class RolloutEngine(abc.ABC):
+    @abc.abstractmethod
+    def generate(self, request: RolloutRequest) -> RolloutResult: ...
+
+    @abc.abstractmethod
+    def load_weights(self, buckets: Iterator[List[Tuple[str, torch.Tensor]]]) -> None:
+        """Replace the engine's weights in place from HF-named tensors."""
+
+    def sleep(self, level: int = 1) -> None:
+        """Free memory while the trainer steps (level 1: KV cache; level 2: weights too). No-op by default."""
+
+    def wake_up(self) -> None:
+        """Undo sleep before the next generation. No-op by default."""
