@@ -1,0 +1,175 @@
+"""GRPO math: group-relative advantages, PPO clip loss with dual clip, KL penalties and loss aggregation.
+
+Everything here is a pure function of tensors. Per-token tensors are [B, T] with a response `mask` [B, T]
+(bool or 0/1); positions outside the mask never contribute, whatever values they hold.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("kl", "mse", "low_var_kl", "abs")
+_KL_ALIASES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
+_LOG_RATIO_CLAMP = 20.0
+_K3_CLAMP = 10.0
+
+
+# ------------------------------------------------------------------------------------------------- masked ops
+def _zero_outside(x: Tensor, mask: Tensor) -> Tensor:
+    # `where`, not multiplication: garbage (inf/nan) at padded positions must not leak into sums.
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+    x = _zero_outside(x, mask)
+    return x.sum() if dim is None else x.sum(dim=dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
+    """Mean over masked positions; 0 where nothing is masked in (instead of nan)."""
+    count = mask.to(x.dtype).sum() if dim is None else mask.to(x.dtype).sum(dim=dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+# -------------------------------------------------------------------------------------------------- advantage
+def grpo_advantages(scores: Tensor, group_index: Tensor, norm_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """Outcome advantage per response: (s - mean_group) / (std_group + eps), or s - mean_group (Dr.GRPO).
+
+    `group_index` [N] (long) names each response's prompt; ids need not be contiguous. The std is Bessel-corrected
+    (N-1); a group of one response uses mean 0 and std 1 so its advantage is its raw score.
+    """
+    scores = scores.float()
+    if scores.shape != group_index.shape or scores.dim() != 1:
+        raise ValueError(f"scores {tuple(scores.shape)} and group_index {tuple(group_index.shape)} must be [N]")
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    num_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
+    count = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(0, inverse, torch.ones_like(scores))
+    total = torch.zeros_like(count).index_add_(0, inverse, scores)
+    mean = total / count
+    sq_dev = torch.zeros_like(count).index_add_(0, inverse, (scores - mean[inverse]) ** 2)
+    std = torch.sqrt(sq_dev / (count - 1).clamp(min=1))
+    single = count == 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    centred = scores - mean[inverse]
+    return centred / (std[inverse] + eps) if norm_by_std else centred
+
+
+# ------------------------------------------------------------------------------------------------ policy loss
+def policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float = 3.0,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """PPO clipped surrogate with asymmetric clip range and dual clip for negative advantages.
+
+    Returns the per-token loss [B, T] (0 outside `mask`) and per-token float indicators [B, T] for the metrics:
+    `clipfrac` (the clipped term won), `clipfrac_lower` (the dual clip bound -A*c won) and `approx_kl` (-delta).
+    Aggregate them with `masked_mean` / `agg_loss`.
+    """
+    if clip_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (got {clip_c})")
+    advantages = advantages.to(log_probs.dtype)
+    delta = torch.clamp(log_probs - old_log_probs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(delta)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
+    dual_bound = -advantages * clip_c
+    negative = advantages < 0
+    loss = torch.where(negative, torch.minimum(loss_ppo, dual_bound), loss_ppo)
+    stats = {
+        "clipfrac": (loss_clipped > loss_unclipped).float(),
+        "clipfrac_lower": (negative & (loss_ppo > dual_bound)).float(),
+        "approx_kl": (-delta).detach().float(),
+    }
+    stats = {k: _zero_outside(v, mask) for k, v in stats.items()}
+    return _zero_outside(loss, mask), stats
+
+
+# ---------------------------------------------------------------------------------------------------------- KL
+def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str = "low_var_kl") -> Tensor:
+    """Per-token KL estimate of the policy against the reference from sampled-token log-probs.
+
+    kl (k1): delta; mse (k2): delta^2 / 2; abs: |delta|; low_var_kl (k3): exp(u) - u - 1 with
+    u = clamp(-delta, -20, 20), clamped to [-10, 10]. delta = logp - logp_ref.
+    """
+    kind = _KL_ALIASES.get(kind, kind)
+    delta = log_probs - ref_log_probs
+    if kind == "kl":
+        return delta
+    if kind == "mse":
+        return 0.5 * delta.square()
+    if kind == "abs":
+        return delta.abs()
+    if kind == "low_var_kl":
+        u = torch.clamp(-delta, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        return torch.clamp(torch.exp(u) - u - 1.0, -_K3_CLAMP, _K3_CLAMP)
+    raise ValueError(f"algorithm.kl_loss_type={kind!r}: expected one of {', '.join(KL_KINDS)}")
+
+
+# ------------------------------------------------------------------------------------------------- aggregation
+def agg_loss(
+    loss_mat: Tensor,
+    mask: Tensor,
+    mode: str = "token-mean",
+    *,
+    global_tokens: float,
+    global_seqs: float,
+    dp_size: int,
+    norm_const: Optional[float] = None,
+) -> Tensor:
+    """This micro batch's share of the mini-batch loss.
+
+    `global_tokens` / `global_seqs` count valid tokens / sequences of the whole mini batch over all DP ranks.
+    Summing the returned scalars over a rank's micro batches and then averaging gradients over `dp_size` ranks
+    (what DDP / FSDP / Megatron do) yields exactly the mode's definition over the global mini batch:
+      token-mean:              sum(L) / global_tokens
+      seq-mean-token-sum:      sum_seq sum_t L / global_seqs
+      seq-mean-token-mean:     sum_seq mean_t L / global_seqs
+      seq-mean-token-sum-norm: sum(L) / (global_seqs * norm_const)
+    hence the factor dp_size, which undoes the gradient average.
+    """
+    if mode == "token-mean":
+        local, denom = masked_sum(loss_mat, mask), global_tokens
+    elif mode == "seq-mean-token-sum":
+        local, denom = masked_sum(loss_mat, mask), global_seqs
+    elif mode == "seq-mean-token-mean":
+        local, denom = masked_mean(loss_mat, mask, dim=-1).sum(), global_seqs
+    elif mode == "seq-mean-token-sum-norm":
+        if norm_const is None:
+            raise ValueError("seq-mean-token-sum-norm needs norm_const (algorithm.loss_scale_factor or the max response length)")
+        local, denom = masked_sum(loss_mat, mask), global_seqs * norm_const
+    else:
+        raise ValueError(f"algorithm.loss_agg_mode={mode!r}: expected one of {', '.join(LOSS_AGG_MODES)}")
+    denom = float(denom)
+    # an all-padding mini batch has nothing to normalise: its (zero) loss stays zero instead of nan
+    return local * (dp_size / denom) if denom > 0 else local * 0.0
+
+
+def local_batch_counts(mask: Tensor) -> Tuple[float, float]:
+    """(valid tokens, sequences with at least one valid token) of one rank's share; all-reduce both to get the
+    `global_tokens` / `global_seqs` of `agg_loss`."""
+    tokens = mask.to(torch.float64).sum(dim=-1)
+    return float(tokens.sum().item()), float((tokens > 0).sum().item())
+
+
+# ------------------------------------------------------------------------------------ reference log-prob / entropy
+def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
+    """log softmax(logits)[label] in fp32; logits [..., V], labels [...]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, labels.unsqueeze(-1).long()).squeeze(-1)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) over the last dim in fp32: logsumexp(z) - sum(p * z)."""
+    logits = logits.float()
+    p = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(dim=-1)
