@@ -1,0 +1,1 @@
+"""Console entry points: `qwen35rl-plan` and `qwen35rl-train`."""

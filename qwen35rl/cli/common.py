@@ -1,0 +1,65 @@
+"""What both entry points share: argument parsing with Hydra's own parser, the pre-launch config check, error
+reporting (one block, exit code 2), and running a task through `@hydra.main` for multirun and run directories."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Callable, List, Optional, Sequence
+
+from qwen35rl.config.compose import ConfigError, searchpath_override
+from qwen35rl.config.paths import config_dir
+from qwen35rl.config.store import register
+
+EXIT_CONFIG = 2
+_PASS_THROUGH_FLAGS = ("help", "hydra_help", "info", "shell_completion", "cfg")
+
+
+def parse_args(argv: Sequence[str]):
+    from hydra._internal.utils import get_args_parser
+
+    return get_args_parser().parse_args(list(argv))
+
+
+def wants_hydra_only(args) -> bool:
+    """--help, --info, --cfg ...: Hydra answers these itself."""
+    return any(getattr(args, f, None) for f in _PASS_THROUGH_FLAGS)
+
+
+def output_format(overrides: Sequence[str]) -> str:
+    fmt = "text"
+    for o in overrides:
+        if o.startswith("format="):
+            fmt = o.split("=", 1)[1]
+    return fmt
+
+
+def report_config_error(err: ConfigError, fmt: str) -> int:
+    print(err.render(), file=sys.stderr)
+    if fmt == "json":
+        print(json.dumps({"valid": False, "problems": [err.to_problem_dict()]}))
+    return EXIT_CONFIG
+
+
+def run_hydra(task: Callable[[Any], Any], argv: Sequence[str], extra: Sequence[str] = ()) -> None:
+    """Run `task` through @hydra.main over argv (+ our search path and extra overrides)."""
+    import hydra
+
+    register()
+    sys_argv = sys.argv
+    try:
+        sys.argv = [sys_argv[0], *argv, *searchpath_override(), *extra]
+        hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")(task)()
+    finally:
+        sys.argv = sys_argv
+
+
+def full_error() -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def split_overrides(argv: Sequence[str]) -> Optional[List[str]]:
+    try:
+        return list(parse_args(argv).overrides)
+    except SystemExit:
+        return None

@@ -1,0 +1,68 @@
+"""`qwen35rl-plan [overrides]`: compose, check and print the plan of a run without starting anything.
+
+Exit 0 when the plan is valid, 2 when it is not or the config cannot be composed. `format=json` prints exactly one
+JSON object on stdout (one per job with -m). Imports no torch, ray, transformers or vllm."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from qwen35rl.cli.common import (EXIT_CONFIG, output_format, parse_args, report_config_error, run_hydra,
+                                 wants_hydra_only)
+from qwen35rl.config.compose import ConfigError, check_sweep, compose
+
+_sweep_results: List[Dict[str, Any]] = []
+
+
+def emit(plan: Dict[str, Any], fmt: str) -> None:
+    from qwen35rl.config.plan import render_text
+
+    if fmt == "json":
+        print(json.dumps(plan), flush=True)
+    else:
+        print(render_text(plan), flush=True)
+
+
+def plan_config(cfg: DictConfig) -> Dict[str, Any]:
+    from qwen35rl.config.plan import build_plan
+
+    return build_plan(cfg)
+
+
+def _sweep_job(cfg: DictConfig) -> Dict[str, Any]:
+    OmegaConf.resolve(cfg)
+    plan = plan_config(cfg)
+    _sweep_results.append(plan)
+    emit(plan, str(cfg.format))
+    return plan
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if wants_hydra_only(args):
+        run_hydra(lambda cfg: print(OmegaConf.to_yaml(cfg)), argv)
+        return 0
+    overrides = list(args.overrides)
+    fmt = output_format(overrides)
+    try:
+        if args.multirun:
+            check_sweep(overrides)
+        else:
+            cfg = compose(overrides)
+    except ConfigError as e:
+        return report_config_error(e, fmt)
+    if args.multirun:
+        _sweep_results.clear()
+        run_hydra(_sweep_job, argv, extra=["hydra.output_subdir=null"])
+        return 0 if any(p["valid"] for p in _sweep_results) else EXIT_CONFIG
+    plan = plan_config(cfg)
+    emit(plan, fmt)
+    return 0 if plan["valid"] else EXIT_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())

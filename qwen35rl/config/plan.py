@@ -1,0 +1,126 @@
+"""The plan: everything knowable before launch, as one dict (the JSON contract of `qwen35rl-plan format=json`)
+and as readable text. Imports nothing heavy: cluster packages are only looked up with importlib's find_spec."""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Dict, List
+
+from omegaconf import DictConfig, OmegaConf
+
+from qwen35rl.config import layout_search, memory, params, rules
+from qwen35rl.config.layout import derive_layout
+from qwen35rl.config.problems import ERROR, WARNING, Problem
+
+
+def environment_problems(cfg: DictConfig) -> List[Problem]:
+    """Cluster packages missing here: a warning, since plans are often made on a login node without them."""
+    out = []
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        pkg = "vllm-ascend (Ascend's install guide)" if cfg.hw.device == "npu" else "pip install 'qwen35rl[gpu]'"
+        out.append(Problem("vllm_not_installed", "rollout.engine", "vLLM is not installed here; training with "
+                           "rollout=vllm needs it on every node", f"install it with {pkg}, or use rollout=hf", WARNING))
+    if cfg.backend.name == "megatron" and importlib.util.find_spec("megatron") is None:
+        out.append(Problem("megatron_not_installed", "backend", "megatron-core is not installed here; training with "
+                           "backend=megatron needs it on every node", "pip install 'qwen35rl[gpu]' (NPU: MindSpeed + "
+                           "megatron-core, see README)", WARNING))
+    if cfg.hw.device == "npu" and importlib.util.find_spec("torch_npu") is None:
+        out.append(Problem("torch_npu_not_installed", "hw.device", "torch_npu is not installed here; NPU training "
+                           "needs it (and CANN) on every node", "pip install 'qwen35rl[npu]' on the Ascend nodes", WARNING))
+    return out
+
+
+def build_plan(cfg: DictConfig) -> Dict[str, Any]:
+    """The plan dict. With `parallelism=auto` the best searched layout is applied first (and the top five listed)."""
+    candidates: List[Any] = []
+    problems: List[Problem] = []
+    if cfg.parallelism.auto:
+        candidates = layout_search.search(cfg)
+        if candidates:
+            cfg = layout_search.apply(cfg, candidates[0])
+        else:
+            problems.append(Problem("no_valid_layout", "parallelism", "no layout of this model fits this hardware "
+                                    "with this backend", "use more devices (hw.nodes), offload, or another backend"))
+    layout = derive_layout(cfg)
+    problems += rules.check_all(cfg, layout) + environment_problems(cfg)
+    count = params.count_params(cfg.model)
+    mem = memory.estimate(cfg, layout)
+    return {
+        "valid": not any(p.severity == ERROR for p in problems),
+        "problems": [p.to_dict() for p in problems],
+        "model": str(cfg.model.name),
+        "hw": str(cfg.hw.name),
+        "backend": str(cfg.backend.name),
+        "rollout_engine": str(cfg.rollout.engine),
+        "world_size": layout.world,
+        "train": layout.train_dict(),
+        "rollout": layout.rollout_dict(),
+        "layout_name": str(cfg.parallelism.name),
+        "params": count.to_dict(),
+        "memory_gib": mem.to_dict(),
+        "batch": batch_arithmetic(cfg, layout),
+        "device": str(cfg.hw.device),
+        "nodes": int(cfg.hw.nodes),
+        "devices_per_node": int(cfg.hw.devices_per_node),
+        "worker_env": {**OmegaConf.to_container(cfg.hw.env), **OmegaConf.to_container(cfg.backend.env)},
+        "output_dir": f"{cfg.trainer.output_root}/{cfg.trainer.run_name}",
+        "auto_candidates": [c.to_dict() for c in candidates[:5]],
+    }
+
+
+def batch_arithmetic(cfg: DictConfig, layout) -> Dict[str, Any]:
+    n, prompts, mini = int(cfg.rollout.n), int(cfg.data.train_batch_size), int(cfg.algorithm.mini_batch_size)
+    micro = int(cfg.backend.micro_batch_size_per_device)
+    per_dp = (mini * n) // max(layout.dp, 1)
+    return {
+        "prompts_per_step": prompts,
+        "responses_per_step": prompts * n,
+        "optimizer_steps_per_rollout_batch": (prompts // mini if mini else 0) * int(cfg.algorithm.ppo_epochs),
+        "responses_per_mini_batch_per_dp_rank": per_dp,
+        "micro_batches_per_device": None if cfg.backend.dynamic_batch_size else per_dp // max(micro, 1),
+        "micro_batch_size_per_device": micro,
+        "dynamic_batch_size": bool(cfg.backend.dynamic_batch_size),
+        "max_tokens_per_device": int(cfg.backend.max_tokens_per_device),
+        "sequence_length": int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length),
+    }
+
+
+def _fmt_count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+def _fmt_gib(x) -> str:
+    return "n/a" if x is None else f"{x:.1f} GiB"
+
+
+def render_text(plan: Dict[str, Any]) -> str:
+    t, r, b, m, p = plan["train"], plan["rollout"], plan["batch"], plan["memory_gib"], plan["params"]
+    train = " ".join(f"{k.upper()}{v}" for k, v in t.items() if v is not None)
+    lines = [
+        f"qwen35rl plan: {plan['model']} on {plan['hw']} with {plan['backend']}"
+        f" ({'VALID' if plan['valid'] else 'INVALID'})",
+        f"  model      {_fmt_count(p['total'])} total, {_fmt_count(p['active'])} active"
+        f" (text {_fmt_count(p['text'])}, vision {_fmt_count(p['vision'])}, MTP {_fmt_count(p['mtp'])})",
+        f"  hardware   {plan['nodes']} node(s) x {plan['devices_per_node']} {plan['device']}"
+        f" = world {plan['world_size']}",
+        f"  train      {train}   [layout: {plan['layout_name']}]",
+        f"  rollout    {plan['rollout_engine']} TP{r['tp']} DP{r['dp']} EP{r['ep']}",
+        f"  batch      {b['prompts_per_step']} prompts x n -> {b['responses_per_step']} responses/step;"
+        f" {b['optimizer_steps_per_rollout_batch']} optimizer step(s) per rollout batch;"
+        f" {b['responses_per_mini_batch_per_dp_rank']} responses per DP rank per mini batch"
+        + (f" in {b['micro_batches_per_device']} micro batch(es) of {b['micro_batch_size_per_device']}"
+           if b["micro_batches_per_device"] is not None else f" packed to {b['max_tokens_per_device']} tokens/device"),
+        f"  memory     train peak {_fmt_gib(m.get('train_peak'))}, rollout peak {_fmt_gib(m.get('rollout_peak'))},"
+        f" usable {_fmt_gib(m.get('capacity'))} per device -> {'fits' if m.get('fits') else 'DOES NOT FIT'}",
+        f"  output     {plan['output_dir']}",
+    ]
+    if plan["worker_env"]:
+        lines.append("  worker env " + " ".join(f"{k}={v}" for k, v in sorted(plan["worker_env"].items())))
+    if plan["auto_candidates"]:
+        lines.append("  parallelism=auto, best five of the valid layouts (lower score is better):")
+        for i, c in enumerate(plan["auto_candidates"], 1):
+            lines.append(f"    {i}. score {c.get('score', 0):.3f}  {' '.join(c.get('overrides', []))}")
+    for prob in plan["problems"]:
+        lines.append(f"  {prob['severity']}: [{prob['code']}] {prob['key']}: {prob['message']}")
+        if prob.get("hint"):
+            lines.append(f"      hint: {prob['hint']}")
+    return "\n".join(lines)
