@@ -1,0 +1,133 @@
+"""Build the train / val prompt lists of a run from `data.*`: synthetic, text (jsonl/parquet) or multimodal."""
+from __future__ import annotations
+
+import io
+from typing import Any, Dict, List, Optional
+
+from qwen35rl.data.example import PromptExample
+from qwen35rl.data.files import lookup, read_rows
+from qwen35rl.data.synthetic import make_prompts
+
+IMAGE_PLACEHOLDER = "<image>"
+_VAL_SEED_OFFSET = 1_000_003  # a different stream for validation prompts than for training prompts
+
+
+def build_dataset(data_cfg: Any, tokenizer: Any, split: str) -> List[PromptExample]:
+    """Prompts of `split` ("train" | "val"). `tokenizer` (HF-style: encode / decode / apply_chat_template) is needed
+    for synthetic and text data; multimodal prompts are tokenised later by the processor and may pass None."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val' (got {split!r})")
+    kind = data_cfg.kind
+    if kind == "synthetic":
+        examples = _synthetic(data_cfg, split)
+    elif kind in ("text", "multimodal"):
+        files = list(data_cfg.train_files if split == "train" else data_cfg.val_files)
+        rows = [row for path in files for row in read_rows(path)]
+        examples = [_from_row(data_cfg, row, i, with_images=kind == "multimodal") for i, row in enumerate(rows)]
+    else:
+        raise ValueError(f"data.kind={kind!r}: expected synthetic, text or multimodal")
+    if kind == "multimodal":
+        return examples  # prompt length is known only once the processor has added the image tokens
+    if tokenizer is None:
+        raise ValueError(f"data.kind={kind} needs a tokenizer to build prompt ids")
+    tokenized = (_tokenize(data_cfg, tokenizer, ex) for ex in examples)
+    return [ex for ex in tokenized if ex is not None]
+
+
+# ------------------------------------------------------------------------------------------------------ sources
+def _synthetic(data_cfg: Any, split: str) -> List[PromptExample]:
+    count = data_cfg.synthetic_size if split == "train" else data_cfg.val_size
+    seed = data_cfg.seed if split == "train" else data_cfg.seed + _VAL_SEED_OFFSET
+    return [
+        PromptExample(prompt_ids=[], prompt_text=text, answer=answer, index=i,
+                      messages=_messages(data_cfg.system_prompt, text))
+        for i, (text, answer) in enumerate(make_prompts(data_cfg.synthetic_task, count, seed))
+    ]
+
+
+def _from_row(data_cfg: Any, row: Dict[str, Any], index: int, with_images: bool) -> PromptExample:
+    prompt = lookup(row, data_cfg.prompt_key)
+    answer = lookup(row, data_cfg.answer_key)
+    if isinstance(prompt, list):  # already chat messages (verl-style parquet)
+        messages = [dict(m) for m in prompt]
+        if data_cfg.system_prompt and not any(m.get("role") == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": data_cfg.system_prompt})
+        text = "\n\n".join(str(m["content"]) for m in messages if m.get("role") != "system")
+    else:
+        text = str(prompt)
+        messages = _messages(data_cfg.system_prompt, text)
+    images = None
+    if with_images:
+        images = [_to_pil(img) for img in (lookup(row, data_cfg.image_key) or [])]
+        messages = [m if m["role"] != "user" else {"role": "user", "content": _interleave(str(m["content"]), len(images))}
+                    for m in messages]
+        text = text.replace(IMAGE_PLACEHOLDER, "").strip()
+    return PromptExample(prompt_ids=[], prompt_text=text, answer=str(answer), images=images, index=index,
+                         messages=messages)
+
+
+def _messages(system_prompt: Optional[str], user_text: str) -> List[Dict[str, Any]]:
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return system + [{"role": "user", "content": user_text}]
+
+
+def _interleave(text: str, num_images: int) -> List[Dict[str, Any]]:
+    """Processor-style content parts: each image where the text has `<image>`; all images first when the
+    placeholders do not match the images one to one."""
+    image = {"type": "image"}
+    pieces = text.split(IMAGE_PLACEHOLDER)
+    if len(pieces) - 1 != num_images:
+        rest = "".join(pieces).strip()
+        return [dict(image) for _ in range(num_images)] + ([{"type": "text", "text": rest}] if rest else [])
+    parts: List[Dict[str, Any]] = []
+    for i, piece in enumerate(pieces):
+        if i:
+            parts.append(dict(image))
+        if piece.strip():
+            parts.append({"type": "text", "text": piece.strip()})
+    return parts
+
+
+def _to_pil(image: Any) -> Any:
+    """PIL image from a PIL image, raw bytes, a {"bytes": ..., "path": ...} parquet struct or a file path."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if isinstance(image, dict):
+        image = image.get("bytes") or image.get("path")
+    if isinstance(image, (bytes, bytearray)):
+        return Image.open(io.BytesIO(image)).convert("RGB")
+    if isinstance(image, str):
+        return Image.open(image).convert("RGB")
+    raise ValueError(f"unsupported image value of type {type(image).__name__} (expected bytes, PIL image or path)")
+
+
+# ----------------------------------------------------------------------------------------------- tokenisation
+def _tokenize(data_cfg: Any, tokenizer: Any, ex: PromptExample) -> Optional[PromptExample]:
+    """Fill prompt_ids; apply `data.max_prompt_length` (drop, cut or raise). None: dropped."""
+    if data_cfg.use_chat_template:
+        text = tokenizer.apply_chat_template(ex.messages, add_generation_prompt=True, tokenize=False)
+    elif data_cfg.system_prompt:
+        text = f"{data_cfg.system_prompt}\n\n{ex.prompt_text}"
+    else:
+        text = ex.prompt_text
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    limit = data_cfg.max_prompt_length
+    if len(ids) > limit:
+        if data_cfg.filter_overlong_prompts:
+            return None
+        if data_cfg.truncation == "left":
+            ids = ids[-limit:]
+        elif data_cfg.truncation == "right":
+            ids = ids[:limit]
+        elif data_cfg.truncation == "error":
+            raise ValueError(
+                f"prompt {ex.index} has {len(ids)} tokens > data.max_prompt_length={limit} "
+                f"(data.truncation=error; set data.truncation=left|right, data.filter_overlong_prompts=true "
+                f"or raise data.max_prompt_length)")
+        else:
+            raise ValueError(f"data.truncation={data_cfg.truncation!r}: expected error, left or right")
+        text = tokenizer.decode(ids)
+    ex.prompt_ids, ex.prompt_text = ids, text
+    return ex
