@@ -1,0 +1,82 @@
+"""Build a Qwen3.5 transformers model from our ModelConfig (random init or a checkpoint) and save it back in the
+Hugging Face layout (safetensors + config + generation config + tokenizer [+ processor])."""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Union
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig, PreTrainedModel
+
+from qwen35rl.models.hf_config import hf_model_class, to_hf_config
+from qwen35rl.models.special_tokens import special_token_ids
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def torch_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: expected one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def generation_config(model_cfg: Any) -> GenerationConfig:
+    """Stop on <|im_end|> (end of a chat turn) and <|endoftext|>, pad with the tokenizer's pad, as the official
+    checkpoints' generation_config.json does."""
+    ids = special_token_ids(model_cfg)
+    return GenerationConfig(eos_token_id=[ids["im_end"], ids["eos"]], pad_token_id=ids["pad"], do_sample=True)
+
+
+def build_model(
+    model_cfg: Any,
+    *,
+    dtype: Union[str, torch.dtype],
+    device: Union[str, torch.device] = "cpu",
+    seed: int = 0,
+    text_only: bool = True,
+) -> PreTrainedModel:
+    """The model of `model_cfg`: `*ForCausalLM` when `text_only` (or the model has no vision tower), else
+    `*ForConditionalGeneration`.
+
+    `model.init=random`: fresh weights, identical for the same seed and dtype whatever `device` is (initialised on
+    CPU, then moved). `device="meta"` builds the structure without memory (FSDP fills the shards later).
+    `model.init=pretrained`: weights from `model.path` (a VL checkpoint also loads as text-only).
+    """
+    dtype = torch_dtype(dtype)
+    cls = hf_model_class(model_cfg, text_only)
+    if str(device) == "meta":
+        with torch.device("meta"):
+            model = cls._from_config(_config_for(model_cfg, text_only), dtype=dtype)
+    elif model_cfg.init == "random":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = cls._from_config(_config_for(model_cfg, text_only), dtype=dtype)
+        model.generation_config = generation_config(model_cfg)
+        model.to(device)
+    elif model_cfg.init == "pretrained":
+        if not model_cfg.path or not os.path.isdir(model_cfg.path):
+            raise FileNotFoundError(f"model.init=pretrained needs model.path to be a checkpoint directory (got {model_cfg.path!r})")
+        auto = AutoModelForCausalLM if cls is hf_model_class(model_cfg, True) else AutoModelForImageTextToText
+        model = auto.from_pretrained(model_cfg.path, dtype=dtype).to(device)
+    else:
+        raise ValueError(f"model.init={model_cfg.init!r}: expected random or pretrained")
+    return model
+
+
+def _config_for(model_cfg: Any, text_only: bool):
+    config = to_hf_config(model_cfg, text_only=text_only)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def save_hf(model: PreTrainedModel, tokenizer: Any, out_dir: str, processor: Optional[Any] = None) -> None:
+    """Write `out_dir` so that `from_pretrained` (transformers, vLLM) loads the model, tokenizer and processor."""
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if processor is not None:
+        processor.save_pretrained(out_dir)  # includes the tokenizer
+    else:
+        tokenizer.save_pretrained(out_dir)
