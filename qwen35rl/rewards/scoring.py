@@ -1,0 +1,194 @@
+"""Score responses in worker processes with a hard per-call time limit.
+
+A reward function that raises, returns a non-number or runs past `timeout_s` scores 0 and is counted; the run goes
+on. Time limits are enforced by killing the worker process (a hung call in a thread could never be stopped), so
+the caller is never blocked longer than the limit per call, and reward code needs no signal handling.
+Workers persist across calls (forked from a forkserver that preloads the built-in rewards), so a step pays no
+process start-up.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import threading
+import time
+from collections import deque
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+
+logger = logging.getLogger(__name__)
+
+Item = Tuple[int, str, str]  # (response position, response text, answer)
+_PRELOAD = ["qwen35rl.rewards.builtin", "math_verify"]
+
+
+def _worker_main(conn: Connection) -> None:
+    """Score (fn, example, items) tasks one item at a time, answering (position, ok, value or error) per item."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        fn, example, items = task
+        for position, response, answer in items:
+            try:
+                value = float(fn(response, answer, example))
+                if not math.isfinite(value):
+                    raise ValueError(f"reward is {value}")
+                conn.send((position, True, value))
+            except Exception as e:  # noqa: BLE001 - any failure of user code scores 0
+                conn.send((position, False, f"{type(e).__name__}: {e}"))
+
+
+class _Worker:
+    def __init__(self, ctx: Any):
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="reward-worker")
+        self.process.start()
+        child.close()
+        self.items: Deque[Item] = deque()
+        self.deadline = math.inf
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.conn.close()
+
+
+class RewardPool:
+    """Persistent reward worker processes. `score` is safe to call from any thread (one call at a time)."""
+
+    def __init__(self, num_workers: Optional[int] = None):
+        self.num_workers = num_workers or min(8, os.cpu_count() or 1)
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(_PRELOAD)
+        self._idle: List[_Worker] = []
+        self._lock = threading.Lock()
+
+    def score(self, fn: Callable, responses: Sequence[str], answers: Sequence[str], examples: Sequence[Any],
+              timeout_s: Optional[float]) -> Tuple[List[float], Dict[str, int]]:
+        if not (len(responses) == len(answers) == len(examples)):
+            raise ValueError(f"{len(responses)} responses, {len(answers)} answers, {len(examples)} examples")
+        try:
+            pickle.dumps(fn)
+        except Exception as e:
+            raise TypeError(f"reward function {fn!r} must be importable at module level (pkg.module:function) "
+                            f"to run in worker processes ({e})") from None
+        limit = math.inf if timeout_s is None or timeout_s <= 0 else float(timeout_s)
+        with self._lock:
+            return self._score(fn, responses, answers, examples, limit)
+
+    def _score(self, fn, responses, answers, examples, limit):
+        scores = [0.0] * len(responses)
+        stats = {"reward/failed": 0, "reward/timeout": 0}
+        errors: List[str] = []
+        pending = deque(_chunks_by_example(responses, answers, examples))
+        busy: List[_Worker] = []
+
+        def fail(worker: _Worker, kind: str, message: str) -> None:
+            position, _, _ = worker.items.popleft()
+            stats[kind] += 1
+            errors.append(f"response {position}: {message}")
+            if worker.items:  # the rest of its chunk goes to another worker
+                pending.appendleft((examples[worker.items[0][0]], list(worker.items)))
+            busy.remove(worker)
+            worker.kill()
+
+        while pending or busy:
+            while pending and len(busy) < self.num_workers:
+                example, items = pending.popleft()
+                worker = self._idle.pop() if self._idle else _Worker(self._ctx)
+                try:
+                    worker.conn.send((fn, example, items))
+                except (BrokenPipeError, EOFError, OSError):  # died while idle: replace it, retry the chunk
+                    worker.kill()
+                    pending.appendleft((example, items))
+                    continue
+                worker.items, worker.deadline = deque(items), time.monotonic() + limit
+                busy.append(worker)
+            next_deadline = min(w.deadline for w in busy)
+            wait_s = None if math.isinf(next_deadline) else max(0.0, next_deadline - time.monotonic())
+            for conn in wait([w.conn for w in busy], timeout=wait_s):
+                worker = next(w for w in busy if w.conn is conn)
+                self._drain(worker, scores, stats, errors, limit, fail)
+            now = time.monotonic()
+            for worker in [w for w in busy if w.deadline <= now]:
+                if worker.conn.poll():  # answered just in time
+                    self._drain(worker, scores, stats, errors, limit, fail)
+                if worker in busy and worker.deadline <= now:
+                    fail(worker, "reward/timeout", f"no result within {limit:g} s")
+            for worker in [w for w in busy if not w.items]:
+                busy.remove(worker)
+                self._idle.append(worker)
+        if errors:
+            logger.warning("reward: %d failed, %d timed out of %d; first: %s", stats["reward/failed"],
+                           stats["reward/timeout"], len(responses), errors[0])
+        return scores, stats
+
+    @staticmethod
+    def _drain(worker, scores, stats, errors, limit, fail) -> None:
+        """Collect every answer the worker has sent so far."""
+        while worker.items and worker.conn.poll():
+            try:
+                position, ok, value = worker.conn.recv()
+            except (EOFError, OSError):
+                fail(worker, "reward/failed", f"worker process died (exit code {worker.process.exitcode})")
+                return
+            worker.items.popleft()
+            if ok:
+                scores[position] = value
+            else:
+                stats["reward/failed"] += 1
+                errors.append(f"response {position}: {value}")
+            worker.deadline = time.monotonic() + limit  # the limit is per call
+
+    def close(self) -> None:
+        with self._lock:
+            for worker in self._idle:
+                try:
+                    worker.conn.send(None)
+                except OSError:
+                    pass
+                worker.process.join(timeout=1)
+                if worker.process.is_alive():
+                    worker.kill()
+            self._idle = []
+
+
+def _chunks_by_example(responses, answers, examples) -> List[Tuple[Any, List[Item]]]:
+    """Consecutive responses of the same prompt travel as one task, so the example is sent once per group."""
+    chunks: List[Tuple[Any, List[Item]]] = []
+    for position, (response, answer, example) in enumerate(zip(responses, answers, examples)):
+        if chunks and chunks[-1][0] is example:
+            chunks[-1][1].append((position, response, answer))
+        else:
+            chunks.append((example, [(position, response, answer)]))
+    return chunks
+
+
+_POOL: Optional[RewardPool] = None
+_POOL_LOCK = threading.Lock()
+
+
+def _shared_pool() -> RewardPool:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = RewardPool()
+            atexit.register(_POOL.close)
+        return _POOL
+
+
+def score_responses(fn: Callable, responses: Sequence[str], answers: Sequence[str], examples: Sequence[Any],
+                    timeout_s: Optional[float]) -> Tuple[List[float], Dict[str, int]]:
+    """Scores of `fn(response, answer, example)` per response, in order, and the counts `reward/failed` (raised,
+    returned a non-number or the worker died) and `reward/timeout` (ran past `timeout_s`); both score 0."""
+    return _shared_pool().score(fn, responses, answers, examples, timeout_s)

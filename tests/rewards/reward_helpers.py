@@ -1,0 +1,20 @@
+"""Reward functions for the scoring tests; module level so worker processes can import them."""
+import os
+import time
+
+
+def length_or_hang(response, answer, example):
+    """Hangs on a response "hang", raises on "raise", exits the process on "die", else returns the length."""
+    if response == "hang":
+        time.sleep(3600)
+    if response == "raise":
+        raise RuntimeError("bad reward")
+    if response == "die":
+        os._exit(3)
+    if response == "nan":
+        return float("nan")
+    return float(len(response))
+
+
+def prompt_index(response, answer, example):
+    return float(example.index)
