@@ -1,0 +1,117 @@
+"""Plain-python responses <-> padded `Batch` tensors, and splitting work over data-parallel ranks.
+
+Between the driver and the workers everything travels as lists (token ids, per-token floats, one advantage per
+response); each worker pads its own share. Layout of a padded row: the prompt left-padded to the longest prompt of
+the micro batch, then the response right-padded to the longest response, so every response starts at the same
+column. The token predicted at column t is input_ids[:, t]; per-token values sit in the same column.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, TypeVar
+
+import torch
+
+from qwen35rl.engines.base import Batch
+
+T = TypeVar("T")
+
+
+@dataclass
+class Sequences:
+    """Responses with their prompts (one row per response) and optional per-response training inputs."""
+
+    prompt_ids: List[List[int]]
+    response_ids: List[List[int]]
+    old_log_probs: Optional[List[List[float]]] = None
+    ref_log_probs: Optional[List[List[float]]] = None
+    advantages: Optional[List[float]] = None
+    """One advantage per response, broadcast over its tokens."""
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def select(self, start: int, stop: int) -> "Sequences":
+        def cut(x):
+            return None if x is None else x[start:stop]
+
+        return Sequences(self.prompt_ids[start:stop], self.response_ids[start:stop], cut(self.old_log_probs),
+                         cut(self.ref_log_probs), cut(self.advantages))
+
+    def take(self, indices: Sequence[int]) -> "Sequences":
+        def pick(x):
+            return None if x is None else [x[i] for i in indices]
+
+        return Sequences(pick(self.prompt_ids), pick(self.response_ids), pick(self.old_log_probs),
+                         pick(self.ref_log_probs), pick(self.advantages))
+
+    def token_count(self) -> int:
+        return sum(len(r) for r in self.response_ids)
+
+
+def split_even(items: Sequence[T], parts: int) -> List[List[T]]:
+    """Contiguous, as even as possible (sizes differ by at most one, larger first)."""
+    base, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for p in range(parts):
+        size = base + (1 if p < extra else 0)
+        out.append(list(items[start:start + size]))
+        start += size
+    return out
+
+
+def chunk(seqs: Sequences, size: int) -> List[Sequences]:
+    """Consecutive pieces of at most `size` rows (the micro batches of one rank)."""
+    return [seqs.select(i, min(i + size, len(seqs))) for i in range(0, len(seqs), size)]
+
+
+def split_sequences(seqs: Sequences, parts: int) -> List[Sequences]:
+    bounds = [0]
+    for share in split_even(range(len(seqs)), parts):
+        bounds.append(bounds[-1] + len(share))
+    return [seqs.select(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def build_batch(seqs: Sequences, pad_token_id: int, device: Any = "cpu") -> Batch:
+    """Pad one micro batch into the engine's `Batch`."""
+    n = len(seqs)
+    p_len = max((len(p) for p in seqs.prompt_ids), default=0)
+    r_len = max(max((len(r) for r in seqs.response_ids), default=0), 1)
+    width = p_len + r_len
+    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    response_mask = torch.zeros((n, width), dtype=torch.long)
+    per_token = {name: torch.zeros((n, width), dtype=torch.float32)
+                 for name in ("old_log_probs", "ref_log_probs") if getattr(seqs, name) is not None}
+    for i, (prompt, response) in enumerate(zip(seqs.prompt_ids, seqs.response_ids)):
+        p0 = p_len - len(prompt)
+        input_ids[i, p0:p_len] = torch.tensor(prompt, dtype=torch.long)
+        input_ids[i, p_len:p_len + len(response)] = torch.tensor(response, dtype=torch.long)
+        attention[i, p0:p_len + len(response)] = 1
+        response_mask[i, p_len:p_len + len(response)] = 1
+        for name, t in per_token.items():
+            values = getattr(seqs, name)[i]
+            if len(values) != len(response):
+                raise ValueError(f"{name}[{i}] has {len(values)} values for {len(response)} response tokens")
+            t[i, p_len:p_len + len(response)] = torch.tensor(values, dtype=torch.float32)
+    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    advantages = None
+    if seqs.advantages is not None:
+        advantages = torch.tensor(seqs.advantages, dtype=torch.float32)[:, None] * response_mask.float()
+    return Batch(
+        input_ids=input_ids.to(device),
+        attention_mask=attention.to(device),
+        response_mask=response_mask.to(device),
+        position_ids=position_ids.to(device),
+        old_log_probs=per_token["old_log_probs"].to(device) if "old_log_probs" in per_token else None,
+        ref_log_probs=per_token["ref_log_probs"].to(device) if "ref_log_probs" in per_token else None,
+        advantages=advantages.to(device) if advantages is not None else None,
+    )
+
+
+def response_values(values: torch.Tensor, batch: Batch) -> List[List[float]]:
+    """Per-response lists of a [B, T] per-token tensor, read at the response positions of `batch`."""
+    mask = batch.response_mask.bool().cpu()
+    values = values.detach().float().cpu()
+    return [values[i][mask[i]].tolist() for i in range(values.shape[0])]

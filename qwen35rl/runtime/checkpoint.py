@@ -1,0 +1,194 @@
+"""Atomic checkpoints of a run: `checkpoints/step_<N>/` appears only once complete.
+
+Layout of one checkpoint:
+    step_<N>/
+      model/               model + optimizer + scheduler of the train engine (torch.distributed.checkpoint, sharded)
+      rng/rank_<r>.pt      python / numpy / torch (cpu + device) RNG states of each worker
+      trainer_state.pt     driver state: step, data loader position, driver RNG
+      meta.json            written last; its presence marks a finished checkpoint
+Everything is written into `.tmp-step_<N>-<pid>/` first and renamed into place (rename is atomic on POSIX file
+systems), so a crash mid-save leaves only a temporary directory that is ignored and removed on the next start.
+The checkpoint directory must be on a file system every node sees (DCP writes shards from every rank).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+TMP_PREFIX = ".tmp-"
+META_FILE = "meta.json"
+TRAINER_STATE_FILE = "trainer_state.pt"
+MODEL_DIR = "model"
+RNG_DIR = "rng"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------ driver side
+class CheckpointManager:
+    """Finds, creates, commits and prunes the checkpoints of one run directory."""
+
+    def __init__(self, root: Path, max_keep: int = 2):
+        self.root = Path(root)
+        self.max_keep = max_keep
+
+    def completed(self) -> List[Path]:
+        """Finished checkpoints, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for p in self.root.iterdir():
+            m = STEP_DIR.match(p.name)
+            if m and p.is_dir() and (p / META_FILE).is_file():
+                found.append((int(m.group(1)), p))
+        return [p for _, p in sorted(found)]
+
+    def latest(self) -> Optional[Path]:
+        done = self.completed()
+        return done[-1] if done else None
+
+    def resolve(self, resume: str) -> Optional[Path]:
+        """`trainer.resume`: auto (newest finished checkpoint here, or none), never, or a checkpoint directory."""
+        resume = str(resume)
+        if resume == "never":
+            return None
+        if resume == "auto":
+            return self.latest()
+        path = Path(resume).expanduser()
+        if not (path / META_FILE).is_file():
+            raise CheckpointError(f"trainer.resume={resume}: not a finished checkpoint (no {META_FILE}); expected "
+                                  f"a directory like {self.root}/step_<N>")
+        return path
+
+    def remove_partial(self) -> None:
+        """Temporary directories of saves that never finished (a crash or kill during a save)."""
+        if self.root.is_dir():
+            for p in self.root.iterdir():
+                if p.name.startswith(TMP_PREFIX) and p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+
+    def begin(self, step: int) -> Path:
+        tmp = self.root / f"{TMP_PREFIX}step_{step}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def commit(self, tmp: Path, step: int, extra_meta: Optional[Dict[str, Any]] = None) -> Path:
+        """Mark `tmp` finished and move it to step_<N> in one rename; then drop checkpoints beyond max_keep."""
+        meta = {"step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **(extra_meta or {})}
+        with open(tmp / META_FILE, "w") as f:
+            json.dump(meta, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        final = self.root / f"step_{step}"
+        if final.exists():  # the same step saved again (e.g. a resumed run re-reaching it): replace it
+            stale = self.root / f"{TMP_PREFIX}stale-step_{step}-{os.getpid()}"
+            os.rename(final, stale)
+            os.rename(tmp, final)
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(self.root)
+        self.prune()
+        return final
+
+    def prune(self) -> None:
+        if self.max_keep <= 0:
+            return
+        for old in self.completed()[:-self.max_keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_meta(ckpt: Path) -> Dict[str, Any]:
+    return json.loads((Path(ckpt) / META_FILE).read_text())
+
+
+def save_trainer_state(ckpt: Path, state: Dict[str, Any]) -> None:
+    import torch
+
+    torch.save(state, Path(ckpt) / TRAINER_STATE_FILE)
+
+
+def load_trainer_state(ckpt: Path) -> Dict[str, Any]:
+    import torch
+
+    return torch.load(Path(ckpt) / TRAINER_STATE_FILE, weights_only=False)
+
+
+# ------------------------------------------------------------------------------------------------ worker side
+def rng_state(device_module: Any = None) -> Dict[str, Any]:
+    import numpy as np
+    import torch
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if device_module is not None:
+        state["device"] = device_module.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any], device_module: Any = None) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if device_module is not None and "device" in state:
+        device_module.set_rng_state(state["device"])
+
+
+def save_rng(ckpt: Path, rank: int, device_module: Any = None) -> None:
+    import torch
+
+    (Path(ckpt) / RNG_DIR).mkdir(exist_ok=True)
+    torch.save(rng_state(device_module), Path(ckpt) / RNG_DIR / f"rank_{rank}.pt")
+
+
+def load_rng(ckpt: Path, rank: int, device_module: Any = None) -> bool:
+    """Restore this rank's RNG; False when the checkpoint has none for it (saved with another world size)."""
+    import torch
+
+    path = Path(ckpt) / RNG_DIR / f"rank_{rank}.pt"
+    if not path.is_file():
+        return False
+    set_rng_state(torch.load(path, weights_only=False), device_module)
+    return True
+
+
+def save_engine_state(ckpt: Path, engine: Any) -> None:
+    """Collective over all ranks: each writes its shards of model + optimizer (+ scheduler) with DCP."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"engine": engine.state_dict_for_checkpoint()}, checkpoint_id=str(Path(ckpt) / MODEL_DIR))
+
+
+def load_engine_state(ckpt: Path, engine: Any) -> None:
+    """Collective: loads into the engine's current state dict in place (DCP reshards when the world changed)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"engine": engine.state_dict_for_checkpoint()}
+    dcp.load(state, checkpoint_id=str(Path(ckpt) / MODEL_DIR))
+    engine.load_checkpoint_state(state["engine"])

@@ -1,0 +1,369 @@
+"""The GRPO loop. One step reads like the algorithm:
+
+    generate -> score -> old / ref log-probs -> advantages -> mini-batch updates -> weight sync -> log -> checkpoint
+
+The driver owns the data (prompts, responses, scores) and the bookkeeping; the workers own the model. Work is split
+by data-parallel rank (contiguous shares, rank order) and gathered back in the same order, so a response's row
+never changes meaning. All math lives in `qwen35rl.algo`; the engines stay behind their interfaces.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from qwen35rl.algo.core import grpo_advantages, kl_penalty
+from qwen35rl.algo.dapo import group_filter_mask, overlong_penalty
+from qwen35rl.config.layout import Layout, derive_layout
+from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST
+from qwen35rl.runtime import checkpoint as ckpt
+from qwen35rl.runtime.batching import Sequences, split_even, split_sequences
+from qwen35rl.runtime.cluster import WorkerGroup, ray_session
+from qwen35rl.runtime.flops import mfu, train_flops
+from qwen35rl.runtime.platform import require_stack, resolve_platform
+from qwen35rl.runtime.rollouts import RolloutBatch, data_metrics
+from qwen35rl.runtime.signals import StopRequest
+from qwen35rl.runtime.tracking import CURVES_FILE, METRICS_FILE, Tracking, plot_curves, read_metrics
+from qwen35rl.runtime.worker import PolicyWorker, needs_reference
+
+log = logging.getLogger(__name__)
+
+FINAL_DIR = "final"
+SKIPPED_KEY = "actor/skipped_steps"
+"""Train-engine metric: optimizer steps skipped so far in the run because the loss or gradient was not finite."""
+
+
+def run_training(cfg: DictConfig, run_dir: Path) -> int:
+    """Train with the resolved, validated `cfg` in `run_dir`; returns the process exit code."""
+    run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    layout = derive_layout(cfg)
+    platform = resolve_platform(cfg)
+    require_stack(platform, str(cfg.rollout.engine))
+
+    from qwen35rl.data import PromptLoader, build_dataset
+    from qwen35rl.models.tokenizer import build_tokenizer
+    from qwen35rl.rewards import get_reward_fn
+
+    tokenizer = build_tokenizer(cfg.model)
+    loader = PromptLoader(build_dataset(cfg.data, tokenizer, "train"), int(cfg.data.train_batch_size),
+                          seed=int(cfg.trainer.seed))
+    validating = int(cfg.trainer.test_freq) > 0 or bool(cfg.trainer.val_before_train)
+    val_set = build_dataset(cfg.data, tokenizer, "val") if validating else []
+    total_steps = int(cfg.trainer.total_steps or int(cfg.trainer.total_epochs) * loader.batches_per_epoch)
+
+    checkpoints = ckpt.CheckpointManager(run_dir / "checkpoints", int(cfg.trainer.max_keep_checkpoints))
+    checkpoints.remove_partial()
+    resume_from = checkpoints.resolve(str(cfg.trainer.resume))
+    start_step = int(ckpt.read_meta(resume_from)["step"]) if resume_from else 0
+    tracking = Tracking(cfg, run_dir, total_steps, start_step)
+    if resume_from:
+        log.warning("resuming from %s (step %d of %d)", resume_from, start_step, total_steps)
+
+    try:
+        with ray_session(cfg, platform, layout.world), StopRequest() as stop:
+            optimizer_steps = (total_steps * int(cfg.algorithm.ppo_epochs)
+                               * (int(cfg.data.train_batch_size) // int(cfg.algorithm.mini_batch_size)))
+            workers = WorkerGroup.create(cfg, platform, PolicyWorker, layout.world, run_dir=str(run_dir),
+                                         optimizer_steps=optimizer_steps)
+            try:
+                trainer = GRPOTrainer(cfg, layout, workers, tokenizer, loader, val_set, get_reward_fn(str(cfg.data.reward)),
+                                      tracking, checkpoints, stop, total_steps, run_dir)
+                if resume_from:
+                    trainer.restore(resume_from)
+                return trainer.fit()
+            finally:
+                workers.shutdown()
+    except KeyboardInterrupt:
+        log.warning("interrupted; the last finished checkpoint is intact")
+        return 130
+    finally:
+        tracking.close()
+        rows = read_metrics(run_dir / METRICS_FILE)
+        if rows:
+            plot_curves(rows, run_dir / CURVES_FILE)
+
+
+class Timer:
+    """Accumulates wall time per name (dynamic sampling generates several times per step)."""
+
+    def __init__(self) -> None:
+        self.seconds: Dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
+
+    def metrics(self) -> Dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+
+
+def step_seed(*parts: int) -> int:
+    """A sampling seed from (run seed, step, round, rank, ...): the same numbers give the same samples, which
+    makes a resumed run repeat exactly what an uninterrupted one does."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: DictConfig, layout: Layout, workers: WorkerGroup, tokenizer: Any, loader: Any,
+                 val_set: Sequence[Any], reward_fn: Any, tracking: Tracking, checkpoints: ckpt.CheckpointManager,
+                 stop: StopRequest, total_steps: int, run_dir: Path):
+        self.cfg, self.layout, self.workers, self.tokenizer = cfg, layout, workers, tokenizer
+        self.loader, self.val_set, self.reward_fn = loader, list(val_set), reward_fn
+        self.tracking, self.checkpoints, self.stop = tracking, checkpoints, stop
+        self.total_steps, self.run_dir = total_steps, run_dir
+        self.algo, self.data, self.rollout_cfg = cfg.algorithm, cfg.data, cfg.rollout
+        self.n = int(cfg.rollout.n)
+        self.dp = layout.dp
+        if layout.dp != workers.world:
+            raise NotImplementedError(f"data parallel {layout.dp} != world {workers.world} (sequence parallel is "
+                                      f"not implemented by this runtime)")
+        self.use_ref = needs_reference(cfg)
+        self.step = 0
+        self.saved_step = -1
+
+    # ==================================================================================================== loop
+    def fit(self) -> int:
+        self.workers.run("sync_weights")  # the rollout engines start from the policy (fresh or restored)
+        if self.cfg.trainer.val_before_train and self.step == 0 and self.val_set:
+            self.tracking.log(0, self.validate())
+        while self.step < self.total_steps and not self.stop.requested:
+            self.step += 1
+            metrics = self.train_step()
+            if self._due(self.cfg.trainer.test_freq) and self.val_set:
+                metrics.update(self.validate())
+            if self.step % max(int(self.cfg.trainer.log_every), 1) == 0 or self.step == self.total_steps:
+                self.tracking.log(self.step, metrics)
+            if self._due(self.cfg.trainer.save_freq) or self.stop.requested:
+                self.save_checkpoint()
+        if self.stop.requested:
+            return self.stop.exit_code
+        if self.saved_step != self.step and not (self.checkpoints.root / f"step_{self.step}").is_dir():
+            self.save_checkpoint()
+        if self.cfg.trainer.export_hf:
+            self.export_final()
+        return 0
+
+    def _due(self, freq: Any) -> bool:
+        freq = int(freq)
+        return (freq > 0 and self.step % freq == 0) or self.step == self.total_steps
+
+    def train_step(self) -> Dict[str, float]:
+        timer = Timer()
+        with timer("step"):
+            batch, metrics = self.collect_rollouts(timer)                                  # generate + score
+            seqs = batch.sequences()
+            with timer("old_log_prob"):
+                seqs.old_log_probs = (batch.rollout_log_probs if self.cfg.backend.use_rollout_log_probs
+                                      else self.log_probs(seqs))
+            if self.use_ref:
+                with timer("ref"):
+                    seqs.ref_log_probs = self.log_probs(seqs, reference=True)
+            with timer("adv"):
+                rewards = self.final_rewards(batch, seqs, metrics)
+                advantages = grpo_advantages(rewards, batch.group_index, bool(self.algo.norm_adv_by_std))
+                seqs.advantages = advantages.tolist()
+            with timer("update_actor"):
+                metrics.update(self.update_actor(seqs))
+            with timer("sync_weights"):
+                self.workers.run("sync_weights")
+        metrics.update(data_metrics(batch, rewards, advantages, int(self.data.max_response_length)))
+        metrics.update(timer.metrics())
+        metrics.update(self.perf_metrics(batch, timer))
+        return metrics
+
+    # ========================================================================================= generate + score
+    def collect_rollouts(self, timer: Timer):
+        """A full batch of prompt groups, generated and scored. With DAPO dynamic sampling, groups whose scores
+        are all equal carry no signal and are dropped; more prompts are drawn (at most `max_rounds` extra rounds)
+        until `train_batch_size` groups remain. If the rounds run out, dropped groups fill the rest (their
+        advantage is 0, so they only dilute the update)."""
+        dyn = self.algo.dynamic_sampling
+        want = int(self.data.train_batch_size)
+        rounds = 1 + (int(dyn.max_rounds) if dyn.enable else 0)
+        kept: List[RolloutBatch] = []
+        dropped: List[RolloutBatch] = []
+        num_kept = num_dropped = used = 0
+        stats: Dict[str, float] = defaultdict(float)
+        for round_ in range(rounds):
+            used = round_ + 1
+            examples = self.loader.next_batch()
+            with timer("gen"):
+                batch = self.generate(examples, n=self.n, temperature=float(self.rollout_cfg.temperature),
+                                      top_p=float(self.rollout_cfg.top_p), top_k=int(self.rollout_cfg.top_k),
+                                      seed=step_seed(self.cfg.trainer.seed, self.step, round_))
+            with timer("reward"):
+                for k, v in self.score(batch).items():
+                    stats[k] += v
+            if not dyn.enable:
+                return batch, dict(stats)
+            signal = batch.scores if str(dyn.metric) == "score" else batch.rewards
+            keep = group_filter_mask(torch.tensor(signal), batch.group_index)
+            kept.append(batch.select_groups(keep.nonzero().flatten().tolist()))
+            dropped.append(batch.select_groups((~keep).nonzero().flatten().tolist()))
+            num_kept += int(keep.sum())
+            num_dropped += int((~keep).sum())
+            if num_kept >= want:
+                break
+        batch = RolloutBatch.concat(kept)
+        batch = batch.select_groups(range(min(want, batch.num_groups)))
+        filled = want - batch.num_groups
+        if filled:
+            batch = RolloutBatch.concat([batch, RolloutBatch.concat(dropped).select_groups(range(filled))])
+        stats.update({"dynamic_sampling/rounds": used, "dynamic_sampling/groups_dropped": num_dropped,
+                      "dynamic_sampling/groups_filled": filled})
+        return batch, dict(stats)
+
+    def generate(self, examples: Sequence[Any], *, n: int, temperature: float, top_p: float, top_k: int,
+                 seed: int) -> RolloutBatch:
+        """n responses per prompt; prompts split over the workers, each generating its share."""
+        shares = split_even(list(examples), self.workers.world)
+        params = dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+                      max_new_tokens=int(self.data.max_response_length))
+        results = self.workers.run_each("generate", [
+            ([ex.prompt_ids for ex in share], dict(params, seed=step_seed(seed, rank)))
+            for rank, share in enumerate(shares)])
+        batch = RolloutBatch(n=n, examples=list(examples), prompt_ids=[], response_ids=[], rollout_log_probs=[],
+                             finish_reasons=[])
+        for share, result in zip(shares, results):
+            batch.prompt_ids.extend(ex.prompt_ids for ex in share for _ in range(n))
+            batch.response_ids.extend(result.response_ids)
+            batch.rollout_log_probs.extend(result.log_probs)
+            batch.finish_reasons.extend(result.finish_reasons)
+        return batch
+
+    def score(self, batch: RolloutBatch) -> Dict[str, float]:
+        """Reward function per response (in worker processes with a time limit), then overlong shaping."""
+        from qwen35rl.rewards import score_responses
+
+        texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
+        examples = batch.response_examples()
+        scores, stats = score_responses(self.reward_fn, texts, [ex.answer for ex in examples], examples,
+                                        float(self.data.reward_timeout_s))
+        batch.scores = list(scores)
+        rewards = torch.tensor(batch.scores, dtype=torch.float32)
+        shaping = self.algo.overlong_shaping
+        if shaping.enable:
+            rewards = rewards + overlong_penalty(batch.response_lengths(), int(self.data.max_response_length),
+                                                 int(shaping.buffer_len), float(shaping.penalty_factor))
+        batch.rewards = rewards.tolist()
+        return {k: float(v) for k, v in stats.items()}
+
+    # ================================================================================== log-probs + advantages
+    def log_probs(self, seqs: Sequences, reference: bool = False) -> List[List[float]]:
+        if len(seqs) % self.dp:
+            raise ValueError(f"{len(seqs)} responses do not split evenly over {self.dp} data-parallel ranks")
+        shares = self.workers.run_each("compute_log_probs", [(s,) for s in split_sequences(seqs, self.dp)],
+                                       reference=reference)
+        return [row for share in shares for row in share]
+
+    def final_rewards(self, batch: RolloutBatch, seqs: Sequences, metrics: Dict[str, float]) -> torch.Tensor:
+        """Sequence rewards for the advantage: shaped scores, minus the KL to the reference when it is part of
+        the reward (coefficient kl_loss_coef, estimator kl_loss_type, summed over the response)."""
+        rewards = torch.tensor(batch.rewards, dtype=torch.float32)
+        if self.algo.use_kl_in_reward:
+            kl = torch.tensor([float(kl_penalty(torch.tensor(old), torch.tensor(ref), str(self.algo.kl_loss_type)).sum())
+                               for old, ref in zip(seqs.old_log_probs, seqs.ref_log_probs)])
+            rewards = rewards - float(self.algo.kl_loss_coef) * kl
+            metrics["critic/kl_in_reward/mean"] = float(kl.mean())
+        return rewards
+
+    # ================================================================================================ update
+    def update_actor(self, seqs: Sequences) -> Dict[str, float]:
+        """ppo_epochs passes over the batch in mini batches of mini_batch_size prompts (x n responses); each mini
+        batch is one optimizer step, its loss normalised over the whole mini batch across DP ranks."""
+        per_mini = int(self.algo.mini_batch_size) * self.n
+        norm_const = float(self.algo.loss_scale_factor or self.data.max_response_length)
+        collected: Dict[str, List[float]] = defaultdict(list)
+        for epoch in range(int(self.algo.ppo_epochs)):
+            order = list(range(len(seqs)))
+            if self.algo.shuffle:
+                gen = torch.Generator().manual_seed(step_seed(self.cfg.trainer.seed, self.step, epoch, 1))
+                order = torch.randperm(len(seqs), generator=gen).tolist()
+            for start in range(0, len(seqs), per_mini):
+                mini = seqs.take(order[start:start + per_mini])
+                scale = {GLOBAL_TOKENS: float(mini.token_count()),
+                         GLOBAL_SEQS: float(sum(1 for r in mini.response_ids if r)), NORM_CONST: norm_const}
+                results = self.workers.run_each("update_actor", [(s,) for s in split_sequences(mini, self.dp)],
+                                                global_scale=scale)
+                for key in results[0]:
+                    collected[key].append(sum(float(r[key]) for r in results) / len(results))
+        metrics = {k: sum(v) / len(v) for k, v in collected.items()}
+        if SKIPPED_KEY in collected:  # a running count: its latest value, not an average
+            metrics[SKIPPED_KEY] = collected[SKIPPED_KEY][-1]
+        return metrics
+
+    # ============================================================================================ validation
+    def validate(self) -> Dict[str, float]:
+        """Greedy (rollout.val_temperature), one response per held-out prompt."""
+        scores: List[float] = []
+        lengths: List[int] = []
+        failed = 0.0
+        size = max(int(self.data.val_batch_size), 1)
+        for i in range(0, len(self.val_set), size):
+            batch = self.generate(self.val_set[i:i + size], n=1, temperature=float(self.rollout_cfg.val_temperature),
+                                  top_p=1.0, top_k=-1, seed=step_seed(self.cfg.trainer.seed, 0, i))
+            stats = self.score(batch)
+            failed += stats.get("reward/failed", 0) + stats.get("reward/timeout", 0)
+            scores.extend(batch.scores)
+            lengths.extend(len(r) for r in batch.response_ids)
+        return {"val/score/mean": float(np.mean(scores)), "val/response_length/mean": float(np.mean(lengths)),
+                "val/reward/failed": failed}
+
+    # ============================================================================================ perf + ckpt
+    def perf_metrics(self, batch: RolloutBatch, timer: Timer) -> Dict[str, float]:
+        seq_lens = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        step_s = timer.seconds["step"]
+        update_flops = train_flops(self.cfg.model, seq_lens) * int(self.algo.ppo_epochs)
+        return {
+            "perf/total_num_tokens": float(sum(seq_lens)),
+            "perf/throughput": sum(seq_lens) / step_s / self.workers.world if step_s > 0 else 0.0,
+            "perf/mfu/actor": mfu(update_flops, timer.seconds["update_actor"], self.workers.world,
+                                  float(self.cfg.hw.peak_tflops)),
+            "perf/max_memory_allocated_gb": max(self.workers.run("max_memory_allocated_gb")),
+        }
+
+    def save_checkpoint(self) -> Path:
+        t0 = time.perf_counter()
+        tmp = self.checkpoints.begin(self.step)
+        self.workers.run("save_checkpoint", str(tmp))
+        ckpt.save_trainer_state(tmp, {"step": self.step, "loader": self.loader.state_dict(),
+                                      "rng": ckpt.rng_state()})
+        final = self.checkpoints.commit(tmp, self.step, {"world": self.workers.world,
+                                                          "total_steps": self.total_steps})
+        self.saved_step = self.step
+        log.info("checkpoint %s (%.1f s)", final, time.perf_counter() - t0)
+        return final
+
+    def restore(self, path: Path) -> None:
+        restored = self.workers.run("load_checkpoint", str(path))
+        state = ckpt.load_trainer_state(path)
+        self.step = self.saved_step = int(state["step"])
+        self.loader.load_state_dict(state["loader"])
+        ckpt.set_rng_state(state["rng"])
+        if not all(restored):
+            log.warning("checkpoint %s was saved with another world size: worker RNG states start fresh", path)
+
+    def export_final(self) -> Path:
+        """The final policy in Hugging Face format, written to a temporary dir and renamed into `final/`."""
+        final = self.run_dir / FINAL_DIR
+        tmp = self.run_dir / f".{FINAL_DIR}-tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.workers.run("export_hf", str(tmp))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        return final

@@ -1,0 +1,232 @@
+"""Where metrics go: console progress on stderr, `metrics.jsonl` in the run dir, TensorBoard (default), W&B and
+MLflow (opt-in through `trainer.trackers`), and a PNG of the main curves at the end."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional
+
+log = logging.getLogger(__name__)
+
+TRACKERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+METRICS_FILE = "metrics.jsonl"
+CURVES_FILE = "curves.png"
+# (panel title, metric names drawn in it: the first present ones are plotted)
+CURVE_PANELS = (
+    ("reward", ("critic/rewards/mean", "critic/score/mean", "val/score/mean")),
+    ("KL", ("actor/kl_loss", "actor/ppo_kl")),
+    ("entropy", ("actor/entropy",)),
+    ("response length", ("response_length/mean",)),
+)
+
+
+class TrackerMissing(RuntimeError):
+    """A tracker listed in trainer.trackers whose package is not installed."""
+
+
+def _finite_or_none(v: Any) -> Any:
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+# ----------------------------------------------------------------------------------------------------- backends
+class JsonlTracker:
+    """One JSON object per step: {"step": N, metric: value, ...}. On resume, rows after the resumed step (logged
+    by the interrupted run after its last checkpoint) are dropped so every step appears once."""
+
+    def __init__(self, run_dir: Path, start_step: int):
+        self.path = run_dir / METRICS_FILE
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if _step_of(line) is not None
+                    and _step_of(line) <= start_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self._f = open(self.path, "a", buffering=1)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        row = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
+        self._f.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _step_of(line: str) -> Optional[int]:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class ConsoleTracker:
+    """A progress line per logged step on stderr: step, elapsed, ETA, reward (and validation when present)."""
+
+    def __init__(self, total_steps: int, start_step: int, stream=None):
+        self.total, self.start_step = total_steps, start_step
+        self.stream = stream or sys.stderr
+        self.t0 = time.monotonic()
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        elapsed = time.monotonic() - self.t0
+        done = step - self.start_step
+        eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
+        parts = [f"step {step}/{self.total}", f"{_hms(elapsed)}<{_hms(eta)}"]
+        for key, label in (("critic/score/mean", "reward"), ("response_length/mean", "len"),
+                           ("actor/pg_loss", "pg_loss"), ("val/score/mean", "val"), ("timing_s/step", "s/step")):
+            if key in metrics and metrics[key] is not None:
+                parts.append(f"{label} {metrics[key]:.4g}")
+        self.stream.write("[qwen35rl] " + " | ".join(parts) + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        pass
+
+
+def _hms(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class TensorBoardTracker:
+    def __init__(self, run_dir: Path, start_step: int):
+        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+        # purge_step drops events the interrupted run wrote after the checkpoint it resumes from
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.writer.add_scalar(k, v, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    def __init__(self, cfg: Any, run_dir: Path):
+        wandb = _import_tracker("wandb")
+        from omegaconf import OmegaConf
+
+        # the run id follows the run dir, so a resumed run continues the same W&B run
+        self.run = wandb.init(project=str(cfg.trainer.project_name), name=str(cfg.trainer.run_name),
+                              id=_stable_id(run_dir), resume="allow", dir=str(run_dir),
+                              config=OmegaConf.to_container(cfg, resolve=True))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        self.run.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowTracker:
+    def __init__(self, cfg: Any, run_dir: Path):
+        self.mlflow = _import_tracker("mlflow")
+        self.mlflow.set_experiment(str(cfg.trainer.project_name))
+        self.mlflow.start_run(run_name=str(cfg.trainer.run_name))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        clean = {k.replace("@", "_"): float(v) for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        self.mlflow.log_metrics(clean, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+def _import_tracker(name: str):
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise TrackerMissing(f"trainer.trackers includes '{name}' but the {name} package is not installed: "
+                             f"pip install 'qwen35rl[trackers]' (or drop '{name}' from trainer.trackers)") from None
+
+
+def _stable_id(run_dir: Path) -> str:
+    import hashlib
+
+    return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------------------ facade
+class Tracking:
+    """Fan-out of one step's metrics to every tracker in `trainer.trackers`. Built before Ray starts, so a missing
+    W&B / MLflow package fails fast."""
+
+    def __init__(self, cfg: Any, run_dir: Path, total_steps: int, start_step: int = 0, console_stream=None):
+        names = [str(t) for t in cfg.trainer.trackers]
+        unknown = [t for t in names if t not in TRACKERS]
+        if unknown:
+            raise ValueError(f"trainer.trackers: unknown {unknown}; known: {', '.join(TRACKERS)}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = run_dir
+        self.backends: List[Any] = []
+        for name in names:
+            if name == "console":
+                self.backends.append(ConsoleTracker(total_steps, start_step, console_stream))
+            elif name == "jsonl":
+                self.backends.append(JsonlTracker(run_dir, start_step))
+            elif name == "tensorboard":
+                try:
+                    self.backends.append(TensorBoardTracker(run_dir, start_step))
+                except ImportError as e:
+                    warnings.warn(f"TensorBoard logging is off: {e} (pip install tensorboard)", stacklevel=2)
+            elif name == "wandb":
+                self.backends.append(WandbTracker(cfg, run_dir))
+            elif name == "mlflow":
+                self.backends.append(MlflowTracker(cfg, run_dir))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        for b in self.backends:
+            b.log(step, metrics)
+
+    def close(self) -> None:
+        for b in self.backends:
+            b.close()
+        self.backends = []
+
+
+# ------------------------------------------------------------------------------------------------------ curves
+def read_metrics(path: Path) -> List[Dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_curves(rows: Iterable[Mapping[str, Any]], out_png: Path) -> Path:
+    """Reward, KL, entropy and response length against step, one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(rows)
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (title, names) in zip(axes.flat, CURVE_PANELS):
+        drawn = False
+        for name in names:
+            pts = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="." if len(pts) < 50 else None, label=name)
+                drawn = True
+        if drawn:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="grey")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png

@@ -1,0 +1,212 @@
+"""The colocated worker (hybrid engine): one process per device holding this rank's shard of the policy (train
+engine), a rollout engine with the full policy for generation and, when KL is on, the reference policy.
+
+The driver calls every worker at once (see `cluster.WorkerGroup`); collective methods (log-probs, updates, weight
+sync, checkpoints, export) must be called on all ranks together. Arguments and results are plain python
+(`batching.Sequences`, lists, dicts), so nothing here depends on how the driver transports them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult, TrainEngine
+from qwen35rl.runtime import checkpoint as ckpt
+from qwen35rl.runtime.batching import Sequences, build_batch, chunk, response_values
+from qwen35rl.runtime.platform import device_module, require_stack, resolve_platform
+
+log = logging.getLogger(__name__)
+
+
+def needs_reference(cfg: Any) -> bool:
+    """A reference policy exists only when some KL term uses it."""
+    return bool(cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class PolicyWorker:
+    def __init__(self, cfg: Dict[str, Any], *, rank: int, world_size: int, local_rank: int, run_dir: str,
+                 optimizer_steps: Optional[int] = None):
+        """`optimizer_steps`: of the whole run (the cosine LR schedule needs it); `run_dir`: shared by all nodes."""
+        self.cfg = OmegaConf.create(cfg)
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.run_dir, self.optimizer_steps = Path(run_dir), optimizer_steps
+        self.platform = resolve_platform(self.cfg)
+        require_stack(self.platform, str(self.cfg.rollout.engine))
+        self.device = self.platform.torch_device(self.platform.local_device_index(self._accelerator_ids()))
+        self.actor: Optional[TrainEngine] = None
+        self.ref: Optional[TrainEngine] = None
+        self.rollout: Optional[RolloutEngine] = None
+        self.tokenizer = None
+
+    def _accelerator_ids(self) -> List[str]:
+        try:
+            import ray
+
+            return list(ray.get_runtime_context().get_accelerator_ids().get(self.platform.ray_resource, []))
+        except Exception:  # outside Ray (tests run the worker in-process)
+            return []
+
+    # ---------------------------------------------------------------------------------------------- bring-up
+    def rendezvous_address(self) -> Tuple[str, int]:
+        """Address and a free port on this worker's node for torch.distributed (asked of rank 0)."""
+        try:
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        except Exception:
+            host = "127.0.0.1"
+        return host, _free_port()
+
+    def init_distributed(self, master_addr: str, master_port: int) -> None:
+        """Join the process group with the platform's collective backend, then build the engines."""
+        os.environ.update(MASTER_ADDR=str(master_addr), MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank))
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend=self.platform.collective_backend, init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank, world_size=self.world_size,
+                timeout=timedelta(seconds=int(self.cfg.backend.dist_timeout_s)))
+        self._build_engines()
+
+    def _build_engines(self) -> None:
+        from qwen35rl.models.tokenizer import build_tokenizer
+
+        cfg = self.cfg
+        # Same seed on every rank: a random init must be the same model everywhere (and again on resume, for the
+        # reference policy); per-step randomness comes from explicit seeds and the restored RNG state.
+        torch.manual_seed(int(cfg.trainer.seed))
+        self.tokenizer = build_tokenizer(cfg.model)
+        self.actor = self._train_engine(reference=False)
+        if needs_reference(cfg):
+            self.ref = self._train_engine(reference=True)
+        self.rollout = self._rollout_engine()
+
+    def _train_engine(self, reference: bool) -> TrainEngine:
+        if str(self.cfg.backend.name) != "fsdp":
+            raise NotImplementedError(f"backend={self.cfg.backend.name}: only the fsdp train engine is available")
+        from qwen35rl.engines.fsdp_engine import FsdpTrainEngine
+
+        return FsdpTrainEngine(self.cfg, rank=self.rank, world_size=self.world_size, device=self.device,
+                               reference=reference, total_steps=self.optimizer_steps)
+
+    def _rollout_engine(self) -> RolloutEngine:
+        """The rollout engine starts from the initial weights; the driver syncs the policy's weights into it
+        before every generation anyway (fresh or resumed)."""
+        engine = str(self.cfg.rollout.engine)
+        if engine == "hf":
+            from qwen35rl.engines.hf_rollout import HfRolloutEngine
+            from qwen35rl.models.build import build_model
+
+            model = build_model(self.cfg.model, dtype=self.cfg.model.dtype, device=self.device,
+                                seed=int(self.cfg.trainer.seed))
+            return HfRolloutEngine(model, self.tokenizer, device=self.device, pad_token_id=self.pad_token_id,
+                                   eos_token_id=model.generation_config.eos_token_id)
+        if engine == "vllm":
+            from qwen35rl.engines.vllm_rollout import VllmRolloutEngine
+
+            if self.cfg.model.init == "pretrained":
+                model_dir = str(self.cfg.model.path)
+            else:  # vLLM starts from a checkpoint directory: write the random init once, shared by every rank
+                model_dir = str(self.run_dir / ".rollout_init_hf")
+                self.export_hf(model_dir)
+            return VllmRolloutEngine(self.cfg, model_dir)
+        raise NotImplementedError(f"rollout.engine={engine}: expected hf or vllm")
+
+    @property
+    def pad_token_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    # ----------------------------------------------------------------------------------------------- rollout
+    def generate(self, prompt_ids: List[List[int]], params: Dict[str, Any]) -> RolloutResult:
+        """This rank's share of prompts, `params` = RolloutRequest fields (n, temperature, seed, ...)."""
+        if not prompt_ids:
+            return RolloutResult(response_ids=[], log_probs=[], finish_reasons=[])
+        self.rollout.wake_up()
+        result = self.rollout.generate(RolloutRequest(prompt_ids=prompt_ids, **params))
+        if self.cfg.rollout.free_cache_engine:  # give the memory back to the trainer until the next generation
+            self.rollout.sleep(int(self.cfg.rollout.sleep_level))
+        return result
+
+    def sync_weights(self) -> None:
+        """Collective: stream the policy's full weights into the rollout engine bucket by bucket (an engine that
+        sleeps takes them asleep and wakes for the next generation)."""
+        self.rollout.load_weights(self.actor.export_weights(int(self.cfg.rollout.weight_sync_bucket_mb)))
+
+    # -------------------------------------------------------------------------------------------- training
+    def compute_log_probs(self, seqs: Sequences, reference: bool = False) -> List[List[float]]:
+        """Collective: per-response log-probs of the response tokens under the policy (or the reference)."""
+        engine = self.ref if reference else self.actor
+        out: List[List[float]] = []
+        with torch.no_grad():
+            for micro in chunk(seqs, self._micro_size()):
+                batch = build_batch(micro, self.pad_token_id, self.device)
+                log_probs, _ = engine.compute_log_probs(batch)
+                out.extend(response_values(log_probs, batch))
+        return out
+
+    def update_actor(self, seqs: Sequences, global_scale: Dict[str, float]) -> Dict[str, float]:
+        """Collective: one optimizer step over this rank's share of a mini batch, in micro batches."""
+        micro_batches = [build_batch(m, self.pad_token_id, self.device) for m in chunk(seqs, self._micro_size())]
+        return self.actor.train_mini_batch(micro_batches, dict(global_scale))
+
+    def _micro_size(self) -> int:
+        return max(int(self.cfg.backend.micro_batch_size_per_device), 1)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str) -> None:
+        """Collective: model + optimizer shards (DCP) and this rank's RNG into the (temporary) checkpoint dir."""
+        ckpt.save_engine_state(Path(path), self.actor)
+        ckpt.save_rng(Path(path), self.rank, self._device_rng_module())
+        dist.barrier()
+
+    def load_checkpoint(self, path: str) -> bool:
+        """Collective. Returns whether this rank's RNG state was restored (False: saved with another world)."""
+        ckpt.load_engine_state(Path(path), self.actor)
+        restored = ckpt.load_rng(Path(path), self.rank, self._device_rng_module())
+        dist.barrier()
+        return restored
+
+    def _device_rng_module(self):
+        return device_module(self.platform.device_type) if self.platform.is_accelerator else None
+
+    def export_hf(self, path: str) -> None:
+        """Collective: gather the full policy; rank 0 writes it in Hugging Face format (safetensors, config,
+        generation config, tokenizer)."""
+        from qwen35rl.models.build import build_model, generation_config, save_hf
+
+        state: Dict[str, torch.Tensor] = {}
+        for bucket in self.actor.export_weights(int(self.cfg.rollout.weight_sync_bucket_mb)):
+            if self.rank == 0:
+                state.update({name: t.detach().to("cpu", copy=True) for name, t in bucket})
+        if self.rank == 0:
+            model = build_model(self.cfg.model, dtype=self.cfg.model.dtype, device="meta")
+            missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+            model.tie_weights()
+            still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+            if still_meta or unexpected:
+                raise RuntimeError(f"HF export: no weights for {still_meta[:5]}, unknown {unexpected[:5]}")
+            model.generation_config = generation_config(self.cfg.model)
+            save_hf(model, self.tokenizer, path)
+        dist.barrier()
+
+    # ------------------------------------------------------------------------------------------------ stats
+    def max_memory_allocated_gb(self) -> float:
+        return self.platform.max_memory_allocated_gb()
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,77 @@
+"""Checkpoint directory handling: only committed checkpoints count, a half-written save is ignored and cleaned,
+resume modes, pruning, and RNG state round trips."""
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from qwen35rl.runtime import checkpoint as ckpt
+
+
+def _save(mgr, step, payload=b"x"):
+    tmp = mgr.begin(step)
+    (tmp / "blob").write_bytes(payload)
+    return mgr.commit(tmp, step)
+
+
+def test_commit_is_what_makes_a_checkpoint(tmp_path):
+    mgr = ckpt.CheckpointManager(tmp_path / "checkpoints", max_keep=0)
+    assert mgr.latest() is None
+    _save(mgr, 3)
+    half = mgr.begin(6)                       # a save killed before its commit
+    (half / "blob").write_bytes(b"partial")
+    assert mgr.latest().name == "step_3"
+    assert mgr.resolve("auto").name == "step_3"
+    # a step_N directory without meta.json (e.g. copied by hand, incomplete) is not picked up either
+    (tmp_path / "checkpoints" / "step_9").mkdir()
+    assert mgr.latest().name == "step_3"
+    mgr.remove_partial()
+    assert not half.exists()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_3", "step_9"]
+
+
+def test_steps_sort_numerically_and_prune(tmp_path):
+    mgr = ckpt.CheckpointManager(tmp_path, max_keep=2)
+    for step in (2, 10, 4):
+        _save(mgr, step)
+    assert [p.name for p in mgr.completed()] == ["step_4", "step_10"]
+    assert not (tmp_path / "step_2").exists()
+
+
+def test_recommit_same_step_replaces(tmp_path):
+    mgr = ckpt.CheckpointManager(tmp_path, max_keep=0)
+    _save(mgr, 5, b"old")
+    final = _save(mgr, 5, b"new")
+    assert (final / "blob").read_bytes() == b"new"
+    assert [p.name for p in tmp_path.iterdir()] == ["step_5"]
+    assert ckpt.read_meta(final)["step"] == 5
+
+
+def test_resume_modes(tmp_path):
+    mgr = ckpt.CheckpointManager(tmp_path / "c")
+    assert mgr.resolve("never") is None
+    assert mgr.resolve("auto") is None
+    path = _save(mgr, 1)
+    assert mgr.resolve("never") is None
+    assert mgr.resolve(str(path)) == path
+    with pytest.raises(ckpt.CheckpointError, match="not a finished checkpoint"):
+        mgr.resolve(str(tmp_path / "nowhere"))
+
+
+def test_rng_round_trip(tmp_path):
+    ckpt.save_rng(tmp_path, rank=1)
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.random(), np.random.rand(), torch.rand(3)   # move every generator on
+    assert ckpt.load_rng(tmp_path, rank=1)
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+    assert not ckpt.load_rng(tmp_path, rank=0)   # no state for a rank that did not save
+
+
+def test_trainer_state_round_trip(tmp_path):
+    state = {"step": 7, "loader": {"epoch": 1, "position": 3}, "rng": ckpt.rng_state()}
+    ckpt.save_trainer_state(tmp_path, state)
+    back = ckpt.load_trainer_state(tmp_path)
+    assert back["step"] == 7 and back["loader"] == {"epoch": 1, "position": 3}

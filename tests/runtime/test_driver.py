@@ -1,0 +1,205 @@
+"""The GRPO loop against in-process fake workers (no Ray, no model): how work is split over DP ranks and mini
+batches, dynamic sampling, the non-finite counter, validation / checkpoint / stop scheduling."""
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+from qwen35rl.config.compose import compose
+from qwen35rl.config.layout import derive_layout
+from qwen35rl.data import PromptLoader, build_dataset
+from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, RolloutResult
+from qwen35rl.models.tokenizer import build_tokenizer
+from qwen35rl.rewards import get_reward_fn
+from qwen35rl.runtime import checkpoint as ckpt
+from qwen35rl.runtime.batching import Sequences
+from qwen35rl.runtime.driver import GRPOTrainer, Timer, step_seed
+from qwen35rl.runtime.signals import StopRequest
+from qwen35rl.runtime.tracking import METRICS_FILE, Tracking, read_metrics
+
+DIGITS = b"0123456789"
+
+
+def _answer(prompt_ids: List[int]) -> int:
+    """copy_digit prompts read "7 3 9 =": the answer is the last digit."""
+    return [t for t in prompt_ids if t in DIGITS][-1]
+
+
+class FakeWorker:
+    """Responds like a policy that is sure of itself on prompts with an even answer (every sample the same: no
+    GRPO signal) and mixed on odd ones (half right, half wrong)."""
+
+    def __init__(self, rank: int, log: Dict[str, list]):
+        self.rank, self.log = rank, log
+        self.skipped = 0
+
+    def generate(self, prompt_ids, params):
+        self.log["generate"].append((self.rank, len(prompt_ids), params))
+        out = []
+        for p in prompt_ids:
+            a = _answer(p)
+            for j in range(params["n"]):
+                out.append([a] if (a - ord("0")) % 2 == 0 or j % 2 == 0 else [ord("x"), ord("y")])
+        return RolloutResult(response_ids=out, log_probs=[[-1.0] * len(r) for r in out],
+                             finish_reasons=["stop"] * len(out))
+
+    def compute_log_probs(self, seqs, reference=False):
+        return [[-0.5] * len(r) for r in seqs.response_ids]
+
+    def update_actor(self, seqs, global_scale):
+        self.log["update"].append((self.rank, seqs, dict(global_scale)))
+        if any(a != a for a in seqs.advantages):  # NaN
+            self.skipped += 1
+        return {"actor/pg_loss": 0.25 + self.rank, "actor/skipped_steps": float(self.skipped)}
+
+    def sync_weights(self):
+        self.log["sync"].append(self.rank)
+
+    def save_checkpoint(self, path):
+        Path(path, f"shard_{self.rank}").write_text("x")
+
+    def load_checkpoint(self, path):
+        return True
+
+    def export_hf(self, path):
+        if self.rank == 0:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            Path(path, "config.json").write_text("{}")
+
+    def max_memory_allocated_gb(self):
+        return 0.1 * (self.rank + 1)
+
+
+class FakeWorkers:
+    def __init__(self, world: int):
+        self.log: Dict[str, list] = {"generate": [], "update": [], "sync": []}
+        self.workers = [FakeWorker(r, self.log) for r in range(world)]
+
+    @property
+    def world(self):
+        return len(self.workers)
+
+    def run(self, method, *args, **kwargs):
+        return [getattr(w, method)(*args, **kwargs) for w in self.workers]
+
+    def run_each(self, method, per_rank, **kwargs):
+        assert len(per_rank) == self.world
+        return [getattr(w, method)(*args, **kwargs) for w, args in zip(self.workers, per_rank)]
+
+
+def make_trainer(tmp_path, overrides, world=2):
+    cfg = compose(["hw.devices_per_node=%d" % world, "data.reward=copy_digit", *overrides])
+    tokenizer = build_tokenizer(cfg.model)
+    loader = PromptLoader(build_dataset(cfg.data, tokenizer, "train"), cfg.data.train_batch_size, seed=cfg.trainer.seed)
+    val = build_dataset(cfg.data, tokenizer, "val")
+    total = int(cfg.trainer.total_steps)
+    workers = FakeWorkers(world)
+    trainer = GRPOTrainer(cfg, derive_layout(cfg), workers, tokenizer, loader, val, get_reward_fn(cfg.data.reward),
+                          Tracking(cfg, tmp_path, total), ckpt.CheckpointManager(tmp_path / "checkpoints", 2),
+                          StopRequest(), total, tmp_path)
+    return trainer, workers
+
+
+def test_step_splits_work_over_ranks_and_mini_batches(tmp_path):
+    trainer, workers = make_trainer(tmp_path, ["data.train_batch_size=8", "rollout.n=4", "algorithm.mini_batch_size=4",
+                                               "algorithm.ppo_epochs=2", "backend.micro_batch_size_per_device=2"])
+    trainer.step = 1
+    metrics = trainer.train_step()
+    # generation: 8 prompts, 4 per rank, each rank seeded differently
+    gens = workers.log["generate"]
+    assert [(r, n) for r, n, _ in gens] == [(0, 4), (1, 4)]
+    assert gens[0][2]["seed"] != gens[1][2]["seed"] and gens[0][2]["n"] == 4
+    # 2 epochs x (8 / 4) mini batches, each split over 2 ranks: 4 * 4 / 2 = 8 responses per rank
+    updates = workers.log["update"]
+    assert len(updates) == 2 * 2 * 2
+    for i in range(0, len(updates), 2):
+        (r0, s0, g0), (r1, s1, g1) = updates[i], updates[i + 1]
+        assert (r0, r1) == (0, 1) and len(s0) == len(s1) == 8
+        assert g0 == g1
+        assert g0[GLOBAL_TOKENS] == s0.token_count() + s1.token_count()
+        assert g0[GLOBAL_SEQS] == 16
+        assert s0.old_log_probs == [[-0.5] * len(r) for r in s0.response_ids]
+    assert metrics["actor/pg_loss"] == pytest.approx(0.75)      # mean over ranks
+    # odd-answer groups score 1 / 0 alternately: advantages have spread; even-answer groups are all 1: advantage 0
+    assert metrics["critic/score/mean"] > 0 and "critic/advantages/mean" in metrics
+    for key in ("timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/step",
+                "response_length/clip_ratio", "perf/throughput", "perf/mfu/actor", "perf/max_memory_allocated_gb"):
+        assert key in metrics, key
+    assert "timing_s/ref" not in metrics                          # no KL: no reference pass
+    assert metrics["perf/max_memory_allocated_gb"] == pytest.approx(0.2)
+    assert workers.log["sync"] == [0, 1]
+
+
+def test_dynamic_sampling_keeps_only_groups_with_signal(tmp_path):
+    trainer, _ = make_trainer(tmp_path, ["algorithm=dapo", "algorithm.overlong_shaping.buffer_len=4",
+                                         "data.train_batch_size=8", "rollout.n=4", "algorithm.mini_batch_size=8"])
+    trainer.step = 1
+    batch, stats = trainer.collect_rollouts(Timer())
+    assert batch.num_groups == 8 and len(batch) == 32
+    odd = [(int(ex.answer) % 2 == 1) for ex in batch.examples]
+    assert all(odd), "groups whose samples all score the same must be dropped"
+    assert stats["dynamic_sampling/rounds"] >= 2          # one batch of 8 random prompts rarely has 8 odd answers
+    assert stats["dynamic_sampling/groups_dropped"] > 0 and stats["dynamic_sampling/groups_filled"] == 0
+
+
+def test_dynamic_sampling_fills_when_rounds_run_out(tmp_path):
+    trainer, _ = make_trainer(tmp_path, ["algorithm=dapo", "algorithm.overlong_shaping.buffer_len=4",
+                                         "algorithm.dynamic_sampling.max_rounds=0", "data.train_batch_size=8",
+                                         "rollout.n=4", "algorithm.mini_batch_size=8"])
+    trainer.step = 1
+    batch, stats = trainer.collect_rollouts(Timer())
+    even = sum(int(ex.answer) % 2 == 0 for ex in batch.examples)
+    assert batch.num_groups == 8 and stats["dynamic_sampling/rounds"] == 1
+    assert stats["dynamic_sampling/groups_filled"] == even == stats["dynamic_sampling/groups_dropped"]
+
+
+def test_nonfinite_count_is_reported_not_averaged(tmp_path):
+    trainer, workers = make_trainer(tmp_path, ["data.train_batch_size=4", "rollout.n=2", "algorithm.mini_batch_size=2"])
+    for w in workers.workers:
+        w.skipped = 3
+    seqs = Sequences(prompt_ids=[[1]] * 8, response_ids=[[2]] * 8, old_log_probs=[[0.0]] * 8,
+                     advantages=[float("nan")] * 8)
+    # 4 prompts / 2 per mini batch = 2 optimizer steps, both non-finite: the run's count goes 3 -> 5
+    assert trainer.update_actor(seqs)["actor/skipped_steps"] == 5
+
+
+def test_fit_schedules_validation_checkpoints_and_export(tmp_path):
+    trainer, workers = make_trainer(tmp_path, ["trainer.total_steps=4", "trainer.save_freq=2", "trainer.test_freq=2",
+                                               "trainer.max_keep_checkpoints=0"])
+    assert trainer.fit() == 0
+    trainer.tracking.close()
+    rows = read_metrics(tmp_path / METRICS_FILE)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [("val/score/mean" in r) for r in rows] == [False, True, False, True]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_4"]
+    state = ckpt.load_trainer_state(tmp_path / "checkpoints" / "step_4")
+    assert state["step"] == 4 and state["loader"]["position"] == 4
+    assert (tmp_path / "checkpoints" / "step_4" / "shard_1").is_file()
+    assert (tmp_path / "final" / "config.json").is_file()
+    # weights synced once before training, then after every step
+    assert len(workers.log["sync"]) == 2 * (1 + 4)
+
+
+def test_stop_request_finishes_the_step_then_checkpoints(tmp_path):
+    trainer, workers = make_trainer(tmp_path, ["trainer.total_steps=10", "trainer.save_freq=-1", "trainer.test_freq=-1"])
+    original = workers.workers[0].generate
+
+    def generate_and_interrupt(prompt_ids, params):
+        if trainer.step == 2:
+            trainer.stop.request(15)  # SIGTERM arrives during step 2
+        return original(prompt_ids, params)
+
+    workers.workers[0].generate = generate_and_interrupt
+    assert trainer.fit() == 128 + 15
+    assert trainer.step == 2
+    assert [p.name for p in ckpt.CheckpointManager(tmp_path / "checkpoints").completed()] == ["step_2"]
+    assert not (tmp_path / "final").exists()
+
+
+def test_step_seeds_are_distinct_and_stable():
+    assert step_seed(1, 2, 0) == step_seed(1, 2, 0)
+    assert len({step_seed(1, s, r) for s in range(50) for r in range(4)}) == 200

@@ -1,0 +1,59 @@
+"""Tracking: metrics.jsonl rows, resume truncation, console line, TensorBoard events, missing opt-in trackers,
+and the curves PNG."""
+import io
+import json
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from qwen35rl.runtime import tracking
+
+
+def _cfg(trackers):
+    return OmegaConf.create({"trainer": {"trackers": trackers, "project_name": "p", "run_name": "r"}})
+
+
+def test_jsonl_rows_and_resume_truncation(tmp_path):
+    t = tracking.Tracking(_cfg(["jsonl"]), tmp_path, total_steps=5)
+    for step in (1, 2, 3):
+        t.log(step, {"critic/score/mean": step / 10, "actor/pg_loss": float("nan")})
+    t.close()
+    rows = tracking.read_metrics(tmp_path / tracking.METRICS_FILE)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["critic/score/mean"] == 0.1 and rows[0]["actor/pg_loss"] is None   # strict JSON, no NaN
+    # resumed from the step-2 checkpoint: the interrupted run's step 3 is dropped, the new one appended
+    t = tracking.Tracking(_cfg(["jsonl"]), tmp_path, total_steps=5, start_step=2)
+    t.log(3, {"critic/score/mean": 0.33})
+    t.close()
+    rows = tracking.read_metrics(tmp_path / tracking.METRICS_FILE)
+    assert [(r["step"], r["critic/score/mean"]) for r in rows] == [(1, 0.1), (2, 0.2), (3, 0.33)]
+
+
+def test_console_line_has_step_eta_reward(tmp_path):
+    out = io.StringIO()
+    t = tracking.Tracking(_cfg(["console"]), tmp_path, total_steps=10, console_stream=out)
+    t.log(1, {"critic/score/mean": 0.25, "timing_s/step": 1.5})
+    line = out.getvalue()
+    assert "step 1/10" in line and "reward 0.25" in line and "<" in line
+
+
+def test_tensorboard_writes_events(tmp_path):
+    t = tracking.Tracking(_cfg(["tensorboard"]), tmp_path, total_steps=2)
+    t.log(1, {"critic/score/mean": 0.5})
+    t.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_unknown_and_missing_trackers(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="unknown"):
+        tracking.Tracking(_cfg(["neptune"]), tmp_path, total_steps=1)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail whether or not it is installed
+    with pytest.raises(tracking.TrackerMissing, match=r"qwen35rl\[trackers\]"):
+        tracking.Tracking(_cfg(["wandb"]), tmp_path, total_steps=1)
+
+
+def test_curves_png(tmp_path):
+    rows = [{"step": s, "critic/rewards/mean": s / 10, "response_length/mean": 5 + s} for s in range(1, 6)]
+    out = tracking.plot_curves(rows, tmp_path / tracking.CURVES_FILE)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
