@@ -3,7 +3,7 @@ and as readable text. Imports nothing heavy: cluster packages are only looked up
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -29,17 +29,21 @@ def environment_problems(cfg: DictConfig) -> List[Problem]:
     return out
 
 
+def select_layout(cfg: DictConfig) -> Tuple[DictConfig, List[Any], List[Problem]]:
+    """With `parallelism=auto`: the config with the best searched layout applied, the ranked candidates, and a
+    problem when none is valid. Otherwise the config unchanged."""
+    if not cfg.parallelism.auto:
+        return cfg, [], []
+    candidates = layout_search.search(cfg)
+    if not candidates:
+        return cfg, [], [Problem("no_valid_layout", "parallelism", "no layout of this model fits this hardware with "
+                                 "this backend", "use more devices (hw.nodes), offload, or another backend")]
+    return layout_search.apply(cfg, candidates[0]), candidates, []
+
+
 def build_plan(cfg: DictConfig) -> Dict[str, Any]:
     """The plan dict. With `parallelism=auto` the best searched layout is applied first (and the top five listed)."""
-    candidates: List[Any] = []
-    problems: List[Problem] = []
-    if cfg.parallelism.auto:
-        candidates = layout_search.search(cfg)
-        if candidates:
-            cfg = layout_search.apply(cfg, candidates[0])
-        else:
-            problems.append(Problem("no_valid_layout", "parallelism", "no layout of this model fits this hardware "
-                                    "with this backend", "use more devices (hw.nodes), offload, or another backend"))
+    cfg, candidates, problems = select_layout(cfg)
     layout = derive_layout(cfg)
     problems += rules.check_all(cfg, layout) + environment_problems(cfg)
     count = params.count_params(cfg.model)

@@ -1,0 +1,91 @@
+"""`qwen35rl-train [overrides]`: compose and check the run config, then build the Ray workers and run GRPO.
+
+With no arguments it trains the tiny Qwen3.5 on CPU (the embedded default). Every config problem is reported before
+Ray or any heavy package starts (exit code 2); with -m, invalid jobs of a sweep are skipped and listed."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from qwen35rl.cli.common import (EXIT_CONFIG, output_format, parse_args, report_config_error, run_hydra,
+                                 wants_hydra_only)
+from qwen35rl.config.compose import ConfigError, check_sweep, compose
+from qwen35rl.config.problems import ERROR, Problem
+
+_exit_codes: List[int] = []
+
+
+def launch_problems(cfg: DictConfig) -> List[Problem]:
+    """Problems that stop a launch: the plan's errors, and missing cluster packages (warnings for a plan, errors
+    for a run, which needs them here)."""
+    from qwen35rl.config.plan import environment_problems
+    from qwen35rl.config.layout import derive_layout
+    from qwen35rl.config import rules
+
+    problems = rules.check_all(cfg, derive_layout(cfg))
+    problems += [Problem(p.code, p.key, p.message, p.hint, ERROR) for p in environment_problems(cfg)]
+    if cfg.model.init == "pretrained" and not cfg.model.path:
+        problems.append(Problem("model_path_missing", "model.path", "init=pretrained needs the checkpoint directory",
+                                "set model.path=/path/to/hf/checkpoint, or model.init=random"))
+    return problems
+
+
+def _print_problems(problems: List[Problem]) -> None:
+    for p in problems:
+        print(f"qwen35rl: {p.render()}", file=sys.stderr)
+
+
+def _train_job(cfg: DictConfig) -> Dict[str, Any]:
+    from hydra.core.hydra_config import HydraConfig
+    from qwen35rl.config.plan import select_layout
+
+    OmegaConf.resolve(cfg)
+    cfg, _, problems = select_layout(cfg)
+    problems += launch_problems(cfg)
+    errors = [p for p in problems if p.severity == ERROR]
+    _print_problems(problems)
+    if errors:  # a sweep job that is invalid returns without launching anything
+        _exit_codes.append(EXIT_CONFIG)
+        return {"valid": False, "problems": [p.to_dict() for p in problems]}
+    from qwen35rl.runtime.driver import run_training
+
+    code = run_training(cfg, Path(HydraConfig.get().runtime.output_dir))
+    _exit_codes.append(code)
+    return {"valid": True, "problems": [p.to_dict() for p in problems], "exit_code": code}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if wants_hydra_only(args):
+        run_hydra(lambda cfg: print(OmegaConf.to_yaml(cfg)), argv)
+        return 0
+    overrides = list(args.overrides)
+    try:
+        if args.multirun:
+            check_sweep(overrides)
+        else:
+            cfg = compose(overrides)
+            from qwen35rl.config.plan import select_layout
+
+            cfg, _, problems = select_layout(cfg)
+            errors = [p for p in problems + launch_problems(cfg) if p.severity == ERROR]
+            if errors:
+                _print_problems(errors)
+                return EXIT_CONFIG
+    except ConfigError as e:
+        return report_config_error(e, output_format(overrides))
+    _exit_codes.clear()
+    run_hydra(_train_job, argv)
+    if not _exit_codes:
+        return 1
+    if args.multirun:
+        return 0 if any(c == 0 for c in _exit_codes) else max(_exit_codes)
+    return _exit_codes[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
