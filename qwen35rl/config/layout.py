@@ -1,8 +1,9 @@
 """The parallel layout derived from a resolved config: world size and every degree, computed once here."""
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,11 @@ class Layout:
     rollout_dp: int
     rollout_ep: int
     backend: str
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel (Megatron): the ranks holding the same experts = world / (pp * ep * etp)."""
+        return self.world // max(self.pp * self.ep * self.etp, 1)
 
     @property
     def rollout_replica_size(self) -> int:
@@ -64,3 +70,62 @@ def derive_layout(cfg: Any) -> Layout:
     rdp = int(rdp) if rdp is not None else world // max(rtp, 1)
     return Layout(world=world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dp, vpp=vpp, fsdp_size=fsdp_size, sp=sp,
                   rollout_tp=rtp, rollout_dp=rdp, rollout_ep=rep, backend=backend)
+
+
+# ------------------------------------------------------------------------------------------- pipeline stages
+_STAGE_SYMBOLS = set("EtmL")
+
+
+def parse_pipeline_layout(text: str) -> List[List[str]]:
+    """Megatron's pipeline layout string -> the symbols of each (virtual) stage, e.g. "Et*2|(tt|)*2,t|tL" ->
+    [[E,t,t],[t,t],[t,t],[t],[t,L]]. Stages split at '|', `X*N` and `(...)*N` repeat, commas are cosmetic;
+    E embedding, t decoder layer, m MTP, L loss. Raises ValueError on anything else."""
+    s = str(text).replace(",", "").replace(" ", "")
+    group = re.compile(r"\(([^()]*)\)\*(\d+)")
+    while group.search(s):
+        s = group.sub(lambda g: g.group(1) * int(g.group(2)), s)
+    s = re.sub(r"([A-Za-z])\*(\d+)", lambda g: g.group(1) * int(g.group(2)), s)
+    stages = [list(part) for part in s.split("|")]
+    bad = {c for st in stages for c in st} - _STAGE_SYMBOLS
+    if bad or "(" in s or "*" in s:
+        raise ValueError(f"cannot read pipeline layout {text!r} (symbols E, t, m, L; '|' between stages; X*N repeats)")
+    return stages
+
+
+def even_pipeline_layout(num_layers: int, stages: int) -> List[List[str]]:
+    """Layers split as evenly as possible (earlier stages take one fewer when it does not divide), embedding on
+    the first stage, loss on the last."""
+    base, extra = divmod(num_layers, max(stages, 1))
+    out = [["t"] * (base + (1 if i >= stages - extra else 0)) for i in range(stages)]
+    out[0].insert(0, "E")
+    out[-1].append("L")
+    return out
+
+
+def format_pipeline_layout(stages: List[List[str]]) -> str:
+    """The inverse of parse_pipeline_layout for a suggestion: 'E,t*9|t*10|...,L'."""
+    def one(st: List[str]) -> str:
+        n = st.count("t")
+        core = f"t*{n}" if n > 1 else "t" * n
+        return ",".join(x for x in ([("E" if "E" in st else "")] + [core] + [("L" if "L" in st else "")]) if x)
+    return "|".join(one(st) for st in stages)
+
+
+def pipeline_stages(cfg: Any, layout: Layout) -> List[List[str]]:
+    """Virtual stages of the training pipeline (pp * vpp of them, in Megatron's order): the explicit
+    `parallelism.pipeline_layout` when set and readable, else an even split."""
+    text = cfg["parallelism"]["pipeline_layout"]
+    if text:
+        try:
+            return parse_pipeline_layout(text)
+        except ValueError:
+            pass  # the pipeline rules report it; planning continues with an even split
+    return even_pipeline_layout(int(cfg["model"]["num_hidden_layers"]), layout.pp * (layout.vpp or 1))
+
+
+def stages_per_rank(stages: List[List[str]], pp: int) -> List[List[str]]:
+    """What each pipeline rank holds: virtual stage i lives on rank i % pp."""
+    ranks: List[List[str]] = [[] for _ in range(max(pp, 1))]
+    for i, st in enumerate(stages):
+        ranks[i % max(pp, 1)].extend(st)
+    return ranks

@@ -1,0 +1,437 @@
+"""Per-device memory of a colocated run: the trainer and the rollout engine take turns on the same devices.
+
+Two phases peak separately:
+- training: the trainer's weights, gradients and optimizer states, activations, the log-prob buffer of the 248k
+  vocab and the reference model, plus whatever the sleeping rollout engine keeps;
+- rollout: what the trainer keeps on the device between steps, plus the rollout engine (vLLM claims
+  `gpu_memory_utilization` of the device for its weights, activations, KV cache and GDN state).
+
+Every term is a function below whose docstring states its assumption in one line. Terms are GiB per device
+(the most loaded device: Megatron pipeline ranks are combined conservatively: the heaviest rank's states, the
+first stage's in-flight activations and the last stage's logits). capacity = memory_gb*1e9/2^30 - hw.reserve_gib.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from qwen35rl.config import params as P
+from qwen35rl.config.layout import Layout, pipeline_stages
+
+GIB = float(2 ** 30)
+BF16, FP32 = 2, 4
+_DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float32": 4, "fp32": 4}
+
+
+def as_tree(cfg: Any) -> Any:
+    """A resolved plain-dict view of the config (fast to read many times); plain dicts pass through."""
+    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+
+
+def dtype_bytes(name: Any) -> int:
+    return _DTYPE_BYTES.get(str(name), 2)
+
+
+def gib(n_bytes: float) -> float:
+    return n_bytes / GIB
+
+
+def capacity_gib(cfg: Any) -> float:
+    """Usable memory of one device: the nominal GB (10^9 bytes) in GiB minus what the runtime reserves."""
+    return float(cfg["hw"]["memory_gb"]) * 1e9 / GIB - float(cfg["hw"]["reserve_gib"])
+
+
+# ------------------------------------------------------------------------------------------------------ shapes
+def sequence_length(cfg: Any) -> int:
+    return int(cfg["data"]["max_prompt_length"]) + int(cfg["data"]["max_response_length"])
+
+
+def micro_batch_tokens(cfg: Any) -> int:
+    """Tokens of one micro batch: max_tokens_per_device with dynamic batch size, else micro batch x the longest
+    sequence (padded batches)."""
+    b = cfg["backend"]
+    if b["dynamic_batch_size"]:
+        return int(b["max_tokens_per_device"])
+    return int(b["micro_batch_size_per_device"]) * sequence_length(cfg)
+
+
+def micro_batches_per_mini_batch(cfg: Any, layout: Layout) -> int:
+    """Micro batches one DP rank runs per optimizer step (at least 1)."""
+    responses = int(cfg["algorithm"]["mini_batch_size"]) * int(cfg["rollout"]["n"]) / max(layout.dp, 1)
+    if cfg["backend"]["dynamic_batch_size"]:
+        return max(1, math.ceil(responses * sequence_length(cfg) / int(cfg["backend"]["max_tokens_per_device"])))
+    return max(1, int(responses // max(int(cfg["backend"]["micro_batch_size_per_device"]), 1)))
+
+
+def kl_on(cfg: Any) -> bool:
+    """A reference model exists when KL loss or in-reward KL is on."""
+    return bool(cfg["algorithm"]["use_kl_loss"] or cfg["algorithm"]["use_kl_in_reward"])
+
+
+def _megatron(layout: Layout) -> bool:
+    return layout.backend == "megatron"
+
+
+def _fsdp_on_host(cfg: Any) -> bool:
+    """FSDP2's CPUOffloadPolicy keeps parameters, gradients and optimizer states on the host (step on CPU)."""
+    return bool(cfg["backend"].get("offload_policy", False))
+
+
+# ------------------------------------------------------------------------------------------ what a device holds
+@dataclass(frozen=True)
+class TrainShard:
+    """The trainer's parameters on the most loaded device."""
+
+    dense: float
+    """Non-expert parameters per device (FSDP: already divided by fsdp_size)."""
+    expert: float
+    """Routed-expert parameters per device."""
+    layers: List[str]
+    """Kinds ('linear'/'full') of the decoder layers whose activations this device keeps."""
+    largest_unit: float
+    """FSDP: parameters of the largest block all-gathered at once; Megatron: 0."""
+
+
+def pipeline_ranks(cfg: Any, layout: Layout) -> List[Dict[str, Any]]:
+    """What each pipeline rank holds: its layer kinds (virtual stage i on rank i % pp, layers numbered in stage
+    order) and whether it has the embedding (E) or the output layer + loss (L)."""
+    kinds = P.layer_kinds(cfg["model"])
+    ranks = [{"layers": [], "E": False, "L": False} for _ in range(max(layout.pp, 1))]
+    i = 0
+    for s, stage in enumerate(pipeline_stages(cfg, layout)):
+        rank, n = ranks[s % len(ranks)], stage.count("t")
+        rank["layers"].extend(kinds[i:i + n])
+        rank["E"] |= "E" in stage
+        rank["L"] |= "L" in stage
+        i += n
+    return ranks
+
+
+def train_shard(cfg: Any, layout: Layout) -> TrainShard:
+    """Megatron trains the text model only (no vision tower, no MTP): dense weights / TP, experts / (EP*ETP),
+    embedding on the first stage and the output layer (or the tied copy) + final norm on the last; the heaviest
+    rank counts. FSDP trains the whole VL model (no MTP), every parameter / fsdp_size."""
+    m = cfg["model"]
+    if not _megatron(layout):
+        kinds = P.layer_kinds(m)
+        expert = len(kinds) * P.layer_expert_params(m)
+        dense = P.count_params(m).total - expert
+        unit = max([P.embedding_params(m), P.lm_head_params(m)]
+                   + [P.layer_dense_params(m, k) + P.layer_expert_params(m) for k in set(kinds)])
+        f = max(layout.fsdp_size, 1)
+        return TrainShard(dense=dense / f, expert=expert / f, layers=kinds, largest_unit=unit)
+    h, embed = int(m["hidden_size"]), P.embedding_params(m)
+    shards = []
+    for rank in pipeline_ranks(cfg, layout):
+        dense = sum(P.layer_dense_params(m, k) for k in rank["layers"])
+        dense += (embed if rank["E"] else 0) + (embed + h if rank["L"] else 0)
+        expert = len(rank["layers"]) * P.layer_expert_params(m)
+        shards.append((dense / max(layout.tp, 1), expert / max(layout.ep * layout.etp, 1)))
+    dense, expert = max(shards, key=sum)
+    most_layers = max((r["layers"] for r in pipeline_ranks(cfg, layout)), key=len)
+    return TrainShard(dense=dense, expert=expert, layers=most_layers, largest_unit=0.0)
+
+
+# -------------------------------------------------------------------------------------------- training terms
+def train_weights_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
+    """Megatron: bf16 parameters on the device while training (param_offload only moves them out between
+    phases). FSDP: fp32 sharded parameters (bf16 is the compute copy), on the host with offload_policy."""
+    if _megatron(layout):
+        return gib((shard.dense + shard.expert) * BF16)
+    return 0.0 if _fsdp_on_host(cfg) else gib((shard.dense + shard.expert) * FP32)
+
+
+def train_grads_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
+    """Megatron: fp32 main gradients for every local parameter (bf16 training accumulates in fp32). FSDP: fp32
+    sharded gradients, on the host with offload_policy."""
+    if _megatron(layout):
+        return gib((shard.dense + shard.expert) * FP32)
+    return 0.0 if _fsdp_on_host(cfg) else gib((shard.dense + shard.expert) * FP32)
+
+
+def optimizer_states_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
+    """Adam. Megatron: fp32 master + m + v (12 B/param), the distributed optimizer shards dense states over
+    DP*CP and expert states over expert-DP; optimizer_cpu_offload keeps `optimizer_offload_fraction` on the host.
+    FSDP: m + v (8 B/param, the fp32 parameters are the master copy) of the shard, on the host with offload_policy."""
+    b = cfg["backend"]
+    if not _megatron(layout):
+        return 0.0 if _fsdp_on_host(cfg) else gib((shard.dense + shard.expert) * 2 * FP32)
+    if b["use_distributed_optimizer"]:
+        states = shard.dense / max(layout.dp * layout.cp, 1) + shard.expert / max(layout.edp, 1)
+    else:
+        states = shard.dense + shard.expert
+    on_device = 1.0 - float(b["optimizer_offload_fraction"]) if b["optimizer_cpu_offload"] else 1.0
+    return gib(states * 3 * FP32 * on_device)
+
+
+def fsdp_gathered_params_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
+    """FSDP: the bf16 all-gathered block being computed and the one prefetched; without reshard_after_forward
+    every gathered block stays until backward (the whole unsharded model)."""
+    if _megatron(layout):
+        return 0.0
+    if not cfg["backend"].get("reshard_after_forward", True):
+        return gib((shard.dense + shard.expert) * max(layout.fsdp_size, 1) * BF16)
+    return gib(2 * shard.largest_unit * BF16)
+
+
+def layer_activation_elems_per_token(m: Any, kind: str) -> float:
+    """Tensors one decoder layer saves for backward, in elements per token (bf16): residual + norm outputs,
+    attention q/gate/k/v/output or GDN qkv (before and after the conv), z, b/a, core and normed outputs, and the
+    MLP gate/up/act (MoE: router logits in fp32, permuted tokens and top-k expert intermediates, shared expert)."""
+    h = int(m["hidden_size"])
+    if kind == "full":
+        nq, nkv, hd = int(m["num_attention_heads"]), int(m["num_key_value_heads"]), int(m["head_dim"])
+        mixer = 2 * h + 5 * nq * hd + 3 * nkv * hd
+    else:
+        nk, nv = int(m["linear_num_key_heads"]), int(m["linear_num_value_heads"])
+        value_dim = nv * int(m["linear_value_head_dim"])
+        conv_dim = 2 * nk * int(m["linear_key_head_dim"]) + value_dim
+        mixer = 2 * h + 2 * conv_dim + 3 * value_dim + 2 * nv
+    if m["moe"]:
+        k, e = int(m["num_experts_per_tok"]), int(m["num_experts"])
+        ffn = (2 * h + 2 * e + 2 * k * h + 3 * k * int(m["moe_intermediate_size"])
+               + 3 * int(m["shared_expert_intermediate_size"]))
+    else:
+        ffn = 2 * h + 3 * int(m["intermediate_size"])
+    return float(mixer + ffn)
+
+
+def tokens_per_device(cfg: Any, layout: Layout) -> float:
+    """Tokens of one micro batch each device keeps activations for: Megatron splits them over TP (sequence
+    parallel) and CP, FSDP over Ulysses SP."""
+    div = layout.tp * layout.cp if _megatron(layout) else layout.sp
+    return micro_batch_tokens(cfg) / max(div, 1)
+
+
+def in_flight_micro_batches(cfg: Any, layout: Layout) -> float:
+    """1F1B keeps up to PP micro batches of activations on the first stage (interleaving adds
+    (pp-1)/(pp*vpp)); without a pipeline one micro batch."""
+    if not _megatron(layout) or layout.pp <= 1:
+        return 1.0
+    n = min(layout.pp, micro_batches_per_mini_batch(cfg, layout))
+    if layout.vpp:
+        n *= 1 + (layout.pp - 1) / (layout.pp * layout.vpp)
+    return float(n)
+
+
+def recompute_groups(cfg: Any, layout: Layout) -> Optional[Dict[str, Any]]:
+    """How activations are recomputed: None (all saved), or {method: uniform|block, n: layers per group}.
+    Megatron's 'selective' recompute only re-runs core attention, which flash attention never stores: counted
+    as no recompute. FSDP gradient checkpointing = uniform groups of one layer."""
+    b = cfg["backend"]
+    if not _megatron(layout):
+        return {"method": "uniform", "n": 1} if b["gradient_checkpointing"] else None
+    if b.get("recompute_granularity") != "full":
+        return None
+    return {"method": b.get("recompute_method") or "uniform", "n": max(int(b.get("recompute_num_layers") or 1), 1)}
+
+
+def activations_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
+    """Saved activations of the device's layers for the in-flight micro batches: all layers' tensors without
+    recompute; with full recompute / checkpointing one hidden state per recompute group (block: the first n
+    layers recomputed, the rest saved) plus the recomputed group's tensors and their gradients."""
+    m, h = cfg["model"], int(cfg["model"]["hidden_size"])
+    tokens, flight = tokens_per_device(cfg, layout), in_flight_micro_batches(cfg, layout)
+    per_layer = [layer_activation_elems_per_token(m, k) for k in shard.layers] or [0.0]
+    rec = recompute_groups(cfg, layout)
+    if rec is None:
+        saved, working = sum(per_layer) * flight, 0.0
+    elif rec["method"] == "block":
+        n = min(rec["n"], len(per_layer))
+        saved = (n * h + sum(sorted(per_layer)[: len(per_layer) - n])) * flight
+        working = 2 * max(per_layer)
+    else:
+        n = rec["n"]
+        saved = math.ceil(len(per_layer) / n) * h * flight
+        working = 2 * sum(sorted(per_layer, reverse=True)[:n])
+    return gib((saved + working) * tokens * BF16)
+
+
+def logits_gib(cfg: Any, layout: Layout) -> float:
+    """Log-probs and entropy computed over the vocabulary in `logprob_chunk_size`-token chunks: bf16 logits +
+    fp32 log-softmax + fp32 logit gradient per chunk, vocab split by TP (Megatron's vocab-parallel output)."""
+    vocab = int(cfg["model"]["vocab_size"]) / (layout.tp if _megatron(layout) else 1)
+    tokens = micro_batch_tokens(cfg) / max(layout.cp if _megatron(layout) else layout.sp, 1)
+    chunk = min(int(cfg["backend"]["logprob_chunk_size"]), tokens)
+    return gib(chunk * vocab * (BF16 + FP32 + FP32))
+
+
+def reference_model_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
+    """With KL on, a bf16 reference model sharded like the policy; it follows the policy's parameter offload
+    (host between its forward passes) and is absent without KL."""
+    if not kl_on(cfg) or cfg["backend"]["param_offload"] or (not _megatron(layout) and _fsdp_on_host(cfg)):
+        return 0.0
+    return gib((shard.dense + shard.expert) * BF16)
+
+
+def rollout_weights_params(cfg: Any, layout: Layout) -> float:
+    """Parameters one rollout device holds: text model without MTP + vision tower, dense weights and embeddings
+    split by rollout TP, experts by rollout EP (one DP-attention engine) or TP."""
+    m = cfg["model"]
+    count = P.count_params(m)
+    expert = len(P.layer_kinds(m)) * P.layer_expert_params(m)
+    split_experts = layout.rollout_ep if layout.rollout_ep > 1 else layout.rollout_tp
+    return (count.total - expert) / max(layout.rollout_tp, 1) + expert / max(split_experts, 1)
+
+
+def sleeping_engine_gib(cfg: Any, layout: Layout) -> float:
+    """vLLM with free_cache_engine sleeps during training (level 1 moves weights to the host, level 2 drops
+    them; the KV cache is freed): nothing stays. Without it the whole pool stays. The hf engine keeps its own
+    bf16 copy of its weights."""
+    if cfg["rollout"]["engine"] == "hf":
+        return gib(rollout_weights_params(cfg, layout) * dtype_bytes(cfg["model"]["dtype"]))
+    return 0.0 if cfg["rollout"]["free_cache_engine"] else vllm_pool_gib(cfg)
+
+
+# --------------------------------------------------------------------------------------------- rollout terms
+def train_state_during_rollout_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
+    """What the trainer leaves on the device while the rollout runs: weights unless param_offload, optimizer
+    states unless optimizer_offload, Megatron gradients unless grad_offload (FSDP frees them after the step),
+    and the reference model (see reference_model_gib)."""
+    b = cfg["backend"]
+    kept = 0.0 if b["param_offload"] else train_weights_gib(cfg, layout, shard)
+    kept += 0.0 if b["optimizer_offload"] else optimizer_states_gib(cfg, layout, shard)
+    if _megatron(layout) and not b["grad_offload"]:
+        kept += train_grads_gib(cfg, layout, shard)
+    return kept + reference_model_gib(cfg, layout, shard)
+
+
+def vllm_pool_gib(cfg: Any) -> float:
+    """vLLM claims gpu_memory_utilization of the device's nominal memory for weights, activations and cache."""
+    return float(cfg["rollout"]["gpu_memory_utilization"]) * float(cfg["hw"]["memory_gb"]) * 1e9 / GIB
+
+
+def rollout_max_model_len(cfg: Any) -> int:
+    return int(cfg["rollout"]["max_model_len"] or sequence_length(cfg))
+
+
+def kv_cache_bytes_per_token(cfg: Any, layout: Layout) -> float:
+    """Full-attention layers only: L_full * 2 (K,V) * KV heads per device * head_dim * dtype; KV heads split by
+    rollout TP and replicated when TP exceeds them."""
+    m = cfg["model"]
+    n_full = P.layer_kinds(m).count("full")
+    kv_heads = max(int(m["num_key_value_heads"]) / max(layout.rollout_tp, 1), 1)
+    return n_full * 2 * kv_heads * int(m["head_dim"]) * dtype_bytes(m["dtype"])
+
+
+def gdn_state_bytes_per_sequence(cfg: Any, layout: Layout) -> float:
+    """GDN layers keep a constant state per sequence: fp32 recurrent L_lin*nv*dk*dv plus the conv window
+    L_lin*(2*nk*dk + nv*dv)*(kernel-1) in the model dtype, heads split by rollout TP."""
+    m = cfg["model"]
+    n_lin = P.layer_kinds(m).count("linear")
+    nk, nv = int(m["linear_num_key_heads"]), int(m["linear_num_value_heads"])
+    dk, dv = int(m["linear_key_head_dim"]), int(m["linear_value_head_dim"])
+    recurrent = n_lin * nv * dk * dv * FP32
+    conv = n_lin * (2 * nk * dk + nv * dv) * (int(m["linear_conv_kernel_dim"]) - 1) * dtype_bytes(m["dtype"])
+    return (recurrent + conv) / max(layout.rollout_tp, 1)
+
+
+def sequence_cache_gib(cfg: Any, layout: Layout) -> float:
+    """Cache of one sequence of max_model_len tokens: its KV cache plus one GDN state."""
+    return gib(rollout_max_model_len(cfg) * kv_cache_bytes_per_token(cfg, layout)
+               + gdn_state_bytes_per_sequence(cfg, layout))
+
+
+def rollout_activations_gib(cfg: Any, layout: Layout) -> float:
+    """vLLM's profiled forward of max_num_batched_tokens: one layer's transient tensors (split by rollout TP) plus
+    the residual stream, and the sampler's fp32 logits and probabilities for max_num_seqs sequences."""
+    m, r = cfg["model"], cfg["rollout"]
+    layer = max(layer_activation_elems_per_token(m, k) for k in ("linear", "full"))
+    per_token = layer / max(layout.rollout_tp, 1) + 2 * int(m["hidden_size"])
+    sampler = int(r["max_num_seqs"]) * int(m["vocab_size"]) * 2 * FP32
+    return gib(int(r["max_num_batched_tokens"]) * per_token * BF16 + sampler)
+
+
+def hf_engine_sequences(cfg: Any, layout: Layout) -> int:
+    """Sequences the transformers-generate engine holds at once on a device: its share of the step's responses."""
+    return math.ceil(int(cfg["data"]["train_batch_size"]) * int(cfg["rollout"]["n"]) / max(layout.world, 1))
+
+
+# ------------------------------------------------------------------------------------------------ the estimate
+@dataclass
+class MemoryEstimate:
+    train_peak_gib: float
+    rollout_peak_gib: float
+    capacity_gib: float
+    fits: bool
+    terms: Dict[str, float] = field(default_factory=dict)
+    """Every term in GiB, prefixed `train/` or `rollout/`."""
+    rollout_pool_gib: Optional[float] = None
+    """vLLM's share of the device (None for the hf engine)."""
+    rollout_min_gib: float = 0.0
+    """What the rollout engine needs at least: weights + activations + one max_model_len sequence."""
+    rollout_sequences: Optional[int] = None
+    """Full-length sequences the vLLM cache holds at once (0: not even one)."""
+
+    @property
+    def headroom(self) -> float:
+        """Free fraction of the capacity at the higher of the two peaks (negative: does not fit)."""
+        return 1.0 - max(self.train_peak_gib, self.rollout_peak_gib) / max(self.capacity_gib, 1e-9)
+
+    @property
+    def rollout_engine_fits(self) -> bool:
+        return self.rollout_pool_gib is None or self.rollout_min_gib <= self.rollout_pool_gib
+
+    def to_dict(self) -> Dict[str, Any]:
+        r = lambda x: None if x is None else round(float(x), 3)  # noqa: E731
+        return {"train_peak": r(self.train_peak_gib), "rollout_peak": r(self.rollout_peak_gib),
+                "capacity": r(self.capacity_gib), "fits": self.fits, "headroom": r(self.headroom),
+                "rollout_pool": r(self.rollout_pool_gib), "rollout_min": r(self.rollout_min_gib),
+                "rollout_sequences": self.rollout_sequences, "terms": {k: r(v) for k, v in self.terms.items()}}
+
+
+def train_terms(cfg: Any, layout: Layout) -> Dict[str, float]:
+    """The training phase's terms (they depend on the training layout only)."""
+    shard = train_shard(cfg, layout)
+    return {
+        "train/weights": train_weights_gib(cfg, layout, shard),
+        "train/grads": train_grads_gib(cfg, layout, shard),
+        "train/optimizer": optimizer_states_gib(cfg, layout, shard),
+        "train/gathered_params": fsdp_gathered_params_gib(cfg, layout, shard),
+        "train/activations": activations_gib(cfg, layout, shard),
+        "train/logits": logits_gib(cfg, layout),
+        "train/reference": reference_model_gib(cfg, layout, shard),
+        "rollout/kept_by_trainer": train_state_during_rollout_gib(cfg, layout, shard),
+    }
+
+
+def rollout_terms(cfg: Any, layout: Layout) -> Dict[str, float]:
+    """The rollout engine's terms (they depend on the rollout layout only)."""
+    weights = gib(rollout_weights_params(cfg, layout) * dtype_bytes(cfg["model"]["dtype"]))
+    terms = {"rollout/weights": weights, "train/sleeping_engine": sleeping_engine_gib(cfg, layout)}
+    if cfg["rollout"]["engine"] == "hf":
+        terms["rollout/kv_cache"] = hf_engine_sequences(cfg, layout) * sequence_cache_gib(cfg, layout)
+    else:
+        terms["rollout/activations"] = rollout_activations_gib(cfg, layout)
+        terms["rollout/pool"] = vllm_pool_gib(cfg)
+        terms["rollout/sequence_cache"] = sequence_cache_gib(cfg, layout)
+    return terms
+
+
+def assemble(cfg: Any, train: Dict[str, float], rollout: Dict[str, float]) -> MemoryEstimate:
+    """Combine the two phases' terms into peaks and the fit verdict."""
+    terms = {**train, **rollout}
+    train_peak = sum(v for k, v in terms.items() if k.startswith("train/"))
+    kept = terms["rollout/kept_by_trainer"]
+    cap = capacity_gib(cfg)
+    if "rollout/pool" in terms:
+        pool, per_seq = terms["rollout/pool"], terms["rollout/sequence_cache"]
+        minimal = terms["rollout/weights"] + terms["rollout/activations"] + per_seq
+        sequences = max(0, int((pool - minimal + per_seq) // per_seq)) if per_seq > 0 else None
+        rollout_peak = kept + pool
+    else:
+        pool, sequences = None, None
+        minimal = terms["rollout/weights"] + terms["rollout/kv_cache"]
+        rollout_peak = kept + minimal
+    fits = train_peak <= cap and rollout_peak <= cap and (pool is None or minimal <= pool)
+    return MemoryEstimate(train_peak_gib=train_peak, rollout_peak_gib=rollout_peak, capacity_gib=cap, fits=fits,
+                          terms=terms, rollout_pool_gib=pool, rollout_min_gib=minimal, rollout_sequences=sequences)
+
+
+def estimate(cfg: Any, layout: Layout) -> MemoryEstimate:
+    """Per-device memory of both phases of `cfg` under `layout`."""
+    tree = as_tree(cfg)
+    return assemble(tree, train_terms(tree, layout), rollout_terms(tree, layout))

@@ -1,0 +1,810 @@
+"""Named validation rules: everything knowable before launch.
+
+Each rule is a small pure function `(cfg, layout) -> list[Problem]` registered with the part of the config it
+reads (its scope):
+- `config`: the config alone (enums, ranges, batch sizes vs lengths, version facts, pass-through dicts);
+- `train`: the training layout (TP/PP/CP/EP/ETP, FSDP size, SP, DP-dependent batch arithmetic);
+- `rollout`: the rollout layout (rollout TP/DP/EP);
+- `colocated`: both layouts at once (the rollout phase's memory depends on what the trainer keeps).
+`check_all` runs them all; the layout search runs each scope where it changes. Problems carry a stable code (the
+rule's name), the key to change, a message with the numbers and a hint with a valid alternative.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from qwen35rl.config import known_keys, memory, quirks
+from qwen35rl.config.compose import did_you_mean
+from qwen35rl.config.layout import Layout, even_pipeline_layout, format_pipeline_layout, parse_pipeline_layout
+from qwen35rl.config.problems import ERROR, WARNING, Problem
+
+Rule = Callable[[Any, Layout], List[Problem]]
+SCOPES = ("config", "train", "rollout", "colocated")
+RULES: List[Tuple[str, Rule]] = []
+"""(scope, rule) in the order they run: cheap arithmetic first, memory last."""
+
+
+def rule(scope: str) -> Callable[[Rule], Rule]:
+    assert scope in SCOPES, scope
+
+    def register(fn: Rule) -> Rule:
+        RULES.append((scope, fn))
+        return fn
+
+    return register
+
+
+def val(cfg: Any, dotted: str) -> Any:
+    """`cfg["a"]["b"]` for "a.b": works on a DictConfig and on a plain dict tree."""
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def _err(code: str, key: str, message: str, hint: str = "") -> List[Problem]:
+    return [Problem(code, key, message, hint, ERROR)]
+
+
+def _try(key: str, value: Any) -> str:
+    return f"try {key}={value}"
+
+
+def _pow2_upto(n: int) -> List[int]:
+    return [2 ** i for i in range(int(math.log2(max(n, 1))) + 1)]
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, max(n, 1) + 1) if n % d == 0]
+
+
+def _nearest(value: int, options: Iterable[int]) -> Optional[int]:
+    """The option closest to value on a log scale (ties: the smaller)."""
+    opts = sorted(set(options))
+    if not opts:
+        return None
+    return min(opts, key=lambda o: (abs(math.log2(o) - math.log2(max(value, 1))), o))
+
+
+def _megatron(layout: Layout) -> bool:
+    return layout.backend == "megatron"
+
+
+def _moe(cfg: Any) -> bool:
+    return bool(val(cfg, "model.moe"))
+
+
+# ======================================================================================== degrees & the world
+@rule("config")
+def degrees_positive(cfg: Any, layout: Layout) -> List[Problem]:
+    """Every parallel degree is a positive integer (the other layout rules assume it)."""
+    keys = ["parallelism.tp", "parallelism.pp", "parallelism.cp", "parallelism.ep", "parallelism.etp",
+            "parallelism.sp", "parallelism.rollout.tp", "parallelism.rollout.ep", "hw.nodes", "hw.devices_per_node"]
+    out = []
+    for key in keys:
+        if int(val(cfg, key)) < 1:
+            out += _err("degrees_positive", key, f"{key}={val(cfg, key)} must be at least 1", _try(key, 1))
+    for key in ("parallelism.vpp", "parallelism.rollout.dp"):
+        v = val(cfg, key)
+        if v is not None and int(v) < 1:
+            out += _err("degrees_positive", key, f"{key}={v} must be at least 1 (or null)", _try(key, "null"))
+    fsdp = int(val(cfg, "parallelism.fsdp_size"))
+    if fsdp < 1 and fsdp != -1:
+        out += _err("degrees_positive", "parallelism.fsdp_size", f"parallelism.fsdp_size={fsdp}: use -1 (whole "
+                    "world) or a positive shard group size", _try("parallelism.fsdp_size", -1))
+    return out
+
+
+@rule("train")
+def degrees_match_backend(cfg: Any, layout: Layout) -> List[Problem]:
+    """FSDP shards parameters and uses only fsdp_size/sp; Megatron uses TP/PP/CP/EP/ETP and not fsdp_size/sp."""
+    par = val(cfg, "parallelism")
+    if _megatron(layout):
+        if int(par["sp"]) != 1:
+            return _err("degrees_match_backend", "parallelism.sp", f"parallelism.sp={par['sp']} is Ulysses sequence "
+                        "parallel of backend=fsdp; Megatron splits sequences with TP (sequence parallel) and CP",
+                        "try parallelism.sp=1 and parallelism.cp for long sequences")
+        if int(par["fsdp_size"]) != -1:
+            return _err("degrees_match_backend", "parallelism.fsdp_size", f"parallelism.fsdp_size="
+                        f"{par['fsdp_size']} applies to backend=fsdp only; Megatron shards with the distributed "
+                        "optimizer over DP", _try("parallelism.fsdp_size", -1))
+        return []
+    for key in ("tp", "pp", "cp", "ep", "etp"):
+        if int(par[key]) != 1:
+            return _err("degrees_match_backend", f"parallelism.{key}", f"parallelism.{key}={par[key]} applies to "
+                        "backend=megatron; backend=fsdp shards parameters over parallelism.fsdp_size instead",
+                        f"try parallelism.{key}=1, or backend=megatron")
+    for key in ("vpp", "pipeline_layout"):
+        if par[key] is not None:
+            return _err("degrees_match_backend", f"parallelism.{key}", f"parallelism.{key} applies to "
+                        "backend=megatron (pipeline parallel)", _try(f"parallelism.{key}", "null"))
+    return []
+
+
+def _train_ok(cfg: Any, world: int, tp: int, pp: int, cp: int) -> bool:
+    """TP/CP against heads and the world (used to suggest a valid alternative)."""
+    m = val(cfg, "model")
+    kv = int(m["num_key_value_heads"])
+    return (world % (tp * pp * cp) == 0 and int(m["num_attention_heads"]) % tp == 0 and (kv % tp == 0 or tp % kv == 0)
+            and int(m["linear_num_key_heads"]) % (tp * cp) == 0 and int(m["linear_num_value_heads"]) % (tp * cp) == 0)
+
+
+def _suggest_tp(cfg: Any, layout: Layout) -> str:
+    best = _nearest(layout.tp, [t for t in _divisors(layout.world) if _train_ok(cfg, layout.world, t, layout.pp,
+                                                                                 layout.cp)])
+    return _try("parallelism.tp", best) if best else "reduce parallelism.pp or parallelism.cp"
+
+
+@rule("train")
+def world_size_matches_devices(cfg: Any, layout: Layout) -> List[Problem]:
+    """world = TP*PP*CP*DP (FSDP: SP*DP) = nodes x devices per node."""
+    hw = f"{val(cfg, 'hw.nodes')} node(s) x {val(cfg, 'hw.devices_per_node')} devices"
+    if not _megatron(layout):
+        if layout.world % layout.sp:
+            best = _nearest(layout.sp, [s for s in _divisors(layout.world) if _sp_ok(cfg, s)])
+            return _err("world_size_matches_devices", "parallelism.sp", f"SP{layout.sp} does not divide the world of "
+                        f"{layout.world} devices ({hw})", _try("parallelism.sp", best))
+        return []
+    model_par = layout.tp * layout.pp * layout.cp
+    if layout.world % model_par == 0:
+        return []
+    return _err("world_size_matches_devices", "parallelism.tp", f"TP{layout.tp} x PP{layout.pp} x CP{layout.cp} = "
+                f"{model_par} does not divide the world of {layout.world} devices ({hw}): world = TP*PP*CP*DP",
+                _suggest_world_fix(cfg, layout))
+
+
+def _suggest_world_fix(cfg: Any, layout: Layout) -> str:
+    """Change one of PP, CP, TP (in that order) to the closest value that makes a valid layout."""
+    for key in ("pp", "cp", "tp"):
+        current = getattr(layout, key)
+        for v in sorted(_divisors(layout.world), key=lambda d: (abs(math.log2(d) - math.log2(current)), d)):
+            degrees = {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp, key: v}
+            if _train_ok(cfg, layout.world, degrees["tp"], degrees["pp"], degrees["cp"]):
+                return _try(f"parallelism.{key}", v)
+    return "use a device count that TP*PP*CP divides (hw.nodes)"
+
+
+# ============================================================================================ heads and experts
+@rule("train")
+def tp_divides_attention_heads(cfg: Any, layout: Layout) -> List[Problem]:
+    """Megatron (and vLLM) split attention heads over TP."""
+    heads = int(val(cfg, "model.num_attention_heads"))
+    if heads % layout.tp:
+        return _err("tp_divides_attention_heads", "parallelism.tp", f"TP{layout.tp} does not divide the {heads} "
+                    "attention heads", _suggest_tp(cfg, layout))
+    return []
+
+
+@rule("train")
+def tp_fits_kv_heads(cfg: Any, layout: Layout) -> List[Problem]:
+    """KV heads are split over TP, or replicated when TP is a multiple of them."""
+    kv = int(val(cfg, "model.num_key_value_heads"))
+    if kv % layout.tp and layout.tp % kv:
+        return _err("tp_fits_kv_heads", "parallelism.tp", f"TP{layout.tp} is neither a multiple nor a divisor of the "
+                    f"{kv} KV heads", _suggest_tp(cfg, layout))
+    return []
+
+
+@rule("train")
+def tp_cp_divide_gdn_heads(cfg: Any, layout: Layout) -> List[Problem]:
+    """Gated DeltaNet splits its key and value heads over TP*CP."""
+    nk, nv = int(val(cfg, "model.linear_num_key_heads")), int(val(cfg, "model.linear_num_value_heads"))
+    split = layout.tp * layout.cp
+    if nk % split or nv % split:
+        key = "parallelism.cp" if layout.cp > 1 else "parallelism.tp"
+        return _err("tp_cp_divide_gdn_heads", key, f"TP{layout.tp} x CP{layout.cp} = {split} does not divide the GDN "
+                    f"key heads ({nk}) and value heads ({nv})",
+                    _try("parallelism.cp", 1) if layout.cp > 1 else _suggest_tp(cfg, layout))
+    return []
+
+
+@rule("train")
+def ep_divides_experts(cfg: Any, layout: Layout) -> List[Problem]:
+    """Experts are split over EP; a dense model has none to split."""
+    if not _megatron(layout) or layout.ep == 1:
+        return []
+    if not _moe(cfg):
+        return _err("ep_divides_experts", "parallelism.ep", f"EP{layout.ep} on a dense model "
+                    f"({val(cfg, 'model.name')} has no experts)", _try("parallelism.ep", 1))
+    experts = int(val(cfg, "model.num_experts"))
+    if experts % layout.ep:
+        best = _nearest(layout.ep, [e for e in _divisors(experts) if (layout.world // max(layout.pp, 1))
+                                    % (e * layout.etp) == 0])
+        return _err("ep_divides_experts", "parallelism.ep", f"EP{layout.ep} does not divide the {experts} experts",
+                    _try("parallelism.ep", best))
+    return []
+
+
+@rule("train")
+def ep_etp_divide_stage_world(cfg: Any, layout: Layout) -> List[Problem]:
+    """EP*ETP must divide the devices of one pipeline stage (world / PP): experts are laid out within a stage."""
+    if not _megatron(layout) or layout.world % layout.pp:
+        return []
+    stage_world = layout.world // layout.pp
+    if stage_world % (layout.ep * layout.etp):
+        experts = int(val(cfg, "model.num_experts")) if _moe(cfg) else 1
+        best = _nearest(layout.ep, [e for e in _divisors(stage_world) if experts % e == 0
+                                    and stage_world % (e * layout.etp) == 0])
+        return _err("ep_etp_divide_stage_world", "parallelism.ep", f"EP{layout.ep} x ETP{layout.etp} = "
+                    f"{layout.ep * layout.etp} does not divide the {stage_world} devices of a pipeline stage "
+                    f"(world {layout.world} / PP{layout.pp})", _try("parallelism.ep", best))
+    return []
+
+
+# ===================================================================================================== pipeline
+@rule("train")
+def pipeline_splits_layers(cfg: Any, layout: Layout) -> List[Problem]:
+    """Layers split evenly over PP (x VPP) stages, or an explicit `parallelism.pipeline_layout` says how."""
+    if not _megatron(layout):
+        return []
+    layers, vpp, text = int(val(cfg, "model.num_hidden_layers")), layout.vpp, val(cfg, "parallelism.pipeline_layout")
+    stages = layout.pp * (vpp or 1)
+    if vpp is not None and layout.pp == 1:
+        return _err("pipeline_splits_layers", "parallelism.vpp", f"VPP{vpp} interleaves pipeline stages but PP is 1",
+                    _try("parallelism.vpp", "null"))
+    if text:
+        try:
+            parsed = parse_pipeline_layout(text)
+        except ValueError as e:
+            return _err("pipeline_splits_layers", "parallelism.pipeline_layout", str(e),
+                        f"e.g. parallelism.pipeline_layout='{format_pipeline_layout(even_pipeline_layout(layers, stages))}'")
+        n_t = sum(st.count("t") for st in parsed)
+        if len(parsed) != stages or n_t != layers:
+            return _err("pipeline_splits_layers", "parallelism.pipeline_layout", f"the layout has {len(parsed)} "
+                        f"stages and {n_t} decoder layers; PP{layout.pp} x VPP{vpp or 1} needs {stages} stages and the "
+                        f"model has {layers} layers",
+                        f"e.g. parallelism.pipeline_layout='{format_pipeline_layout(even_pipeline_layout(layers, stages))}'")
+        return []
+    if layers % stages:
+        even = [p for p in _divisors(layers) if layout.world % (layout.tp * p * layout.cp) == 0]
+        uneven = format_pipeline_layout(even_pipeline_layout(layers, stages))
+        return _err("pipeline_splits_layers", "parallelism.pp", f"{layers} layers do not split evenly over "
+                    f"PP{layout.pp} x VPP{vpp or 1} = {stages} stages",
+                    f"{_try('parallelism.pp', _nearest(layout.pp, even))} or set an uneven split, e.g. "
+                    f"parallelism.pipeline_layout='{uneven}'")
+    return []
+
+
+# ========================================================================================================= FSDP
+def _sp_ok(cfg: Any, sp: int) -> bool:
+    m = val(cfg, "model")
+    kv = int(m["num_key_value_heads"])
+    return (int(m["num_attention_heads"]) % sp == 0 and (kv % sp == 0 or sp % kv == 0)
+            and int(m["linear_num_key_heads"]) % sp == 0 and int(m["linear_num_value_heads"]) % sp == 0)
+
+
+@rule("train")
+def fsdp_size_divides_world(cfg: Any, layout: Layout) -> List[Problem]:
+    """FSDP shard groups (HSDP when smaller than the world) tile the world."""
+    if _megatron(layout) or layout.world % layout.fsdp_size == 0:
+        return []
+    return _err("fsdp_size_divides_world", "parallelism.fsdp_size", f"FSDP size {layout.fsdp_size} does not divide the "
+                f"world of {layout.world} devices", _try("parallelism.fsdp_size",
+                                                         _nearest(layout.fsdp_size, _divisors(layout.world))))
+
+
+@rule("train")
+def sp_requires_remove_padding(cfg: Any, layout: Layout) -> List[Problem]:
+    """Ulysses SP splits packed (unpadded) sequences."""
+    if _megatron(layout) or layout.sp == 1 or val(cfg, "backend.remove_padding"):
+        return []
+    return _err("sp_requires_remove_padding", "backend.remove_padding", f"Ulysses SP{layout.sp} needs packed sequences "
+                "but backend.remove_padding is false", "try backend.remove_padding=true or parallelism.sp=1")
+
+
+@rule("train")
+def sp_divides_heads(cfg: Any, layout: Layout) -> List[Problem]:
+    """Ulysses SP scatters heads: attention heads, KV heads (or replicas of them) and GDN heads split over SP."""
+    if _megatron(layout) or layout.sp == 1 or _sp_ok(cfg, layout.sp):
+        return []
+    m = val(cfg, "model")
+    best = _nearest(layout.sp, [s for s in _divisors(layout.world) if _sp_ok(cfg, s)])
+    return _err("sp_divides_heads", "parallelism.sp", f"SP{layout.sp} must divide the {m['num_attention_heads']} "
+                f"attention heads, the GDN key/value heads ({m['linear_num_key_heads']}/{m['linear_num_value_heads']})"
+                f" and divide or be a multiple of the {m['num_key_value_heads']} KV heads", _try("parallelism.sp", best))
+
+
+# ====================================================================================== GDN and megatron-core
+GDN_PACKING_MCORE = "0.18"
+
+
+def _old_mcore(cfg: Any, layout: Layout) -> bool:
+    return _megatron(layout) and quirks.version_below(val(cfg, "backend.megatron_core_version"), GDN_PACKING_MCORE)
+
+
+@rule("config")
+def gdn_packing_needs_mcore_0_18(cfg: Any, layout: Layout) -> List[Problem]:
+    """megatron-core < 0.18 cannot pass packed (THD) sequences through GDN on GPU (MindSpeed packs TND on NPU)."""
+    if not _old_mcore(cfg, layout) or val(cfg, "hw.device") == "npu" or not val(cfg, "backend.remove_padding"):
+        return []
+    return _err("gdn_packing_needs_mcore_0_18", "backend.remove_padding", f"megatron-core "
+                f"{val(cfg, 'backend.megatron_core_version')} rejects packed (THD) sequences in Gated DeltaNet layers "
+                "on GPU (supported from 0.18)", "try backend.remove_padding=false or backend.megatron_core_version=0.18.0")
+
+
+@rule("config")
+def gdn_dynamic_batch_needs_mcore_0_18(cfg: Any, layout: Layout) -> List[Problem]:
+    """Dynamic batch size packs sequences: the same megatron-core < 0.18 limit on GPU."""
+    if not _old_mcore(cfg, layout) or val(cfg, "hw.device") == "npu" or not val(cfg, "backend.dynamic_batch_size"):
+        return []
+    return _err("gdn_dynamic_batch_needs_mcore_0_18", "backend.dynamic_batch_size", f"dynamic batch size packs "
+                f"sequences, which megatron-core {val(cfg, 'backend.megatron_core_version')} rejects in Gated DeltaNet "
+                "layers on GPU (supported from 0.18)",
+                "try backend.dynamic_batch_size=false or backend.megatron_core_version=0.18.0")
+
+
+@rule("train")
+def gdn_context_parallel_needs_mcore_0_18(cfg: Any, layout: Layout) -> List[Problem]:
+    """Context parallel through GDN needs megatron-core >= 0.18 on every device (MindSpeed included)."""
+    if not _old_mcore(cfg, layout) or layout.cp == 1:
+        return []
+    return _err("gdn_context_parallel_needs_mcore_0_18", "parallelism.cp", f"CP{layout.cp}: megatron-core "
+                f"{val(cfg, 'backend.megatron_core_version')} has no context parallel for Gated DeltaNet layers "
+                "(supported from 0.18)", "try parallelism.cp=1 or backend.megatron_core_version=0.18.0")
+
+
+# ====================================================================================================== rollout
+def _rollout_tp_ok(cfg: Any, tp: int) -> bool:
+    m = val(cfg, "model")
+    return all(int(m[k]) % tp == 0 for k in ("linear_num_key_heads", "linear_num_value_heads", "num_attention_heads"))
+
+
+@rule("rollout")
+def rollout_engine_parallelism(cfg: Any, layout: Layout) -> List[Problem]:
+    """transformers `generate` runs one whole model per device: no rollout TP or EP."""
+    if val(cfg, "rollout.engine") != "hf" or (layout.rollout_tp == 1 and layout.rollout_ep == 1):
+        return []
+    key = "parallelism.rollout.tp" if layout.rollout_tp != 1 else "parallelism.rollout.ep"
+    return _err("rollout_engine_parallelism", key, f"rollout.engine=hf generates with one whole model per device; "
+                f"rollout TP{layout.rollout_tp} EP{layout.rollout_ep} needs rollout.engine=vllm",
+                f"try {key}=1 or rollout=vllm")
+
+
+@rule("rollout")
+def rollout_tp_divides_heads(cfg: Any, layout: Layout) -> List[Problem]:
+    """vLLM splits GDN key heads, GDN value heads and attention heads over rollout TP."""
+    if _rollout_tp_ok(cfg, layout.rollout_tp):
+        return []
+    m = val(cfg, "model")
+    best = _nearest(layout.rollout_tp, [t for t in _divisors(layout.world) if _rollout_tp_ok(cfg, t)])
+    return _err("rollout_tp_divides_heads", "parallelism.rollout.tp", f"rollout TP{layout.rollout_tp} must divide "
+                f"the GDN key heads ({m['linear_num_key_heads']}), GDN value heads ({m['linear_num_value_heads']}) and "
+                f"attention heads ({m['num_attention_heads']})", _try("parallelism.rollout.tp", best))
+
+
+@rule("rollout")
+def rollout_ep_matches_tp_dp(cfg: Any, layout: Layout) -> List[Problem]:
+    """With expert parallel, one vLLM engine spans TP*DP devices and its experts spread over all of them."""
+    if layout.rollout_ep == 1 or layout.rollout_ep == layout.rollout_tp * layout.rollout_dp:
+        return []
+    return _err("rollout_ep_matches_tp_dp", "parallelism.rollout.ep", f"rollout EP{layout.rollout_ep} must equal "
+                f"rollout TP{layout.rollout_tp} x DP{layout.rollout_dp} = {layout.rollout_tp * layout.rollout_dp}",
+                _try("parallelism.rollout.ep", layout.rollout_tp * layout.rollout_dp))
+
+
+@rule("rollout")
+def rollout_ep_divides_experts(cfg: Any, layout: Layout) -> List[Problem]:
+    """Rollout experts split over EP; a dense model has none."""
+    if layout.rollout_ep == 1:
+        return []
+    if not _moe(cfg):
+        return _err("rollout_ep_divides_experts", "parallelism.rollout.ep", f"rollout EP{layout.rollout_ep} on a dense "
+                    f"model ({val(cfg, 'model.name')} has no experts)", _try("parallelism.rollout.ep", 1))
+    experts = int(val(cfg, "model.num_experts"))
+    if experts % layout.rollout_ep:
+        return _err("rollout_ep_divides_experts", "parallelism.rollout.ep", f"rollout EP{layout.rollout_ep} does not "
+                    f"divide the {experts} experts", "choose rollout TP x DP (= EP) among the divisors of "
+                    f"{experts}")
+    return []
+
+
+@rule("rollout")
+def rollout_replicas_cover_devices(cfg: Any, layout: Layout) -> List[Problem]:
+    """Colocated: every device runs the rollout. EP=1: DP replicas of TP devices, TP*DP = world; EP>1: engines of
+    TP*DP devices, and the world divides by that."""
+    replica, world = layout.rollout_replica_size, layout.world
+    if layout.rollout_ep == 1 and layout.rollout_tp * layout.rollout_dp != world:
+        if world % layout.rollout_tp:
+            best = _nearest(layout.rollout_tp, [t for t in _divisors(world) if _rollout_tp_ok(cfg, t)])
+            return _err("rollout_replicas_cover_devices", "parallelism.rollout.tp", f"rollout TP{layout.rollout_tp} "
+                        f"does not divide the {world} devices", _try("parallelism.rollout.tp", best))
+        return _err("rollout_replicas_cover_devices", "parallelism.rollout.dp", f"rollout DP{layout.rollout_dp} x "
+                    f"TP{layout.rollout_tp} = {layout.rollout_dp * layout.rollout_tp} replicas' devices, but every one of "
+                    f"the {world} devices hosts the rollout", _try("parallelism.rollout.dp", world // layout.rollout_tp))
+    if world % replica:
+        return _err("rollout_replicas_cover_devices", "parallelism.rollout.dp", f"a rollout engine of TP"
+                    f"{layout.rollout_tp} x DP{layout.rollout_dp} = {replica} devices does not divide the {world} "
+                    "devices", _try("parallelism.rollout.dp", _nearest(layout.rollout_dp,
+                                                                      _divisors(world // layout.rollout_tp)
+                                                                      if world % layout.rollout_tp == 0 else [1])))
+    return []
+
+
+@rule("rollout")
+def rollout_tp_within_node(cfg: Any, layout: Layout) -> List[Problem]:
+    """A rollout TP group stays inside one node (its all-reduces run every decode step), unless
+    hw.multi_node_rollout_tp allows spanning nodes."""
+    per_node, tp = int(val(cfg, "hw.devices_per_node")), layout.rollout_tp
+    if val(cfg, "hw.multi_node_rollout_tp") or (tp <= per_node and per_node % tp == 0):
+        return []
+    best = _nearest(tp, [t for t in _divisors(per_node) if _rollout_tp_ok(cfg, t)])
+    return _err("rollout_tp_within_node", "parallelism.rollout.tp", f"rollout TP{tp} does not fit the "
+                f"{per_node} devices of a node", f"{_try('parallelism.rollout.tp', best)} or hw.multi_node_rollout_tp=true")
+
+
+# ====================================================================================================== batches
+@rule("config")
+def rollout_n_at_least_2(cfg: Any, layout: Layout) -> List[Problem]:
+    """GRPO compares the responses of one prompt: groups of at least two."""
+    n = int(val(cfg, "rollout.n"))
+    if n >= 2:
+        return []
+    return _err("rollout_n_at_least_2", "rollout.n", f"rollout.n={n}: GRPO normalises rewards within each prompt's "
+                "group of responses, which needs at least 2", _try("rollout.n", 2))
+
+
+def _batch(cfg: Any) -> Tuple[int, int, int, int, bool]:
+    return (int(val(cfg, "data.train_batch_size")), int(val(cfg, "algorithm.mini_batch_size")),
+            int(val(cfg, "rollout.n")), int(val(cfg, "backend.micro_batch_size_per_device")),
+            bool(val(cfg, "backend.dynamic_batch_size")))
+
+
+def _multiple_at_least(x: int, unit: int) -> int:
+    return max(unit, (x + unit - 1) // unit * unit)
+
+
+@rule("config")
+def mini_batch_within_batch(cfg: Any, layout: Layout) -> List[Problem]:
+    """mini_batch_size <= train_batch_size (prompts)."""
+    batch, mini, *_ = _batch(cfg)
+    if mini <= batch:
+        return []
+    return _err("mini_batch_within_batch", "algorithm.mini_batch_size", f"mini batch of {mini} prompts exceeds the "
+                f"train batch of {batch} prompts", _try("algorithm.mini_batch_size", batch))
+
+
+@rule("config")
+def batch_divisible_by_mini_batch(cfg: Any, layout: Layout) -> List[Problem]:
+    """A rollout batch splits into whole mini batches (train_batch_size % mini_batch_size == 0)."""
+    batch, mini, *_ = _batch(cfg)
+    if mini < 1 or mini > batch or batch % mini == 0:
+        return []
+    best = _nearest(mini, _divisors(batch))
+    return _err("batch_divisible_by_mini_batch", "algorithm.mini_batch_size", f"train batch of {batch} prompts does "
+                f"not split into mini batches of {mini}", _try("algorithm.mini_batch_size", best))
+
+
+@rule("train")
+def batch_divisible_by_dp_micro(cfg: Any, layout: Layout) -> List[Problem]:
+    """The step's responses (train_batch_size * n) split evenly over DP ranks and micro batches."""
+    batch, _, n, micro, dynamic = _batch(cfg)
+    unit = layout.dp * (1 if dynamic else micro)
+    if unit < 1 or (batch * n) % unit == 0:
+        return []
+    per = unit // math.gcd(unit, n)
+    return _err("batch_divisible_by_dp_micro", "data.train_batch_size", f"{batch} prompts x n={n} = {batch * n} "
+                f"responses do not split over DP{layout.dp}" + ("" if dynamic else f" x micro batch {micro}"),
+                _try("data.train_batch_size", _multiple_at_least(batch, per)))
+
+
+@rule("train")
+def mini_batch_divisible_by_dp(cfg: Any, layout: Layout) -> List[Problem]:
+    """Each mini batch's responses (mini_batch_size * n) split evenly over the DP ranks."""
+    _, mini, n, *_ = _batch(cfg)
+    if layout.dp < 1 or (mini * n) % layout.dp == 0:
+        return []
+    per = layout.dp // math.gcd(layout.dp, n)
+    return _err("mini_batch_divisible_by_dp", "algorithm.mini_batch_size", f"{mini} prompts x n={n} = {mini * n} "
+                f"responses per mini batch do not split over DP{layout.dp}",
+                _try("algorithm.mini_batch_size", _multiple_at_least(mini, per)))
+
+
+@rule("train")
+def mini_batch_divisible_by_micro(cfg: Any, layout: Layout) -> List[Problem]:
+    """Without dynamic batch size, a DP rank's share of a mini batch is whole micro batches."""
+    _, mini, n, micro, dynamic = _batch(cfg)
+    if dynamic or layout.dp < 1 or (mini * n) % layout.dp:
+        return []
+    per_rank = mini * n // layout.dp
+    if per_rank % micro == 0:
+        return []
+    return _err("mini_batch_divisible_by_micro", "backend.micro_batch_size_per_device", f"{per_rank} responses per "
+                f"DP rank per mini batch are not whole micro batches of {micro}",
+                _try("backend.micro_batch_size_per_device", _nearest(micro, _divisors(per_rank))))
+
+
+def _seq_len(cfg: Any) -> int:
+    return int(val(cfg, "data.max_prompt_length")) + int(val(cfg, "data.max_response_length"))
+
+
+@rule("config")
+def sequence_within_max_position(cfg: Any, layout: Layout) -> List[Problem]:
+    """Prompt + response fit the model's position embeddings."""
+    seq, limit = _seq_len(cfg), int(val(cfg, "model.max_position_embeddings"))
+    if seq <= limit:
+        return []
+    return _err("sequence_within_max_position", "data.max_response_length", f"prompt {val(cfg, 'data.max_prompt_length')}"
+                f" + response {val(cfg, 'data.max_response_length')} = {seq} tokens exceed the model's "
+                f"{limit} positions", _try("data.max_response_length", limit - int(val(cfg, "data.max_prompt_length"))))
+
+
+@rule("config")
+def sequence_within_max_model_len(cfg: Any, layout: Layout) -> List[Problem]:
+    """Prompt + response fit the rollout engine's max_model_len when it is set."""
+    limit = val(cfg, "rollout.max_model_len")
+    seq = _seq_len(cfg)
+    if limit is None or seq <= int(limit):
+        return []
+    return _err("sequence_within_max_model_len", "rollout.max_model_len", f"prompt + response = {seq} tokens exceed "
+                f"rollout.max_model_len={limit}", _try("rollout.max_model_len", seq))
+
+
+@rule("config")
+def dynamic_batch_holds_a_sequence(cfg: Any, layout: Layout) -> List[Problem]:
+    """With dynamic batch size a micro batch of max_tokens_per_device must hold the longest sequence."""
+    if not val(cfg, "backend.dynamic_batch_size"):
+        return []
+    budget, seq = int(val(cfg, "backend.max_tokens_per_device")), _seq_len(cfg)
+    if budget >= seq:
+        return []
+    return _err("dynamic_batch_holds_a_sequence", "backend.max_tokens_per_device", f"a micro batch of {budget} tokens "
+                f"cannot hold one prompt + response of {seq} tokens", _try("backend.max_tokens_per_device", seq))
+
+
+@rule("config")
+def images_need_vision_model(cfg: Any, layout: Layout) -> List[Problem]:
+    """Image data needs a model with a vision tower."""
+    if not val(cfg, "data.has_images") or val(cfg, "model.vision") is not None:
+        return []
+    return _err("images_need_vision_model", "model", f"data={val(cfg, 'data.name')} has images but model="
+                f"{val(cfg, 'model.name')} has no vision tower (model.vision is null)",
+                "choose a VL checkpoint (every official Qwen3.5 size, or qwen3_5_tiny_vl) or text data")
+
+
+@rule("config")
+def megatron_trains_text_only(cfg: Any, layout: Layout) -> List[Problem]:
+    """backend=megatron builds the text model only: image data cannot train."""
+    if not val(cfg, "data.has_images") or not _megatron(layout):
+        return []
+    return _err("megatron_trains_text_only", "backend", f"data={val(cfg, 'data.name')} has images, but backend=megatron "
+                "trains the text model only (no vision tower)", "try backend=fsdp for image data, or text data "
+                "(e.g. data=gsm8k) with megatron")
+
+
+# ================================================================================================ enums, ranges
+CHOICES: Dict[str, Sequence[Any]] = {
+    "rollout.engine": ("vllm", "hf"),
+    "algorithm.adv_estimator": ("grpo",),
+    "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "algorithm.kl_loss_type": ("kl", "mse", "low_var_kl", "abs"),
+    "data.truncation": ("error", "left", "right"),
+    "data.kind": ("synthetic", "text", "multimodal"),
+    "model.init": ("pretrained", "random"),
+    "model.dtype": ("bfloat16", "float16", "float32"),
+    "backend.name": ("fsdp", "megatron"),
+    "backend.lr_scheduler": ("constant", "cosine"),
+    "backend.mixed_precision": ("auto", "bf16", "fp32"),
+    "backend.recompute_granularity": ("full", "selective", None),
+    "backend.recompute_method": ("uniform", "block", None),
+    "backend.moe_token_dispatcher_type": ("allgather", "alltoall", "flex"),
+    "hw.device": ("cpu", "cuda", "npu"),
+    "hw.collective_backend": ("gloo", "nccl", "hccl"),
+    "rollout.sleep_level": (1, 2),
+    "rollout.cudagraph_mode": ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", None),
+    "format": ("text", "json"),
+}
+REWARDS = ("exact_match", "math", "format")
+
+
+def _get(cfg: Any, dotted: str, default: Any = KeyError) -> Any:
+    try:
+        return val(cfg, dotted)
+    except (KeyError, AttributeError):
+        return default
+
+
+@rule("config")
+def known_choice(cfg: Any, layout: Layout) -> List[Problem]:
+    """Enum-like fields take one of their documented values."""
+    out = []
+    for key, allowed in CHOICES.items():
+        v = _get(cfg, key)
+        if v is KeyError or v in allowed:
+            continue
+        names = [str(a) for a in allowed if a is not None]
+        out += _err("known_choice", key, f"{key}={v!r} is not one of {', '.join(names)}" +
+                    (" (or null)" if None in allowed else ""), did_you_mean(str(v), names) or _try(key, names[0]))
+    reward = str(val(cfg, "data.reward"))
+    if reward not in REWARDS and ":" not in reward:
+        out += _err("known_choice", "data.reward", f"data.reward={reward!r} is neither a built-in reward "
+                    f"({', '.join(REWARDS)}) nor a `pkg.module:function` path",
+                    did_you_mean(reward, REWARDS) or "e.g. data.reward=mypkg.rewards:score")
+    return out
+
+
+RANGES: Dict[str, Tuple[float, float, bool, bool]] = {
+    # key: (low, high, low inclusive, high inclusive)
+    "rollout.gpu_memory_utilization": (0.0, 1.0, False, True),
+    "rollout.top_p": (0.0, 1.0, False, True),
+    "rollout.temperature": (0.0, math.inf, True, True),
+    "algorithm.clip_ratio_low": (0.0, 1.0, True, False),
+    "algorithm.clip_ratio_high": (0.0, math.inf, True, True),
+    "algorithm.clip_ratio_c": (1.0, math.inf, False, True),
+    "algorithm.kl_loss_coef": (0.0, math.inf, True, True),
+    "algorithm.ppo_epochs": (1, math.inf, True, True),
+    "backend.micro_batch_size_per_device": (1, math.inf, True, True),
+    "backend.max_tokens_per_device": (1, math.inf, True, True),
+    "backend.logprob_chunk_size": (1, math.inf, True, True),
+    "backend.optimizer_offload_fraction": (0.0, 1.0, True, True),
+    "backend.lr": (0.0, math.inf, False, True),
+    "data.train_batch_size": (1, math.inf, True, True),
+    "algorithm.mini_batch_size": (1, math.inf, True, True),
+    "data.max_prompt_length": (1, math.inf, True, True),
+    "data.max_response_length": (1, math.inf, True, True),
+    "hw.memory_gb": (0.0, math.inf, False, True),
+}
+
+
+@rule("config")
+def value_in_range(cfg: Any, layout: Layout) -> List[Problem]:
+    """Numeric fields within their meaningful range (e.g. 0 < gpu_memory_utilization <= 1, clip_ratio_c > 1)."""
+    out = []
+    for key, (lo, hi, lo_in, hi_in) in RANGES.items():
+        v = _get(cfg, key)
+        if v is KeyError or v is None:
+            continue
+        ok = (v >= lo if lo_in else v > lo) and (v <= hi if hi_in else v < hi)
+        if not ok:
+            span = f"{'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
+            out += _err("value_in_range", key, f"{key}={v} is outside {span}",
+                        f"see the field's docstring in qwen35rl/config/schema.py")
+    return out
+
+
+# =========================================================================================== pass-through dicts
+@rule("config")
+def engine_kwargs_known(cfg: Any, layout: Layout) -> List[Problem]:
+    """`rollout.engine_kwargs` keys are vLLM EngineArgs fields (a typo would fail only on the cluster)."""
+    if val(cfg, "rollout.engine") != "vllm":
+        return []
+    out = []
+    for key in val(cfg, "rollout.engine_kwargs") or {}:
+        if key not in known_keys.VLLM_ENGINE_ARGS:
+            out += _err("engine_kwargs_known", f"rollout.engine_kwargs.{key}", f"'{key}' is not a vLLM engine "
+                        "argument", did_you_mean(key, known_keys.VLLM_ENGINE_ARGS)
+                        or "see vllm.engine.arg_utils.EngineArgs for the names")
+    return out
+
+
+def _owned(section: str, key: str, owner: str) -> List[Problem]:
+    if " " in owner:  # not a config key: the launcher decides it
+        return _err(f"{section.split('.')[-1]}_not_owned", f"{section}.{key}", f"'{key}' is set by qwen35rl: {owner}",
+                    f"remove {section}.{key}")
+    return _err(f"{section.split('.')[-1]}_not_owned", f"{section}.{key}", f"'{key}' is set by qwen35rl from {owner}",
+                f"remove it and set {owner} instead")
+
+
+@rule("config")
+def engine_kwargs_not_owned(cfg: Any, layout: Layout) -> List[Problem]:
+    """Engine arguments qwen35rl derives from its own config are set there, once."""
+    out = []
+    for key in val(cfg, "rollout.engine_kwargs") or {}:
+        if key in known_keys.VLLM_OWNED:
+            out += _owned("rollout.engine_kwargs", key, known_keys.VLLM_OWNED[key])
+    return out
+
+
+@rule("config")
+def transformer_overrides_known(cfg: Any, layout: Layout) -> List[Problem]:
+    """`backend.transformer_overrides` keys are megatron-core TransformerConfig fields."""
+    if not _megatron(layout):
+        return []
+    out = []
+    for key in val(cfg, "backend.transformer_overrides") or {}:
+        if key not in known_keys.MEGATRON_TRANSFORMER_CONFIG:
+            out += _err("transformer_overrides_known", f"backend.transformer_overrides.{key}", f"'{key}' is not a "
+                        "megatron-core TransformerConfig field", did_you_mean(key, known_keys.MEGATRON_TRANSFORMER_CONFIG)
+                        or "see megatron/core/transformer/transformer_config.py for the names")
+    return out
+
+
+@rule("config")
+def transformer_overrides_not_owned(cfg: Any, layout: Layout) -> List[Problem]:
+    """TransformerConfig fields qwen35rl derives (architecture, layout, engine knobs) are set at their source."""
+    if not _megatron(layout):
+        return []
+    out = []
+    for key in val(cfg, "backend.transformer_overrides") or {}:
+        if key in known_keys.MEGATRON_OWNED:
+            out += _owned("backend.transformer_overrides", key, known_keys.MEGATRON_OWNED[key])
+    return out
+
+
+@rule("config")
+def quirk_overridden(cfg: Any, layout: Layout) -> List[Problem]:
+    """A user value for a key a platform quirk sets wins over the quirk: warn, with the quirk's reason."""
+    if val(cfg, "rollout.engine") != "vllm":
+        return []
+    user = val(cfg, "rollout.engine_kwargs") or {}
+    out = []
+    for q in quirks.applying_quirks(cfg):
+        if q["key"] in user and user[q["key"]] != q["value"]:
+            out.append(Problem("quirk_overridden", f"rollout.engine_kwargs.{q['key']}", f"{q['key']}={user[q['key']]!r} "
+                               f"replaces the {val(cfg, 'hw.name')} quirk {q['key']}={q['value']!r} for vLLM "
+                               f"{val(cfg, 'rollout.vllm_version')} (< {q.get('below_version')}): {q['why']}",
+                               f"remove rollout.engine_kwargs.{q['key']} unless you know the quirk no longer applies",
+                               WARNING))
+    return out
+
+
+# ======================================================================================================= memory
+def train_memory_problems(cfg: Any, est: memory.MemoryEstimate) -> List[Problem]:
+    """The training peak fits the device (shared by the rule and the layout search)."""
+    if est.train_peak_gib <= est.capacity_gib:
+        return []
+    big = max((k for k in est.terms if k.startswith("train/")), key=lambda k: est.terms[k])
+    b = val(cfg, "backend")
+    if b["name"] == "megatron":
+        hint = ("enable backend.optimizer_cpu_offload=true" if not b["optimizer_cpu_offload"] else
+                "try more parallelism.pp or parallelism.ep, or parallelism=auto")
+    else:
+        hint = ("enable backend.param_offload=true backend.optimizer_offload=true backend.offload_policy=true"
+                if not b.get("offload_policy") else "try backend=megatron or more devices (hw.nodes)")
+    if big == "train/activations":
+        hint = "turn on recompute / backend.gradient_checkpointing or lower backend.micro_batch_size_per_device; " + hint
+    return _err("train_memory_fits", "parallelism", f"training needs {est.train_peak_gib:.1f} GiB per device (largest:"
+                f" {big.split('/')[1]} {est.terms[big]:.1f} GiB) but {est.capacity_gib:.1f} GiB are usable", hint)
+
+
+def rollout_memory_problems(cfg: Any, est: memory.MemoryEstimate) -> List[Problem]:
+    """The rollout engine fits its memory share, and with what the trainer keeps, the device."""
+    out = []
+    if not est.rollout_engine_fits:
+        out += _err("rollout_memory_fits", "rollout.gpu_memory_utilization", f"vLLM's share of "
+                    f"{est.rollout_pool_gib:.1f} GiB cannot hold the rollout weights "
+                    f"({est.terms['rollout/weights']:.1f} GiB), activations and one sequence of max_model_len "
+                    f"({est.rollout_min_gib:.1f} GiB together)", "raise rollout.gpu_memory_utilization or "
+                    "parallelism.rollout.tp (or rollout EP)")
+    if est.rollout_peak_gib > est.capacity_gib:
+        kept = est.terms["rollout/kept_by_trainer"]
+        out += _err("rollout_memory_fits", "rollout.gpu_memory_utilization", f"during rollout the trainer keeps "
+                    f"{kept:.1f} GiB and the engine takes {est.rollout_peak_gib - kept:.1f} GiB: "
+                    f"{est.rollout_peak_gib:.1f} GiB > {est.capacity_gib:.1f} GiB usable",
+                    "enable backend.param_offload / backend.optimizer_offload, or lower "
+                    "rollout.gpu_memory_utilization")
+    return out
+
+
+@rule("train")
+def train_memory_fits(cfg: Any, layout: Layout) -> List[Problem]:
+    """The training phase's per-device peak fits the usable memory."""
+    return train_memory_problems(cfg, memory.estimate(cfg, layout))
+
+
+@rule("colocated")
+def rollout_memory_fits(cfg: Any, layout: Layout) -> List[Problem]:
+    """The rollout phase fits: vLLM's share holds weights + activations + one full sequence, and the trainer's
+    leftovers plus that share fit the device."""
+    return rollout_memory_problems(cfg, memory.estimate(cfg, layout))
+
+
+# ========================================================================================================= entry
+def run_rules(cfg: Any, layout: Layout, scopes: Iterable[str] = SCOPES, stop_at_error: bool = False) -> List[Problem]:
+    """Problems of the rules in `scopes`. Layout rules are skipped while degrees are not positive."""
+    wanted, out = set(scopes), []
+    for scope, fn in RULES:
+        if scope not in wanted:
+            continue
+        found = fn(cfg, layout)
+        out += found
+        if fn is degrees_positive and found:
+            wanted &= {"config"}
+        if stop_at_error and any(p.severity == ERROR for p in found):
+            break
+    return out
+
+
+def check_all(cfg: Any, layout: Layout) -> List[Problem]:
+    """Every rule's problems for `cfg` (a resolved DictConfig or plain dict tree) and its derived layout."""
+    return run_rules(memory.as_tree(cfg), layout)
