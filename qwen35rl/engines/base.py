@@ -8,6 +8,14 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+# Keys of `global_scale` in `TrainEngine.train_mini_batch` (the arguments of `algo.core.agg_loss`).
+GLOBAL_TOKENS = "global_tokens"
+"""Valid response tokens of the whole mini batch over all DP ranks."""
+GLOBAL_SEQS = "global_seqs"
+"""Responses with at least one valid token in the whole mini batch over all DP ranks."""
+NORM_CONST = "norm_const"
+"""Divisor of seq-mean-token-sum-norm (optional; default algorithm.loss_scale_factor or data.max_response_length)."""
+
 
 @dataclass
 class RolloutRequest:
@@ -61,22 +69,30 @@ class TrainEngine(abc.ABC):
 
     @abc.abstractmethod
     def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Per-token log-probs [B, T] (and entropy) of batch.input_ids, zero outside response_mask."""
+        """Per-token log-probs [B, T] (and entropy) of batch.input_ids, zero outside response_mask, fp32, under
+        the rollout's sampling distribution (logits / rollout.temperature). Collective across DP ranks (FSDP)."""
 
     @abc.abstractmethod
     def train_mini_batch(self, micro_batches: List[Batch], global_scale: Dict[str, float]) -> Dict[str, float]:
-        """One optimizer step over this rank's micro batches of a mini batch. `global_scale` carries the global
-        normalisers (e.g. valid tokens / sequences in the whole mini batch across DP ranks). Returns metrics."""
+        """One optimizer step over this rank's micro batches of a mini batch (collective across DP ranks).
+
+        `global_scale` holds the mini batch's global normalisers under GLOBAL_TOKENS / GLOBAL_SEQS (and optionally
+        NORM_CONST); when the counts are absent the engine all-reduces them itself. Micro batches need advantages,
+        ref_log_probs when algorithm.use_kl_loss, and old_log_probs (absent: the current log-probs, i.e. on-policy).
+        Returns `actor/*` metrics, identical on every rank."""
 
     @abc.abstractmethod
     def export_weights(self, bucket_mb: int) -> Iterator[List[Tuple[str, torch.Tensor]]]:
-        """Full (unsharded) HF-named tensors in buckets of about bucket_mb, for the rollout engine."""
+        """Full (unsharded) tensors named as in the HF model's `named_parameters()` (tied weights once), on CPU in
+        `model.dtype`, in buckets of about bucket_mb. Collective: every rank iterates it in the same order."""
 
     @abc.abstractmethod
-    def state_dict_for_checkpoint(self) -> Dict[str, Any]: ...
+    def state_dict_for_checkpoint(self) -> Dict[str, Any]:
+        """Model + optimizer + scheduler state for torch.distributed.checkpoint (sharded tensors as DTensors)."""
 
     @abc.abstractmethod
-    def load_checkpoint_state(self, state: Dict[str, Any]) -> None: ...
+    def load_checkpoint_state(self, state: Dict[str, Any]) -> None:
+        """Load what `state_dict_for_checkpoint` returned (after DCP filled it in place)."""
 
 
 class RolloutEngine(abc.ABC):

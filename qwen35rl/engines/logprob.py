@@ -36,11 +36,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, labels)
         ctx.chunk_size, ctx.temperature, ctx.with_entropy = chunk_size, temperature, with_entropy
         ctx.mark_non_differentiable(labels)
+        ctx.set_materialize_grads(False)  # an unused output (entropy with coef 0) costs no backward work
         return (logp, ent) if with_entropy else (logp,)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent=None):
         hidden, weight, labels = ctx.saved_tensors
+        if grad_logp is None and grad_ent is None:
+            return None, None, None, None, None, None
         chunk, temp = ctx.chunk_size, ctx.temperature
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -50,8 +53,11 @@ class _ChunkedLogProbs(torch.autograd.Function):
             log_probs, _ = _chunk_stats(h, weight, y, temp)
             probs = log_probs.exp()
             # d logp_y / d z = onehot(y) - p
-            g = -probs * grad_logp[s:s + chunk, None].float()
-            g.scatter_add_(-1, y.unsqueeze(-1), grad_logp[s:s + chunk, None].float())
+            g = torch.zeros_like(probs)
+            if grad_logp is not None:
+                g_lp = grad_logp[s:s + chunk, None].float()
+                g -= probs * g_lp
+                g.scatter_add_(-1, y.unsqueeze(-1), g_lp)
             if ctx.with_entropy and grad_ent is not None:
                 # H = -sum p log p;  dH/dz = -p * (log p + H)
                 entropy = -(probs * log_probs).sum(-1, keepdim=True)

@@ -1,0 +1,357 @@
+"""TrainEngine over a transformers Qwen3.5 model with FSDP2 (`fully_shard` per decoder layer, then the root).
+
+Without an initialised process group (one CPU process, unit tests) the same code runs on a plain module.
+Parameters are kept in fp32 (the optimizer's master copy); `backend.mixed_precision` picks bf16 compute on
+accelerators. Log-probs come from the chunked vocab projection of `engines.logprob`, inside the FSDP root's
+forward so that FSDP gathers lm_head for it and reduce-scatters its gradient.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import math
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from qwen35rl.algo.core import agg_loss, kl_penalty, local_batch_counts, masked_sum, policy_loss
+from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST, Batch, TrainEngine
+from qwen35rl.engines.logprob import chunked_logprobs_entropy
+from qwen35rl.models.build import build_model, torch_dtype
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def packing_supported(device: torch.device) -> bool:
+    """Packed sequences (no padding) keep documents apart only with flash-linear-attention's GDN kernel and the
+    causal-conv1d kernel (both take sequence boundaries); the torch fallbacks would leak state across documents."""
+    return (device.type == "cuda" and importlib.util.find_spec("fla") is not None
+            and importlib.util.find_spec("causal_conv1d") is not None)
+
+
+def mixed_precision_dtype(setting: str, device: torch.device) -> torch.dtype:
+    if setting == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return torch_dtype(setting)
+
+
+def decoder_layers(lm: nn.Module) -> List[nn.Module]:
+    """The FSDP units: text decoder layers (and vision blocks of a VL model)."""
+    inner = lm.model
+    text = inner.language_model if hasattr(inner, "language_model") else inner
+    units = list(text.layers)
+    if hasattr(inner, "visual"):
+        units += list(inner.visual.blocks)
+    return units
+
+
+def lr_lambda(warmup: int, scheduler: str, total_steps: Optional[int], min_lr_ratio: float):
+    """Linear warmup over `warmup` optimizer steps (step k uses (k+1)/warmup), then constant or cosine down to
+    min_lr_ratio at `total_steps`."""
+    if scheduler not in ("constant", "cosine"):
+        raise ValueError(f"backend.lr_scheduler={scheduler!r}: expected constant or cosine")
+    if scheduler == "cosine" and not total_steps:
+        raise ValueError("backend.lr_scheduler=cosine needs the total number of optimizer steps")
+
+    def fn(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return fn
+
+
+def _init_rotary_buffers(lm: nn.Module) -> None:
+    """Non-persistent rotary `inv_freq` buffers are not in any state dict: recompute them after meta init."""
+    for module in lm.modules():
+        if "RotaryEmbedding" in type(module).__name__ and hasattr(module, "original_inv_freq"):
+            lm._init_weights(module)
+
+
+class PolicyWithLogProbs(nn.Module):
+    """The FSDP root: decoder forward plus the chunked log-prob head, so lm_head is gathered for it."""
+
+    def __init__(self, lm: nn.Module, chunk_size: int):
+        super().__init__()
+        self.lm = lm
+        self.chunk_size = chunk_size
+
+    def forward(self, input_ids, attention_mask, position_ids, response_mask, temperature: float, with_entropy: bool,
+                pack: bool = False, multimodal: Optional[Dict[str, torch.Tensor]] = None):
+        hidden = self._hidden(input_ids, attention_mask, position_ids, pack, multimodal or {})
+        # the token at t is predicted from position t-1
+        sel = response_mask[:, 1:].bool()
+        h = hidden[:, :-1][sel]
+        labels = input_ids[:, 1:][sel]
+        logp, ent = chunked_logprobs_entropy(h, self.lm.lm_head.weight, labels, self.chunk_size, temperature, with_entropy)
+        out_logp = hidden.new_zeros(input_ids.shape, dtype=torch.float32)
+        out_logp[:, 1:][sel] = logp
+        out_ent = None
+        if ent is not None:
+            out_ent = hidden.new_zeros(input_ids.shape, dtype=torch.float32)
+            out_ent[:, 1:][sel] = ent
+        return out_logp, out_ent
+
+    def _hidden(self, input_ids, attention_mask, position_ids, pack, multimodal):
+        base = self.lm.model
+        if not pack:
+            return base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=False, **multimodal).last_hidden_state
+        valid = attention_mask.bool()
+        lengths = valid.sum(1)
+        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        max_len = int(lengths.max())
+        seq_idx = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device, dtype=torch.int32), lengths)
+        packed = base(input_ids=input_ids[valid][None], position_ids=position_ids[valid][None], attention_mask=None,
+                      use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len,
+                      seq_idx=seq_idx[None]).last_hidden_state
+        hidden = packed.new_zeros(*input_ids.shape, packed.shape[-1])
+        hidden[valid] = packed[0]
+        return hidden
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+class FsdpTrainEngine(TrainEngine):
+    """The policy (or, with `reference=True`, a frozen reference copy without optimizer) on one DP rank.
+
+    cfg: the resolved run config. `total_steps`: optimizer steps of the whole run (needed by the cosine schedule).
+    """
+
+    def __init__(self, cfg: Any, *, rank: int, world_size: int, device: Any, dp_group: Optional[Any] = None,
+                 reference: bool = False, total_steps: Optional[int] = None):
+        self.cfg, self.rank, self.world_size, self.reference = cfg, rank, world_size, reference
+        self.device = torch.device(device)
+        self.backend, self.algo = cfg.backend, cfg.algorithm
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if world_size > 1 and not self.distributed:
+            raise RuntimeError(f"world_size={world_size} needs an initialised torch.distributed process group")
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group) if self.distributed else 1
+        self.compute_dtype = mixed_precision_dtype(self.backend.mixed_precision, self.device)
+        self.temperature = float(cfg.rollout.temperature) if cfg.rollout.temperature > 0 else 1.0
+        self.text_only = cfg.model.vision is None or not cfg.data.has_images
+        self.pack = bool(self.backend.remove_padding) and packing_supported(self.device)
+        if self.backend.remove_padding and not self.pack:
+            log.info("backend.remove_padding: padded batches (packing needs flash-linear-attention and causal-conv1d on CUDA)")
+        self.skipped_steps = 0
+
+        # A frozen reference never updates: keep it in the compute dtype. The policy keeps fp32 master weights.
+        param_dtype = self.compute_dtype if reference else torch.float32
+        seed = int(cfg.trainer.seed)
+        if self.distributed:
+            lm = build_model(cfg.model, dtype=param_dtype, device="meta", text_only=self.text_only)
+        else:
+            lm = build_model(cfg.model, dtype=param_dtype, device=self.device, seed=seed, text_only=self.text_only)
+        lm.config.use_cache = False
+        if self.backend.gradient_checkpointing and not reference:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.lm = lm
+        self.module: nn.Module = PolicyWithLogProbs(lm, int(self.backend.logprob_chunk_size))
+        if self.distributed:
+            self._shard()
+            self._materialise(param_dtype, seed)
+        if reference:
+            self.module.requires_grad_(False)
+        self.module.eval()
+
+        self.optimizer = self.scheduler = None
+        if not reference:
+            self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=float(self.backend.lr),
+                                               betas=tuple(float(b) for b in self.backend.betas),
+                                               weight_decay=float(self.backend.weight_decay))
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(
+                int(self.backend.lr_warmup_steps), self.backend.lr_scheduler, total_steps, float(self.backend.min_lr_ratio)))
+
+    # ------------------------------------------------------------------------------------------ setup
+    def _shard(self) -> None:
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        if self.dp_group is not None:
+            mesh = DeviceMesh.from_group(self.dp_group, self.device.type)
+        else:
+            mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        offload = CPUOffloadPolicy() if (self.backend.offload_policy or self.backend.param_offload) else OffloadPolicy()
+        kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
+        for unit in decoder_layers(self.lm):
+            fully_shard(unit, reshard_after_forward=bool(self.backend.reshard_after_forward), **kw)
+        fully_shard(self.module, **kw)
+
+    def _materialise(self, param_dtype: torch.dtype, seed: int) -> None:
+        """Allocate this rank's shards and fill them from rank 0's full weights (random init or the checkpoint):
+        only rank 0 ever holds the whole model, and only on CPU."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        offloaded = self.backend.offload_policy or self.backend.param_offload
+        self.module.to_empty(device="cpu" if offloaded else self.device)
+        with torch.no_grad():
+            _init_rotary_buffers(self.lm)
+        full: Dict[str, torch.Tensor] = {}
+        if dist.get_rank() == 0:
+            src = build_model(self.cfg.model, dtype=param_dtype, device="cpu", seed=seed, text_only=self.text_only)
+            full = {f"lm.{k}": v for k, v in src.state_dict().items()}
+        set_model_state_dict(self.module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+    # ------------------------------------------------------------------------------------------ forward
+    def _autocast(self):
+        if self.distributed or self.compute_dtype == torch.float32 or self.reference:
+            return contextlib.nullcontext()  # FSDP's mixed-precision policy (or plain fp32) already decides
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _forward(self, batch: Batch, with_entropy: bool):
+        pack = self.pack and not batch.multimodal
+        mm = {k: v.to(self.device) for k, v in batch.multimodal.items()}
+        position_ids = batch.position_ids
+        if position_ids is None:
+            position_ids = (batch.attention_mask.long().cumsum(1) - 1).clamp(min=0)
+        if mm:
+            position_ids = None  # the VL model derives 3-D mrope positions from the image grid
+        with self._autocast():
+            return self.module(batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
+                               None if position_ids is None else position_ids.to(self.device),
+                               batch.response_mask.to(self.device), self.temperature, with_entropy, pack, mm)
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        self.module.eval()
+        logp, ent = self._forward(batch, with_entropy)
+        return logp, ent
+
+    # ------------------------------------------------------------------------------------------ update
+    def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        if self.distributed:
+            t = t.to(self.device if self.device.type != "cpu" else "cpu")
+            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.dp_group)
+        return t
+
+    def _global_counts(self, micro_batches: List[Batch], global_scale: Dict[str, float]) -> Tuple[float, float]:
+        if GLOBAL_TOKENS in global_scale and GLOBAL_SEQS in global_scale:
+            return float(global_scale[GLOBAL_TOKENS]), float(global_scale[GLOBAL_SEQS])
+        local = torch.tensor([local_batch_counts(mb.response_mask) for mb in micro_batches], dtype=torch.float64).sum(0)
+        tokens, seqs = self._all_reduce(local).tolist()
+        return tokens, seqs
+
+    def train_mini_batch(self, micro_batches: List[Batch], global_scale: Dict[str, float]) -> Dict[str, float]:
+        if self.reference:
+            raise RuntimeError("the reference engine is frozen: it has no optimizer")
+        algo = self.algo
+        tokens, seqs = self._global_counts(micro_batches, global_scale)
+        norm_const = global_scale.get(NORM_CONST)
+        if norm_const is None:
+            norm_const = algo.loss_scale_factor or self.cfg.data.max_response_length
+        agg = dict(mode=algo.loss_agg_mode, global_tokens=tokens, global_seqs=seqs, dp_size=self.dp_size,
+                   norm_const=float(norm_const))
+        need_entropy_grad = float(algo.entropy_coef) != 0.0
+
+        self.module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        # sums over this rank: aggregated losses, then masked token sums and counts for the token-mean metrics
+        sums = torch.zeros(8, dtype=torch.float64)
+        for mb in micro_batches:
+            mask = mb.response_mask.to(self.device)
+            logp, ent = self._forward(mb, with_entropy=True)
+            old = mb.old_log_probs.to(self.device) if mb.old_log_probs is not None else logp.detach()
+            pg_mat, stats = policy_loss(logp, old, mb.advantages.to(self.device), mask,
+                                        algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_c)
+            pg = agg_loss(pg_mat, mask, **agg)
+            loss = pg
+            kl = torch.zeros((), device=self.device)
+            if algo.use_kl_loss:
+                if mb.ref_log_probs is None:
+                    raise ValueError("algorithm.use_kl_loss needs ref_log_probs in every micro batch")
+                kl = agg_loss(kl_penalty(logp, mb.ref_log_probs.to(self.device), algo.kl_loss_type), mask, **agg)
+                loss = loss + float(algo.kl_loss_coef) * kl
+            ent_agg = agg_loss(ent if need_entropy_grad else ent.detach(), mask, **agg)
+            if need_entropy_grad:
+                loss = loss - float(algo.entropy_coef) * ent_agg
+            loss.backward()
+            sums += torch.tensor([
+                pg.item(), kl.item(), ent_agg.item(), float(not torch.isfinite(loss).item()),
+                masked_sum(stats["clipfrac"], mask).item(), masked_sum(stats["approx_kl"], mask).item(),
+                masked_sum(stats["clipfrac_lower"], mask).item(), float(mask.sum().item()),
+            ], dtype=torch.float64)
+        sums = self._all_reduce(sums)
+        grad_norm = self._clip_grad_norm()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if sums[3] > 0 or not math.isfinite(grad_norm):
+            self.skipped_steps += 1
+            log.warning("skipping optimizer step: non-finite %s", "loss" if sums[3] > 0 else f"grad norm {grad_norm}")
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():  # the schedule follows steps taken or skipped; torch warns on a skipped first
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
+        self.module.eval()
+        n_tok = max(float(sums[7]), 1.0)
+        return {
+            # the aggregated losses are dp_size times each rank's share (agg_loss undoes the gradient average)
+            "actor/pg_loss": float(sums[0]) / self.dp_size,
+            "actor/kl_loss": float(sums[1]) / self.dp_size,
+            "actor/entropy": float(sums[2]) / self.dp_size,
+            "actor/pg_clipfrac": float(sums[4]) / n_tok,
+            "actor/ppo_kl": float(sums[5]) / n_tok,
+            "actor/pg_clipfrac_lower": float(sums[6]) / n_tok,
+            "actor/grad_norm": grad_norm,
+            "actor/lr": lr,
+            "actor/skipped_steps": float(self.skipped_steps),
+        }
+
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        total = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
+        if hasattr(total, "full_tensor"):
+            total = total.full_tensor()
+        norm = float(total)
+        if self.backend.grad_clip and self.backend.grad_clip > 0 and math.isfinite(norm):
+            torch.nn.utils.clip_grads_with_norm_(params, float(self.backend.grad_clip), total)
+        return norm
+
+    # ------------------------------------------------------------------------------------------ weights
+    def export_weights(self, bucket_mb: int) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+        """Collective on every rank (each gathers one parameter at a time); tensors in `model.dtype` on CPU."""
+        out_dtype = torch_dtype(self.cfg.model.dtype)
+        limit = float(bucket_mb) * 2 ** 20  # <= 0: one tensor per bucket
+        bucket: List[Tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, p in self.lm.named_parameters():
+            t = p.detach()
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            t = t.to(device="cpu", dtype=out_dtype)
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+            if size >= limit:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    def state_dict_for_checkpoint(self) -> Dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self.reference:
+            return {"model": get_model_state_dict(self.module)}
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
+                "skipped_steps": self.skipped_steps}
+
+    def load_checkpoint_state(self, state: Dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if self.reference:
+            set_model_state_dict(self.module, state["model"])
+            return
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))

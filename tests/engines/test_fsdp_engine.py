@@ -1,0 +1,281 @@
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import math
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from qwen35rl.config.compose import compose
+from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, Batch
+from qwen35rl.engines.fsdp_engine import FsdpTrainEngine, lr_lambda
+from qwen35rl.runtime.batching import Sequences, build_batch
+
+PAD = 259
+AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def _cfg(*overrides):
+    # grad_clip off: the comparisons below look at raw gradients
+    return compose(["model=qwen3_5_tiny", "hw=cpu", "backend.lr=1e-3", "backend.gradient_checkpointing=false", "backend.grad_clip=0",
+                    "algorithm.use_kl_loss=true", "algorithm.entropy_coef=0.01", "backend.lr_warmup_steps=0",
+                    *overrides])
+
+
+def _sequences(n=4, seed=0) -> Sequences:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 256, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    resps = [torch.randint(0, 256, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    adv = torch.randn(n, generator=g).tolist()
+    old = [(-5.5 + 0.3 * torch.randn(len(r), generator=g)).tolist() for r in resps]
+    ref = [(-5.5 + 0.3 * torch.randn(len(r), generator=g)).tolist() for r in resps]
+    return Sequences(prompts, resps, old_log_probs=old, ref_log_probs=ref, advantages=adv)
+
+
+def _micro_batches(seqs: Sequences, size: int):
+    return [build_batch(seqs.select(i, i + size), PAD) for i in range(0, len(seqs), size)]
+
+
+def _full_grads(engine):
+    out = {}
+    for name, p in engine.lm.named_parameters():
+        g = p.grad
+        out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    return out
+
+
+def _step_capturing_grads(engine, micro_batches, global_scale=None):
+    """One train_mini_batch; returns (metrics, grads just before the optimizer step, weights after)."""
+    captured = {}
+    hook = engine.optimizer.register_step_pre_hook(lambda *_: captured.update(_full_grads(engine)))
+    metrics = engine.train_mini_batch(micro_batches, global_scale or {})
+    hook.remove()
+    weights = {n: t for bucket in engine.export_weights(1) for n, t in bucket}
+    return metrics, captured, weights
+
+
+def _assert_same_update(w_a, w_b, grad, msg):
+    # Adam's first step is about lr * sign(grad): where a gradient sits at fp32 rounding noise its sign (and the
+    # update) is arbitrary, so updates are compared where the gradient is well above that noise.
+    sure = grad.abs() > 1e-5
+    torch.testing.assert_close(w_a[sure], w_b[sure], rtol=1e-5, atol=1e-6, msg=msg)
+
+
+def _run(engine_cfg, seqs, micro, world=1, rank=0):
+    engine = FsdpTrainEngine(engine_cfg, rank=rank, world_size=world, device="cpu")
+    share = seqs.select(rank * len(seqs) // world, (rank + 1) * len(seqs) // world)
+    return _step_capturing_grads(engine, _micro_batches(share, micro))
+
+
+# ----------------------------------------------------------------------------------------- single process
+def test_log_probs_zero_outside_response_and_match_hf_logits():
+    cfg = _cfg()
+    engine = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu")
+    batch = build_batch(_sequences(), PAD)
+    logp, ent = engine.compute_log_probs(batch, with_entropy=True)
+    mask = batch.response_mask.bool()
+    assert (logp[~mask] == 0).all() and (ent[~mask] == 0).all() and (logp[mask] < 0).all()
+    # reference: full logits of the HF model, temperature-scaled
+    with torch.no_grad():
+        logits = engine.lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                           position_ids=batch.position_ids).logits.float() / cfg.rollout.temperature
+    ref = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(logp[:, 1:][mask[:, 1:]], ref[mask[:, 1:]], rtol=1e-5, atol=1e-5)
+
+
+def test_temperature_is_applied_to_training_log_probs():
+    batch = build_batch(_sequences(), PAD)
+    lp1, _ = FsdpTrainEngine(_cfg("rollout.temperature=1.0"), rank=0, world_size=1, device="cpu").compute_log_probs(batch)
+    lp2, _ = FsdpTrainEngine(_cfg("rollout.temperature=0.5"), rank=0, world_size=1, device="cpu").compute_log_probs(batch)
+    mask = batch.response_mask.bool()
+    assert not torch.allclose(lp1[mask], lp2[mask])
+
+
+def test_loss_decreases_on_a_fixed_batch():
+    # positive advantages on fixed responses: the policy must raise their likelihood
+    engine = FsdpTrainEngine(_cfg("backend.lr=1e-3", "algorithm.use_kl_loss=false"), rank=0, world_size=1, device="cpu")
+    seqs = _sequences()
+    seqs.advantages = [1.0] * len(seqs)
+    seqs.old_log_probs = seqs.ref_log_probs = None
+    batch = build_batch(seqs, PAD)
+    mask = batch.response_mask.bool()
+    nll = [-engine.compute_log_probs(batch)[0][mask].mean().item()]
+    for _ in range(8):
+        m = engine.train_mini_batch([batch], {})
+        nll.append(-engine.compute_log_probs(batch)[0][mask].mean().item())
+    assert nll[-1] < nll[0] - 1.0, nll
+    assert all(b < a for a, b in zip(nll, nll[1:])), nll
+    assert m["actor/lr"] == pytest.approx(1e-3) and m["actor/skipped_steps"] == 0
+
+
+def test_metrics_follow_the_loss_definitions():
+    cfg = _cfg("algorithm.loss_agg_mode=token-mean")
+    engine = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu")
+    batch = build_batch(_sequences(), PAD)
+    logp, ent = engine.compute_log_probs(batch, with_entropy=True)
+    mask = batch.response_mask.bool()
+    m = engine.train_mini_batch([batch], {})
+    delta = (logp - batch.old_log_probs)[mask]
+    ratio = delta.exp()
+    adv = batch.advantages[mask]
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    pg = torch.where(adv < 0, torch.minimum(pg, -adv * 3.0), pg)
+    assert m["actor/pg_loss"] == pytest.approx(pg.mean().item(), rel=1e-5)
+    assert m["actor/ppo_kl"] == pytest.approx((-delta).mean().item(), rel=1e-5)
+    assert m["actor/entropy"] == pytest.approx(ent[mask].mean().item(), rel=1e-5)
+    u = -(logp - batch.ref_log_probs)[mask]
+    assert m["actor/kl_loss"] == pytest.approx((u.exp() - u - 1).mean().item(), rel=1e-4)
+    assert set(m) >= {"actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/ppo_kl",
+                      "actor/grad_norm", "actor/lr", "actor/skipped_steps"}
+
+
+def test_non_finite_loss_skips_the_step():
+    engine = FsdpTrainEngine(_cfg(), rank=0, world_size=1, device="cpu")
+    batch = build_batch(_sequences(), PAD)
+    before = {n: t.clone() for n, t in engine.lm.state_dict().items()}
+    batch.advantages = batch.advantages.masked_fill(batch.response_mask.bool(), float("nan"))
+    m = engine.train_mini_batch([batch], {})
+    assert m["actor/skipped_steps"] == 1
+    assert all(torch.equal(before[n], t) for n, t in engine.lm.state_dict().items())
+    assert engine.train_mini_batch([build_batch(_sequences(), PAD)], {})["actor/skipped_steps"] == 1
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_micro_batch_1_equals_4(mode):
+    cfg = _cfg(f"algorithm.loss_agg_mode={mode}")
+    seqs = _sequences()
+    m4, g4, w4 = _run(cfg, seqs, micro=4)
+    m1, g1, w1 = _run(cfg, seqs, micro=1)
+    for name in g4:
+        torch.testing.assert_close(g1[name], g4[name], rtol=1e-4, atol=1e-6, msg=name)
+        _assert_same_update(w1[name], w4[name], g4[name], name)
+    for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl"):
+        assert m1[k] == pytest.approx(m4[k], rel=1e-4, abs=1e-7), k
+
+
+def test_explicit_global_counts_equal_computed_ones():
+    cfg = _cfg()
+    seqs = _sequences()
+    batches = _micro_batches(seqs, 2)
+    tokens = float(sum(len(r) for r in seqs.response_ids))
+    a = _step_capturing_grads(FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu"), batches,
+                              {GLOBAL_TOKENS: tokens, GLOBAL_SEQS: float(len(seqs))})
+    b = _step_capturing_grads(FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu"), batches, {})
+    assert all(torch.equal(a[1][n], b[1][n]) for n in a[1])
+    # a doubled token count halves the token-mean gradient
+    c = _step_capturing_grads(FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu"), batches,
+                              {GLOBAL_TOKENS: 2 * tokens, GLOBAL_SEQS: float(len(seqs))})
+    assert c[0]["actor/grad_norm"] == pytest.approx(b[0]["actor/grad_norm"] / 2, rel=1e-4)
+
+
+def test_lr_schedule():
+    warm_const = lr_lambda(3, "constant", None, 0.0)
+    assert [warm_const(s) for s in range(5)] == pytest.approx([1 / 3, 2 / 3, 1, 1, 1])
+    cos = lr_lambda(2, "cosine", 12, 0.1)
+    assert cos(2) == pytest.approx(1.0) and cos(7) == pytest.approx(0.55) and cos(12) == pytest.approx(0.1)
+    assert cos(50) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="total"):
+        lr_lambda(0, "cosine", None, 0.0)
+
+
+def test_engine_lr_follows_schedule():
+    engine = FsdpTrainEngine(_cfg("backend.lr=1e-3", "backend.lr_warmup_steps=2", "backend.lr_scheduler=cosine",
+                                  "backend.min_lr_ratio=0.5"), rank=0, world_size=1, device="cpu", total_steps=4)
+    batch = build_batch(_sequences(), PAD)
+    lrs = [engine.train_mini_batch([batch], {})["actor/lr"] for _ in range(5)]
+    # warmup 1/2, 2/2; cosine over steps 2..4 from 1 down to min_lr_ratio; then flat
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3 * (0.5 + 0.25 * (1 + math.cos(math.pi / 2))), 5e-4])
+
+
+def test_export_round_trip_and_reference_mode():
+    cfg = _cfg()
+    engine = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu")
+    engine.train_mini_batch(_micro_batches(_sequences(), 4), {})
+    buckets = list(engine.export_weights(bucket_mb=0))  # tiny buckets: one tensor each
+    assert len(buckets) == len(list(engine.lm.named_parameters())) and all(len(b) == 1 for b in buckets)
+    assert len(list(engine.export_weights(bucket_mb=1024))) == 1
+    sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in engine.export_weights(bucket_mb=0.1)]
+    assert len(sizes) > 2 and all(s >= 0.1 * 2 ** 20 for s in sizes[:-1])
+    ref = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu", reference=True)
+    assert ref.optimizer is None and not any(p.requires_grad for p in ref.module.parameters())
+    batch = build_batch(_sequences(seed=5), PAD)
+    assert not torch.allclose(ref.compute_log_probs(batch)[0], engine.compute_log_probs(batch)[0])
+    with torch.no_grad():
+        params = dict(ref.lm.named_parameters())
+        for bucket in buckets:
+            for name, t in bucket:
+                params[name].copy_(t)
+    torch.testing.assert_close(ref.compute_log_probs(batch)[0], engine.compute_log_probs(batch)[0])
+    with pytest.raises(RuntimeError, match="frozen"):
+        ref.train_mini_batch([batch], {})
+
+
+def test_checkpoint_state_round_trip(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    cfg = _cfg("backend.lr_scheduler=cosine")
+    a = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu", total_steps=10)
+    seqs = _sequences()
+    a.train_mini_batch(_micro_batches(seqs, 4), {})
+    dcp.save({"engine": a.state_dict_for_checkpoint()}, checkpoint_id=str(tmp_path))
+    b = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu", total_steps=10)
+    state = {"engine": b.state_dict_for_checkpoint()}
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    b.load_checkpoint_state(state["engine"])
+    # the next step is identical: weights, Adam moments and the schedule position all came back
+    ma, _, wa = _step_capturing_grads(a, _micro_batches(seqs, 4))
+    mb, _, wb = _step_capturing_grads(b, _micro_batches(seqs, 4))
+    assert ma == mb
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)
+
+
+# ----------------------------------------------------------------------------------------- two processes
+def _dp2_worker(rank, init_file, out_file):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        results = {}
+        seqs = _sequences()
+        for mode in AGG_MODES:
+            results[mode] = _run(_cfg(f"algorithm.loss_agg_mode={mode}"), seqs, micro=1, world=2, rank=rank)
+        # checkpoint state of a sharded engine: save with DCP, load into a fresh one, take identical steps
+        cfg = _cfg()
+        ckpt = os.path.join(os.path.dirname(out_file), "ckpt")
+        import torch.distributed.checkpoint as dcp
+        a = FsdpTrainEngine(cfg, rank=rank, world_size=2, device="cpu")
+        share = seqs.select(2 * rank, 2 * rank + 2)
+        a.train_mini_batch(_micro_batches(share, 2), {})
+        dcp.save({"engine": a.state_dict_for_checkpoint()}, checkpoint_id=ckpt)
+        b = FsdpTrainEngine(cfg, rank=rank, world_size=2, device="cpu")
+        state = {"engine": b.state_dict_for_checkpoint()}
+        dcp.load(state, checkpoint_id=ckpt)
+        b.load_checkpoint_state(state["engine"])
+        results["ckpt"] = (_step_capturing_grads(a, _micro_batches(share, 2)), _step_capturing_grads(b, _micro_batches(share, 2)))
+        if rank == 0:
+            torch.save(results, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_dp2_fsdp_equals_dp1():
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "dp2.pt")
+        mp.spawn(_dp2_worker, args=(os.path.join(d, "init"), out), nprocs=2, join=True)
+        dp2 = torch.load(out, weights_only=False)
+    seqs = _sequences()
+    for mode in AGG_MODES:
+        m1, g1, w1 = _run(_cfg(f"algorithm.loss_agg_mode={mode}"), seqs, micro=4)
+        m2, g2, w2 = dp2[mode]
+        assert g1.keys() == g2.keys()
+        for name in g1:
+            torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=f"{mode} grad {name}")
+            _assert_same_update(w2[name], w1[name], g1[name], f"{mode} weight {name}")
+        for k in ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm", "actor/ppo_kl", "actor/pg_clipfrac"):
+            assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-7), (mode, k)
+    (ma, _, wa), (mb, _, wb) = dp2["ckpt"]
+    assert ma == mb and all(torch.equal(wa[n], wb[n]) for n in wa)
