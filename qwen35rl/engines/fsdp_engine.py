@@ -152,7 +152,11 @@ class FsdpTrainEngine(TrainEngine):
             lm = build_model(cfg.model, dtype=param_dtype, device=self.device, seed=seed, text_only=self.text_only)
         lm.config.use_cache = False
         if self.backend.gradient_checkpointing and not reference:
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable = getattr(lm, "activation_checkpointing_enable", None)  # transformers >= 5.2x; older: gradient_*
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lm = lm
         self.module: nn.Module = PolicyWithLogProbs(lm, int(self.backend.logprob_chunk_size))
         if self.distributed:
