@@ -125,13 +125,14 @@ def train_shard(cfg: Any, layout: Layout) -> TrainShard:
         return TrainShard(dense=dense / f, expert=expert / f, layers=kinds, largest_unit=unit)
     h, embed = int(m["hidden_size"]), P.embedding_params(m)
     shards = []
-    for rank in pipeline_ranks(cfg, layout):
-        dense = sum(P.layer_dense_params(m, k) for k in rank["layers"])
-        dense += (embed if rank["E"] else 0) + (embed + h if rank["L"] else 0)
+    ranks = pipeline_ranks(cfg, layout)
+    for rank in ranks:
         expert = len(rank["layers"]) * P.layer_expert_params(m)
+        dense = P.layers_params(m, rank["layers"]) - expert
+        dense += (embed if rank["E"] else 0) + (embed + h if rank["L"] else 0)
         shards.append((dense / max(layout.tp, 1), expert / max(layout.ep * layout.etp, 1)))
     dense, expert = max(shards, key=sum)
-    most_layers = max((r["layers"] for r in pipeline_ranks(cfg, layout)), key=len)
+    most_layers = max((r["layers"] for r in ranks), key=len)
     return TrainShard(dense=dense, expert=expert, layers=most_layers, largest_unit=0.0)
 
 
@@ -299,6 +300,28 @@ def train_state_during_rollout_gib(cfg: Any, layout: Layout, shard: TrainShard) 
     return kept + reference_model_gib(cfg, layout, shard)
 
 
+def host_offloaded_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
+    """Host memory per device for what the trainer offloads: Megatron's CPU optimizer share (12 B/param), and
+    between phases weights (2 B), fp32 grads and the device optimizer share; FSDP's offload_policy keeps fp32
+    params + grads + Adam m, v (16 B/param) there, else param_offload 4 B and optimizer_offload 8 B; plus an
+    offloaded reference model (bf16)."""
+    b, n = cfg["backend"], shard.dense + shard.expert
+    if _megatron(layout):
+        host = 0.0
+        if b["optimizer_cpu_offload"]:
+            full = optimizer_states_gib({**cfg, "backend": {**b, "optimizer_cpu_offload": False}}, layout, shard)
+            host += full * float(b["optimizer_offload_fraction"])
+        host += train_weights_gib(cfg, layout, shard) if b["param_offload"] else 0.0
+        host += train_grads_gib(cfg, layout, shard) if b["grad_offload"] else 0.0
+        host += optimizer_states_gib(cfg, layout, shard) if b["optimizer_offload"] else 0.0
+    elif _fsdp_on_host(cfg):
+        host = gib(n * 4 * FP32)
+    else:
+        host = gib(n * (FP32 * bool(b["param_offload"]) + 2 * FP32 * bool(b["optimizer_offload"])))
+    offloaded_ref = b["param_offload"] or (not _megatron(layout) and _fsdp_on_host(cfg))
+    return host + (gib(n * BF16) if kl_on(cfg) and offloaded_ref else 0.0)
+
+
 def vllm_pool_gib(cfg: Any) -> float:
     """vLLM claims gpu_memory_utilization of the device's nominal memory for weights, activations and cache."""
     return float(cfg["rollout"]["gpu_memory_utilization"]) * float(cfg["hw"]["memory_gb"]) * 1e9 / GIB
@@ -367,6 +390,11 @@ class MemoryEstimate:
     """Full-length sequences the vLLM cache holds at once (0: not even one)."""
 
     @property
+    def host_gib(self) -> float:
+        """Host memory per device for offloaded state (reported, not checked: hw does not state host memory)."""
+        return sum(v for k, v in self.terms.items() if k.startswith("host/"))
+
+    @property
     def headroom(self) -> float:
         """Free fraction of the capacity at the higher of the two peaks (negative: does not fit)."""
         return 1.0 - max(self.train_peak_gib, self.rollout_peak_gib) / max(self.capacity_gib, 1e-9)
@@ -380,7 +408,7 @@ class MemoryEstimate:
         return {"train_peak": r(self.train_peak_gib), "rollout_peak": r(self.rollout_peak_gib),
                 "capacity": r(self.capacity_gib), "fits": self.fits, "headroom": r(self.headroom),
                 "rollout_pool": r(self.rollout_pool_gib), "rollout_min": r(self.rollout_min_gib),
-                "rollout_sequences": self.rollout_sequences, "terms": {k: r(v) for k, v in self.terms.items()}}
+                "rollout_sequences": self.rollout_sequences, "host": r(self.host_gib), "terms": {k: r(v) for k, v in self.terms.items()}}
 
 
 def train_terms(cfg: Any, layout: Layout) -> Dict[str, float]:
@@ -395,6 +423,7 @@ def train_terms(cfg: Any, layout: Layout) -> Dict[str, float]:
         "train/logits": logits_gib(cfg, layout),
         "train/reference": reference_model_gib(cfg, layout, shard),
         "rollout/kept_by_trainer": train_state_during_rollout_gib(cfg, layout, shard),
+        "host/trainer_offload": host_offloaded_gib(cfg, layout, shard),
     }
 
 
@@ -402,6 +431,8 @@ def rollout_terms(cfg: Any, layout: Layout) -> Dict[str, float]:
     """The rollout engine's terms (they depend on the rollout layout only)."""
     weights = gib(rollout_weights_params(cfg, layout) * dtype_bytes(cfg["model"]["dtype"]))
     terms = {"rollout/weights": weights, "train/sleeping_engine": sleeping_engine_gib(cfg, layout)}
+    if cfg["rollout"]["engine"] == "vllm" and cfg["rollout"]["free_cache_engine"] and int(cfg["rollout"]["sleep_level"]) == 1:
+        terms["host/sleeping_engine"] = weights  # sleep level 1 parks the weights in host memory
     if cfg["rollout"]["engine"] == "hf":
         terms["rollout/kv_cache"] = hf_engine_sequences(cfg, layout) * sequence_cache_gib(cfg, layout)
     else:

@@ -131,9 +131,15 @@ def count_params(model_cfg: Any) -> ParamCount:
     kinds = layer_kinds(m)
     embed = embedding_params(m) + lm_head_params(m)
     final_norm = int(m["hidden_size"])
-    mixers = sum(layer_dense_params(m, k) - ffn_dense_params(m) for k in kinds)
+    mixers = sum(kinds.count(k) * (layer_dense_params(m, k) - ffn_dense_params(m)) for k in ("linear", "full"))
     text = embed + final_norm + mixers + len(kinds) * (ffn_dense_params(m) + layer_expert_params(m))
     text_active = embed + final_norm + mixers + len(kinds) * ffn_active_params(m)
     vision = vision_params(m["vision"])
     return ParamCount(total=text + vision, active=text_active, text=text, text_active=text_active, vision=vision,
                       mtp=mtp_params(m), embedding=embed)
+
+
+def layers_params(m: Any, kinds: List[str], active: bool = False) -> int:
+    """Parameters of these decoder layers (active: only what one token touches)."""
+    ffn = ffn_active_params(m) if active else ffn_dense_params(m) + layer_expert_params(m)
+    return sum(kinds.count(k) * (layer_dense_params(m, k) - ffn_dense_params(m) + ffn) for k in ("linear", "full"))

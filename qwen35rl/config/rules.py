@@ -790,16 +790,22 @@ def rollout_memory_fits(cfg: Any, layout: Layout) -> List[Problem]:
 
 
 # ========================================================================================================= entry
-def run_rules(cfg: Any, layout: Layout, scopes: Iterable[str] = SCOPES, stop_at_error: bool = False) -> List[Problem]:
-    """Problems of the rules in `scopes`. Layout rules are skipped while degrees are not positive."""
+def run_rules(cfg: Any, layout: Layout, scopes: Iterable[str] = SCOPES, stop_at_error: bool = False,
+              skip: Sequence[Rule] = (), errors_only: bool = False) -> List[Problem]:
+    """Problems of the rules in `scopes` (minus `skip`). Layout rules are skipped while degrees are not positive."""
     wanted, out = set(scopes), []
     for scope, fn in RULES:
-        if scope not in wanted:
+        if fn is not degrees_positive and (scope not in wanted or fn in skip):
             continue
         found = fn(cfg, layout)
+        if fn is degrees_positive:
+            if found:
+                wanted &= {"config"}
+            if "config" not in scopes:
+                found = []
+        if errors_only:
+            found = [p for p in found if p.severity == ERROR]
         out += found
-        if fn is degrees_positive and found:
-            wanted &= {"config"}
         if stop_at_error and any(p.severity == ERROR for p in found):
             break
     return out

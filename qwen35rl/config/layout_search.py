@@ -1,0 +1,327 @@
+"""`parallelism=auto`: enumerate every valid layout, drop the ones the rules reject or that do not fit, rank the
+rest by a transparent cost model.
+
+Search space (powers of two):
+- megatron: training TP, PP, CP, EP (<= experts), ETP (<= TP), even pipeline splits only (an uneven split needs a
+  hand-written `parallelism.pipeline_layout`); rollout TP with DP = world/TP, and for MoE models one
+  DP-attention engine of TP*DP devices with EP = TP*DP;
+- fsdp: fsdp_size and Ulysses SP; rollout TP with DP = world/TP.
+Training options are checked once with the `train` rules, rollout options once with the `rollout` rules, and
+each pair with the memory rules (the same functions `rules.check_all` runs).
+
+Cost model: the estimated seconds of one RL step, lower is better, from nominal constants (below) - only the
+ranking matters, not the absolute time:
+- compute  = 6 * tokens per step * (active params of the busiest pipeline rank, incl. the output layer, x PP)
+             (* 4/3 with full recompute) / (world * hw.peak_tflops * MFU)
+- bubble   = compute * b / (1 - b), b = (pp - 1) / (m + pp - 1), m = micro batches per mini batch per DP rank
+- comm     = bytes each device moves per step / link bandwidth (NVLink/HCCS inside a node, the NIC across nodes),
+             no overlap assumed: TP (sequence parallel: 4 all-gathers/reduce-scatters of the hidden states per
+             layer, forward and backward), ETP (the same on the dispatched tokens of MoE layers), CP (K/V of
+             full-attention layers, GDN head all-to-all), EP (token dispatch + combine per MoE layer), PP
+             (activations across stage boundaries), DP (distributed optimizer: gradient reduce-scatter + parameter
+             all-gather per optimizer step; FSDP: two all-gathers and a reduce-scatter per micro batch, HSDP
+             replicas all-reduce), Ulysses SP (all-to-all of q/k/v/out per layer);
+- offload  = host<->device copies over PCIe (offloaded parameters/gradients per micro batch or per phase) and the
+             CPU optimizer step over the offloaded states;
+- rollout  = decode steps * (the device's weight bytes / HBM bandwidth + collective latency per layer), decode
+             steps = response length * waves, waves = sequences per attention replica / concurrent sequences
+             (min of max_num_seqs and what the KV cache holds);
+- memory headroom: score * (1 + 0.5 * (0.1 - headroom) / 0.1) when less than 10% of the device stays free.
+The training part depends on the training layout only and the rollout part on the rollout layout only, so the
+search computes each once per option.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Tuple
+
+from omegaconf import DictConfig, OmegaConf
+
+from qwen35rl.config import memory as M
+from qwen35rl.config import params as P
+from qwen35rl.config import rules as R
+from qwen35rl.config.layout import Layout, derive_layout
+
+MFU = 0.35
+"""Fraction of hw.peak_tflops the trainer reaches."""
+INTRA_NODE_GBPS = 100.0
+"""GB/s per device inside a node (NVLink / HCCS)."""
+INTER_NODE_GBPS = 25.0
+"""GB/s per device across nodes (one 200 Gb/s NIC per device)."""
+HBM_GBPS = 1500.0
+"""GB/s of device memory: a decode step reads the device's weights once."""
+LATENCY_S = 20e-6
+"""Latency of one small collective inside a node (x4 across nodes)."""
+PCIE_GBPS = 25.0
+"""GB/s between host and device memory."""
+HOST_ADAM_GBPS = 10.0
+"""GB/s of optimizer state a CPU Adam step sweeps per device (reads and writes)."""
+MIN_HEADROOM, HEADROOM_PENALTY = 0.10, 0.5
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    score: float
+    """Estimated seconds per RL step with the headroom penalty (lower is better)."""
+    memory: M.MemoryEstimate
+    overrides: List[str]
+    """Command-line overrides that select this layout, e.g. ["parallelism.tp=2", ...]."""
+    cost: Dict[str, float] = field(default_factory=dict)
+    """The cost model's components (seconds) and inputs."""
+    settings: Dict[str, Any] = field(default_factory=dict)
+    """The same as `overrides`, as dotted key -> value."""
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"score": round(self.score, 4), "overrides": list(self.overrides), "train": self.layout.train_dict(),
+                "rollout": self.layout.rollout_dict(), "memory_gib": self.memory.to_dict(),
+                "cost": {k: round(v, 4) for k, v in self.cost.items()}}
+
+
+# ------------------------------------------------------------------------------------------------- the space
+def _pow2_upto(n: int) -> List[int]:
+    return [2 ** i for i in range(int(math.log2(n)) + 1)] if n >= 1 else []
+
+
+def train_options(cfg: Any, world: int) -> Iterator[Dict[str, Any]]:
+    """Training degrees to try (parallelism.* values)."""
+    fixed = {"vpp": None, "pipeline_layout": None}
+    if str(cfg["backend"]["name"]) != "megatron":
+        for f in _pow2_upto(world):
+            for sp in _pow2_upto(world):
+                yield {**fixed, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": 1, "fsdp_size": f, "sp": sp}
+        return
+    experts = int(cfg["model"]["num_experts"]) if cfg["model"]["moe"] else 1
+    for tp in _pow2_upto(world):
+        for cp in _pow2_upto(world // tp):
+            for pp in _pow2_upto(world // (tp * cp)):
+                stage_world = world // pp
+                for ep in _pow2_upto(min(stage_world, experts)):
+                    for etp in _pow2_upto(min(tp, stage_world // ep)):
+                        yield {**fixed, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp, "fsdp_size": -1, "sp": 1}
+
+
+def rollout_options(cfg: Any, world: int) -> Iterator[Dict[str, int]]:
+    """Rollout degrees to try (parallelism.rollout.* values)."""
+    dp_attention = str(cfg["backend"]["name"]) == "megatron" and bool(cfg["model"]["moe"])
+    for tp in _pow2_upto(world):
+        yield {"tp": tp, "dp": world // tp, "ep": 1}
+        if dp_attention:
+            for dp in _pow2_upto(world // tp):
+                if tp * dp > 1:
+                    yield {"tp": tp, "dp": dp, "ep": tp * dp}
+
+
+def _with(tree: Dict[str, Any], train: Dict[str, Any], rollout: Dict[str, int]) -> Dict[str, Any]:
+    par = {**tree["parallelism"], **train, "rollout": dict(rollout)}
+    return {**tree, "parallelism": par}
+
+
+_MEMORY_RULES = (R.train_memory_fits, R.rollout_memory_fits)
+
+
+def _layout_problems(tree: Dict[str, Any], layout: Layout, scope: str) -> bool:
+    """True when a rule of `scope` (memory aside: the search assembles it per pair) reports an error."""
+    return bool(R.run_rules(tree, layout, [scope], stop_at_error=True, skip=_MEMORY_RULES, errors_only=True))
+
+
+# ------------------------------------------------------------------------------------------------ the search
+def search(cfg: Any) -> List[Candidate]:
+    """Every valid, fitting layout of `cfg`'s model x hw x backend, best (lowest score) first."""
+    tree = M.as_tree(cfg)
+    world = int(tree["hw"]["nodes"]) * int(tree["hw"]["devices_per_node"])
+    if world < 1:
+        return []
+    capacity = M.capacity_gib(tree)
+
+    trains: List[Tuple[Dict[str, Any], Dict[str, float], Dict[str, float]]] = []
+    probe_rollout = {"tp": 1, "dp": world, "ep": 1}
+    for opt in train_options(tree, world):
+        t = _with(tree, opt, probe_rollout)
+        layout = derive_layout(t)
+        if _layout_problems(t, layout, "train"):
+            continue
+        terms = M.train_terms(t, layout)
+        if sum(v for k, v in terms.items() if k.startswith("train/")) > capacity:
+            continue  # the engine can only add to it: train_memory_fits would reject every pairing
+        trains.append((opt, terms, train_cost(t, layout)))
+    if not trains:
+        return []
+
+    rollouts: List[Tuple[Dict[str, int], Dict[str, float]]] = []
+    for ropt in rollout_options(tree, world):
+        t = _with(tree, trains[0][0], ropt)
+        layout = derive_layout(t)
+        if _layout_problems(t, layout, "rollout"):
+            continue
+        rterms = M.rollout_terms(t, layout)
+        if "rollout/pool" in rterms and (rterms["rollout/weights"] + rterms["rollout/activations"]
+                                         + rterms["rollout/sequence_cache"] > rterms["rollout/pool"]):
+            continue  # the engine alone does not fit its share: rollout_memory_fits rejects every pairing
+        rollouts.append((ropt, rterms))
+
+    out = []
+    rollout_costs: Dict[int, float] = {}
+    for opt, tterms, tcost in trains:
+        for i, (ropt, rterms) in enumerate(rollouts):
+            t = _with(tree, opt, ropt)
+            layout = derive_layout(t)
+            est = M.assemble(t, tterms, rterms)
+            if (R.train_memory_problems(t, est) or R.rollout_memory_problems(t, est)
+                    or _layout_problems(t, layout, "colocated")):
+                continue
+            if i not in rollout_costs:
+                rollout_costs[i] = rollout_seconds(t, layout, est)
+            c = combine_cost(tcost, rollout_costs[i], est)
+            settings = _settings(tree, opt, ropt)
+            out.append(Candidate(layout=layout, score=c["score"], memory=est, cost=c, settings=settings,
+                                 overrides=[f"{k}={_fmt(v)}" for k, v in settings.items()]))
+    out.sort(key=lambda c: (c.score, -c.memory.headroom))
+    return out
+
+
+def _settings(tree: Dict[str, Any], opt: Dict[str, Any], ropt: Dict[str, int]) -> Dict[str, Any]:
+    keys = ("tp", "pp", "cp", "ep", "etp") if str(tree["backend"]["name"]) == "megatron" else ("fsdp_size", "sp")
+    s: Dict[str, Any] = {f"parallelism.{k}": opt[k] for k in keys}
+    s.update({f"parallelism.rollout.{k}": v for k, v in ropt.items()})
+    return s
+
+
+def _fmt(v: Any) -> str:
+    return "null" if v is None else str(v)
+
+
+def apply(cfg: Any, candidate: Candidate) -> DictConfig:
+    """A copy of `cfg` with the candidate's layout set (parallelism.auto off, the name records the choice)."""
+    out = cfg.copy() if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+    for key, value in candidate.settings.items():
+        OmegaConf.update(out, key, value, merge=False)
+    for key, value in (("parallelism.vpp", None), ("parallelism.pipeline_layout", None),
+                       ("parallelism.auto", False), ("parallelism.name", "auto/" + " ".join(candidate.overrides))):
+        OmegaConf.update(out, key, value, merge=False)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ cost model
+def _bandwidth(group: int, stride: int, per_node: int) -> float:
+    """Bytes/s of a group of `group` ranks `stride` apart: inside one node or across nodes."""
+    return (INTRA_NODE_GBPS if group * stride <= per_node else INTER_NODE_GBPS) * 1e9
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def train_comm_seconds(cfg: Any, layout: Layout, shard: M.TrainShard, micro_batches: float,
+                       optimizer_steps: float) -> Dict[str, float]:
+    """Seconds per step each device spends moving bytes, by kind (see the module docstring)."""
+    m, per_node = cfg["model"], int(cfg["hw"]["devices_per_node"])
+    h, tokens = int(m["hidden_size"]), M.micro_batch_tokens(cfg)
+    out: Dict[str, float] = {}
+    if layout.backend == "megatron":
+        layers = len(shard.layers)
+        n_full, n_lin = shard.layers.count("full"), shard.layers.count("linear")
+        t_cp = tokens / layout.cp
+        out["tp"] = 8 * layers * t_cp * h * 2 * _ring(layout.tp) * micro_batches / _bandwidth(layout.tp, 1, per_node)
+        kv = 2 * int(m["num_key_value_heads"]) * int(m["head_dim"])
+        gdn = 2 * int(m["linear_num_key_heads"]) * int(m["linear_key_head_dim"]) + \
+            int(m["linear_num_value_heads"]) * int(m["linear_value_head_dim"])
+        cp_bytes = 2 * (n_full * tokens * kv + n_lin * 2 * t_cp * gdn) * 2 / layout.tp * _ring(layout.cp)
+        out["cp"] = cp_bytes * micro_batches / _bandwidth(layout.cp, layout.tp, per_node)
+        if m["moe"]:
+            routed = layers * (t_cp / layout.tp) * int(m["num_experts_per_tok"]) * h * 2
+            out["ep"] = 4 * routed * _ring(layout.ep) * micro_batches / _bandwidth(layout.ep, layout.etp, per_node)
+            out["etp"] = 4 * routed * _ring(layout.etp) * micro_batches / _bandwidth(layout.etp, 1, per_node)
+        pp_bytes = 2 * (t_cp / layout.tp) * h * 2 if layout.pp > 1 else 0.0
+        out["pp"] = pp_bytes * micro_batches / _bandwidth(2, layout.world // layout.pp, per_node)
+        dp_bytes = 6 * (shard.dense * _ring(layout.dp * layout.cp) + shard.expert * _ring(layout.edp))
+        out["dp"] = dp_bytes * optimizer_steps / _bandwidth(layout.dp, layout.tp * layout.cp, per_node)
+    else:
+        f = max(layout.fsdp_size, 1)
+        full = (shard.dense + shard.expert) * f
+        out["fsdp"] = 8 * full * _ring(f) * micro_batches / _bandwidth(f, layout.sp, per_node)
+        replicas = max(layout.dp // f, 1)
+        out["hsdp"] = 8 * full / f * _ring(replicas) * optimizer_steps / _bandwidth(replicas, f, per_node)
+        sp_bytes = 2 * 4 * len(shard.layers) * (tokens / layout.sp) * h * 2 * _ring(layout.sp)
+        out["sp"] = sp_bytes * micro_batches / _bandwidth(layout.sp, 1, per_node)
+    return out
+
+
+def offload_seconds(cfg: Any, layout: Layout, shard: M.TrainShard, micro_batches: float,
+                    optimizer_steps: float) -> float:
+    """PCIe copies and the CPU optimizer step of what the trainer offloads (see the module docstring)."""
+    b, n = cfg["backend"], shard.dense + shard.expert
+    pcie, adam = PCIE_GBPS * 1e9, HOST_ADAM_GBPS * 1e9
+    if layout.backend == "megatron":
+        cpu_states = 0.0
+        if b["optimizer_cpu_offload"]:
+            div = (layout.dp * layout.cp, layout.edp) if b["use_distributed_optimizer"] else (1, 1)
+            cpu_states = (shard.dense / max(div[0], 1) + shard.expert / max(div[1], 1)) * \
+                float(b["optimizer_offload_fraction"])
+        per_step = cpu_states * (16 / adam + 6 / pcie) * optimizer_steps
+        phases = n * (2 * bool(b["param_offload"]) + 4 * bool(b["grad_offload"])) * 2 / pcie
+        return per_step + phases
+    if b.get("offload_policy"):
+        return n * 8 / pcie * micro_batches + n * 16 / adam * optimizer_steps
+    return n * (4 * bool(b["param_offload"]) + 8 * bool(b["optimizer_offload"])) * 2 / pcie
+
+
+def stage_active_params(cfg: Any, layout: Layout) -> float:
+    """Active parameters of the busiest pipeline rank (its layers + the output layer) x PP: the pipeline moves at
+    the pace of its slowest stage (without a pipeline: the model's active parameters minus the embedding lookup)."""
+    m = cfg["model"]
+    ranks = M.pipeline_ranks(cfg, layout)
+    busiest = max(P.layers_params(m, r["layers"], active=True) + (P.embedding_params(m) if r["L"] else 0)
+                  for r in ranks)
+    return busiest * len(ranks)
+
+
+def train_cost(cfg: Any, layout: Layout) -> Dict[str, float]:
+    """The training part of the cost (seconds per RL step): compute, bubble, communication, offload."""
+    responses = int(cfg["data"]["train_batch_size"]) * int(cfg["rollout"]["n"])
+    epochs = int(cfg["algorithm"]["ppo_epochs"])
+    tokens = responses * M.sequence_length(cfg) * epochs
+    recompute = 4 / 3 if M.recompute_groups(cfg, layout) else 1.0
+    peak = float(cfg["hw"]["peak_tflops"]) * 1e12 * MFU * layout.world
+    compute = 6 * stage_active_params(cfg, layout) * tokens * recompute / peak
+    per_mini = M.micro_batches_per_mini_batch(cfg, layout)
+    mini_batches = max(int(cfg["data"]["train_batch_size"]) // max(int(cfg["algorithm"]["mini_batch_size"]), 1), 1)
+    bubble_frac = (layout.pp - 1) / (per_mini + layout.pp - 1)
+    shard = M.train_shard(cfg, layout)
+    micro, steps = per_mini * mini_batches * epochs, mini_batches * epochs
+    comm = train_comm_seconds(cfg, layout, shard, micro, steps)
+    return {"compute_s": compute, "bubble_s": compute * bubble_frac / (1 - bubble_frac),
+            "bubble_fraction": bubble_frac, **{f"comm_{k}_s": v for k, v in comm.items()},
+            "offload_s": offload_seconds(cfg, layout, shard, micro, steps)}
+
+
+def rollout_seconds(cfg: Any, layout: Layout, est: M.MemoryEstimate) -> float:
+    """Decode-bound generation time of one step (see the module docstring)."""
+    m, r, per_node = cfg["model"], cfg["rollout"], int(cfg["hw"]["devices_per_node"])
+    sequences = int(cfg["data"]["train_batch_size"]) * int(r["n"])
+    schedulers = max(layout.world // max(layout.rollout_tp, 1), 1)
+    room = est.rollout_sequences if est.rollout_sequences is not None else M.hf_engine_sequences(cfg, layout)
+    concurrent = max(1, min(int(r["max_num_seqs"]), room))
+    steps = math.ceil(sequences / schedulers / concurrent) * int(cfg["data"]["max_response_length"])
+    weight_read = est.terms["rollout/weights"] * M.GIB / (HBM_GBPS * 1e9)
+    layers = len(P.layer_kinds(m))
+    spans = lambda group: 1 if group <= per_node else 4  # noqa: E731
+    collectives = 2 * layers * LATENCY_S * spans(layout.rollout_tp) if layout.rollout_tp > 1 else 0.0
+    if layout.rollout_ep > 1:
+        collectives += 2 * layers * LATENCY_S * spans(layout.rollout_ep)
+    return steps * (weight_read + collectives)
+
+
+def combine_cost(train: Dict[str, float], rollout_s: float, est: M.MemoryEstimate) -> Dict[str, float]:
+    """Training + rollout seconds, times the headroom penalty: the score."""
+    penalty = 1 + HEADROOM_PENALTY * max(0.0, MIN_HEADROOM - est.headroom) / MIN_HEADROOM
+    total = sum(v for k, v in train.items() if k.endswith("_s")) + rollout_s
+    return {**train, "rollout_s": rollout_s, "headroom": est.headroom, "headroom_penalty": penalty,
+            "score": total * penalty}
+
+
+def cost(cfg: Any, layout: Layout, est: M.MemoryEstimate) -> Dict[str, float]:
+    """The cost model's components for `layout` (seconds per RL step) and the final score."""
+    tree = M.as_tree(cfg)
+    return combine_cost(train_cost(tree, layout), rollout_seconds(tree, layout, est), est)
