@@ -21,7 +21,7 @@ from torch import nn
 from qwen35rl.algo.core import agg_loss, kl_penalty, local_batch_counts, masked_sum, policy_loss
 from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST, Batch, TrainEngine
 from qwen35rl.engines.logprob import chunked_logprobs_entropy
-from qwen35rl.models.build import build_model, torch_dtype
+from qwen35rl.models.build import build_model, init_rotary_buffers, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +67,6 @@ def lr_lambda(warmup: int, scheduler: str, total_steps: Optional[int], min_lr_ra
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return fn
-
-
-def _init_rotary_buffers(lm: nn.Module) -> None:
-    """Non-persistent rotary `inv_freq` buffers are not in any state dict: recompute them after meta init."""
-    for module in lm.modules():
-        if "RotaryEmbedding" in type(module).__name__ and hasattr(module, "original_inv_freq"):
-            lm._init_weights(module)
 
 
 class PolicyWithLogProbs(nn.Module):
@@ -197,8 +190,7 @@ class FsdpTrainEngine(TrainEngine):
 
         offloaded = self.backend.offload_policy or self.backend.param_offload
         self.module.to_empty(device="cpu" if offloaded else self.device)
-        with torch.no_grad():
-            _init_rotary_buffers(self.lm)
+        init_rotary_buffers(self.lm)
         full: Dict[str, torch.Tensor] = {}
         if dist.get_rank() == 0:
             src = build_model(self.cfg.model, dtype=param_dtype, device="cpu", seed=seed, text_only=self.text_only)

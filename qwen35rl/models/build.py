@@ -3,7 +3,7 @@ Hugging Face layout (safetensors + config + generation config + tokenizer [+ pro
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Union
+from typing import Any, Iterable, List, Optional, Tuple, Union
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig, PreTrainedModel
@@ -72,6 +72,14 @@ def _config_for(model_cfg: Any, text_only: bool):
     return config
 
 
+def init_rotary_buffers(model: PreTrainedModel) -> None:
+    """Recompute the non-persistent rotary `inv_freq` buffers (in no state dict) after building on `meta`."""
+    with torch.no_grad():
+        for module in model.modules():
+            if "RotaryEmbedding" in type(module).__name__ and hasattr(module, "original_inv_freq"):
+                model._init_weights(module)
+
+
 def save_hf(model: PreTrainedModel, tokenizer: Any, out_dir: str, processor: Optional[Any] = None) -> None:
     """Write `out_dir` so that `from_pretrained` (transformers, vLLM) loads the model, tokenizer and processor."""
     os.makedirs(out_dir, exist_ok=True)
@@ -80,3 +88,33 @@ def save_hf(model: PreTrainedModel, tokenizer: Any, out_dir: str, processor: Opt
         processor.save_pretrained(out_dir)  # includes the tokenizer
     else:
         tokenizer.save_pretrained(out_dir)
+
+
+def save_hf_from_weights(
+    model_cfg: Any,
+    weights: Iterable[List[Tuple[str, torch.Tensor]]],
+    tokenizer: Any,
+    out_dir: str,
+    *,
+    processor: Optional[Any] = None,
+    text_only: bool = True,
+) -> None:
+    """Save buckets of full HF-named tensors (`TrainEngine.export_weights`) as a checkpoint in `model.dtype`,
+    without initialising a model first. Every parameter must be given."""
+    model = build_model(model_cfg, dtype=model_cfg.dtype, device="meta", text_only=text_only)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    init_rotary_buffers(model)
+    params = dict(model.named_parameters())
+    missing = set(params)
+    with torch.no_grad():
+        for bucket in weights:
+            for name, tensor in bucket:
+                if name not in params:
+                    raise KeyError(f"save_hf_from_weights: the model has no parameter {name!r}")
+                params[name].copy_(tensor)
+                missing.discard(name)
+    if missing:
+        raise ValueError(f"save_hf_from_weights: {len(missing)} parameters were not given, e.g. {sorted(missing)[:3]}")
+    model.generation_config = generation_config(model_cfg)
+    save_hf(model, tokenizer, out_dir, processor)
