@@ -93,7 +93,9 @@ def _fmt_count(n: int) -> str:
 
 
 def _fmt_gib(x) -> str:
-    return "n/a" if x is None else f"{x:.1f} GiB"
+    if x is None:
+        return "n/a"
+    return f"{x:.1f} GiB" if x >= 0.1 else f"{x * 1024:.1f} MiB"
 
 
 def render_text(plan: Dict[str, Any]) -> str:
