@@ -18,6 +18,7 @@ from qwen35rl.config import known_keys, memory, quirks
 from qwen35rl.config.compose import did_you_mean
 from qwen35rl.config.layout import Layout, even_pipeline_layout, format_pipeline_layout, parse_pipeline_layout
 from qwen35rl.config.problems import ERROR, WARNING, Problem
+from qwen35rl.engines.megatron.version import GDN_PACKED_AND_CP  # stdlib only: the version fact stated once
 
 Rule = Callable[[Any, Layout], List[Problem]]
 SCOPES = ("config", "train", "rollout", "colocated")
@@ -306,7 +307,7 @@ def sp_divides_heads(cfg: Any, layout: Layout) -> List[Problem]:
 
 
 # ====================================================================================== GDN and megatron-core
-GDN_PACKING_MCORE = "0.18"
+GDN_PACKING_MCORE = ".".join(map(str, GDN_PACKED_AND_CP))
 
 
 def _old_mcore(cfg: Any, layout: Layout) -> bool:
@@ -320,7 +321,8 @@ def gdn_packing_needs_mcore_0_18(cfg: Any, layout: Layout) -> List[Problem]:
         return []
     return _err("gdn_packing_needs_mcore_0_18", "backend.remove_padding", f"megatron-core "
                 f"{val(cfg, 'backend.megatron_core_version')} rejects packed (THD) sequences in Gated DeltaNet layers "
-                "on GPU (supported from 0.18)", "try backend.remove_padding=false or backend.megatron_core_version=0.18.0")
+                f"on GPU (supported from {GDN_PACKING_MCORE})",
+                f"try backend.remove_padding=false or backend.megatron_core_version={GDN_PACKING_MCORE}.0")
 
 
 @rule("config")
@@ -330,8 +332,8 @@ def gdn_dynamic_batch_needs_mcore_0_18(cfg: Any, layout: Layout) -> List[Problem
         return []
     return _err("gdn_dynamic_batch_needs_mcore_0_18", "backend.dynamic_batch_size", f"dynamic batch size packs "
                 f"sequences, which megatron-core {val(cfg, 'backend.megatron_core_version')} rejects in Gated DeltaNet "
-                "layers on GPU (supported from 0.18)",
-                "try backend.dynamic_batch_size=false or backend.megatron_core_version=0.18.0")
+                f"layers on GPU (supported from {GDN_PACKING_MCORE})",
+                f"try backend.dynamic_batch_size=false or backend.megatron_core_version={GDN_PACKING_MCORE}.0")
 
 
 @rule("train")
@@ -341,7 +343,8 @@ def gdn_context_parallel_needs_mcore_0_18(cfg: Any, layout: Layout) -> List[Prob
         return []
     return _err("gdn_context_parallel_needs_mcore_0_18", "parallelism.cp", f"CP{layout.cp}: megatron-core "
                 f"{val(cfg, 'backend.megatron_core_version')} has no context parallel for Gated DeltaNet layers "
-                "(supported from 0.18)", "try parallelism.cp=1 or backend.megatron_core_version=0.18.0")
+                f"(supported from {GDN_PACKING_MCORE})",
+                f"try parallelism.cp=1 or backend.megatron_core_version={GDN_PACKING_MCORE}.0")
 
 
 # ====================================================================================================== rollout
@@ -658,7 +661,7 @@ def value_in_range(cfg: Any, layout: Layout) -> List[Problem]:
         if not ok:
             span = f"{'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
             out += _err("value_in_range", key, f"{key}={v} is outside {span}",
-                        f"see the field's docstring in qwen35rl/config/schema.py")
+                        f"give {key} a value in {span} (its docstring in qwen35rl/config/schema.py says why)")
     return out
 
 
