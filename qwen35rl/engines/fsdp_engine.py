@@ -210,7 +210,13 @@ class FsdpTrainEngine(TrainEngine):
         if position_ids is None:
             position_ids = (batch.attention_mask.long().cumsum(1) - 1).clamp(min=0)
         if mm:
-            position_ids = None  # the VL model derives 3-D mrope positions from the image grid
+            if self.text_only:
+                raise ValueError("a multimodal batch needs a vision model and data.has_images=true")
+            position_ids = None  # the VL model derives 3-D mrope positions from the image grid and token types
+            if "mm_token_type_ids" not in mm:  # 1 image, 2 video: from the batch's own (re-padded) input_ids
+                ids = batch.input_ids.to(self.device)
+                mm["mm_token_type_ids"] = ((ids == self.lm.config.image_token_id).long()
+                                           + 2 * (ids == self.lm.config.video_token_id).long())
         with self._autocast():
             return self.module(batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
                                None if position_ids is None else position_ids.to(self.device),

@@ -300,3 +300,36 @@ def test_moe_model_trains():
     m, grads, _ = _step_capturing_grads(engine, _micro_batches(_sequences(), 2))
     assert math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0
     assert grads["model.layers.0.mlp.experts.gate_up_proj"].abs().sum() > 0
+
+
+def test_vision_language_batch():
+    import numpy as np
+    from PIL import Image
+
+    from qwen35rl.models.processor import build_processor
+    from qwen35rl.models.tokenizer import build_tokenizer
+
+    cfg = _cfg("model=qwen3_5_tiny_vl", "data.has_images=true")
+    engine = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu")
+    assert type(engine.lm).__name__ == "Qwen3_5ForConditionalGeneration"
+    proc = build_processor(cfg.model, build_tokenizer(cfg.model))
+    img = Image.fromarray((np.random.default_rng(0).random((50, 70, 3)) * 255).astype("uint8"))
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]}]
+    text = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) + "a cat<|im_end|>"
+    enc = proc(text=[text, "<|im_start|>user\nno image<|im_end|>\n<|im_start|>assistant\na dog<|im_end|>"],
+               images=[img], return_tensors="pt", padding=True)
+    resp = torch.zeros_like(enc["input_ids"])
+    resp[:, -6:] = 1
+    mm = {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"]}
+    batch = Batch(enc["input_ids"], enc["attention_mask"], resp, advantages=resp.float(),
+                  ref_log_probs=torch.full(resp.shape, -5.0), multimodal=mm)
+    logp, _ = engine.compute_log_probs(batch)
+    with torch.no_grad():
+        logits = engine.lm(**enc).logits.float()
+    ref = torch.log_softmax(logits[:, :-1], -1).gather(-1, enc["input_ids"][:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(logp[:, -6:], ref[:, -6:], rtol=1e-4, atol=1e-4)
+    blank = Batch(enc["input_ids"], enc["attention_mask"], resp, multimodal={**mm, "pixel_values": mm["pixel_values"] * 0})
+    assert not torch.allclose(engine.compute_log_probs(blank)[0][0], logp[0])  # the image reaches the log-probs
+    m = engine.train_mini_batch([batch], {})
+    assert math.isfinite(m["actor/grad_norm"]) and m["actor/skipped_steps"] == 0
+    assert any(n.startswith("model.visual.") for bucket in engine.export_weights(64) for n, _ in bucket)
