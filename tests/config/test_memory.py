@@ -1,0 +1,242 @@
+"""Per-device memory terms against hand-computed values, and the ten reference runs fit."""
+import copy
+import math
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+
+from qwen35rl.config import memory as M
+from qwen35rl.config import params as P
+from qwen35rl.config.compose import compose
+from qwen35rl.config.layout import Layout, derive_layout
+
+GIB = 2 ** 30
+_trees = {}
+
+
+def tree(overrides, **updates):
+    key = tuple(overrides)
+    if key not in _trees:
+        _trees[key] = M.as_tree(compose(list(overrides)))
+    t = copy.deepcopy(_trees[key])
+    for dotted, value in updates.items():
+        *parents, leaf = dotted.split("__")
+        node = t
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return t
+
+
+MG35 = ["model=qwen3_5_35b_a3b", "hw=gpu_1node", "backend=megatron"]
+MG397 = ["model=qwen3_5_397b_a17b", "hw=a3_16node", "backend=megatron"]
+FSDP27 = ["model=qwen3_5_27b", "hw=gpu_1node", "backend=fsdp"]
+TINY = []
+
+
+def layout(backend="megatron", world=64, tp=2, pp=2, cp=1, ep=8, etp=1, vpp=None, fsdp_size=-1, sp=1,
+           rtp=1, rdp=None, rep=1):
+    dp = world // (tp * pp * cp) if backend == "megatron" else world // sp
+    return Layout(world=world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dp, vpp=vpp,
+                  fsdp_size=world if fsdp_size == -1 else fsdp_size, sp=sp, rollout_tp=rtp,
+                  rollout_dp=rdp if rdp is not None else world // rtp, rollout_ep=rep, backend=backend)
+
+
+SHARD = M.TrainShard(dense=1e9, expert=2e9, layers=["linear", "full"], largest_unit=5e8)
+
+
+def test_capacity():
+    assert M.capacity_gib(tree(MG35)) == pytest.approx(80e9 / GIB - 3.0)
+    assert M.capacity_gib(tree(MG397)) == pytest.approx(64e9 / GIB - 3.0)
+
+
+def test_micro_batch_shapes():
+    t = tree(MG35, backend__micro_batch_size_per_device=2)
+    assert M.micro_batch_tokens(t) == 2 * (1024 + 2048)
+    assert M.micro_batch_tokens(tree(MG35, backend__dynamic_batch_size=True)) == 4096
+    lay = layout(world=8, tp=2, pp=1)  # dp 4
+    assert M.micro_batches_per_mini_batch(tree(MG35), lay) == 32 * 5 // 4  # 40 micro batches of 1
+    assert M.micro_batches_per_mini_batch(t, lay) == 20
+    # dynamic: 40 responses x 3072 tokens packed into 4096-token micro batches
+    assert M.micro_batches_per_mini_batch(tree(MG35, backend__dynamic_batch_size=True), lay) == math.ceil(40 * 3072 / 4096)
+
+
+def test_megatron_weights_grads_optimizer():
+    t, lay = tree(MG35), layout(world=64, tp=2, pp=2, ep=8)  # dp 16, edp = 64 / (2*8*1) = 4
+    assert M.train_weights_gib(t, lay, SHARD) == pytest.approx(3e9 * 2 / GIB)
+    assert M.train_grads_gib(t, lay, SHARD) == pytest.approx(3e9 * 4 / GIB)
+    states = 1e9 / 16 + 2e9 / 4
+    on = tree(MG35, backend__optimizer_cpu_offload=False)
+    assert M.optimizer_states_gib(on, lay, SHARD) == pytest.approx(states * 12 / GIB)
+    part = tree(MG35, backend__optimizer_offload_fraction=0.75)
+    assert M.optimizer_states_gib(part, lay, SHARD) == pytest.approx(states * 12 * 0.25 / GIB)
+    plain = tree(MG35, backend__optimizer_cpu_offload=False, backend__use_distributed_optimizer=False)
+    assert M.optimizer_states_gib(plain, lay, SHARD) == pytest.approx(3e9 * 12 / GIB)
+
+
+def test_fsdp_states_and_gathered_blocks():
+    lay = layout("fsdp", world=8, tp=1, pp=1, ep=1)
+    resident = tree(FSDP27, backend__offload_policy=False)
+    assert M.train_weights_gib(resident, lay, SHARD) == pytest.approx(3e9 * 4 / GIB)
+    assert M.train_grads_gib(resident, lay, SHARD) == pytest.approx(3e9 * 4 / GIB)
+    assert M.optimizer_states_gib(resident, lay, SHARD) == pytest.approx(3e9 * 8 / GIB)
+    on_host = tree(FSDP27)  # the recipe turns offload_policy on
+    assert [f(on_host, lay, SHARD) for f in (M.train_weights_gib, M.train_grads_gib, M.optimizer_states_gib)] == [0, 0, 0]
+    assert M.fsdp_gathered_params_gib(on_host, lay, SHARD) == pytest.approx(2 * 5e8 * 2 / GIB)
+    keep = tree(FSDP27, backend__reshard_after_forward=False)
+    assert M.fsdp_gathered_params_gib(keep, lay, SHARD) == pytest.approx(3e9 * 8 * 2 / GIB)
+
+
+def test_train_shard_counts():
+    t = tree(MG397)
+    lay = derive_layout(t)  # TP2 PP4 EP64 ETP1: 15 layers per stage
+    shard = M.train_shard(t, lay)
+    m = t["model"]
+    expert_layer = 512 * 3 * 4096 * 1024
+    assert shard.expert == pytest.approx(15 * expert_layer / 64)
+    kinds = P.layer_kinds(m)[:15]  # stage 0 (and every stage: 15 = 3 x [l,l,l,f] + 3 linear ... same mix)
+    first = P.layers_params(m, kinds) - 15 * expert_layer + 248320 * 4096
+    last = P.layers_params(m, P.layer_kinds(m)[45:]) - 15 * expert_layer + 248320 * 4096 + 4096
+    assert shard.dense == pytest.approx(max(first, last) / 2)
+    fsdp = tree(FSDP27)
+    s = M.train_shard(fsdp, derive_layout(fsdp))
+    assert (s.dense + s.expert) * 8 == pytest.approx(P.count_params(fsdp["model"]).total)
+    assert s.largest_unit == 248320 * 5120  # the untied embedding / lm_head is the largest block
+
+
+def test_layer_activations_per_token():
+    m = tree(TINY)["model"]  # h 128, 4 heads / 2 KV of 32, GDN 2 key / 4 value heads of 64, MLP 256
+    assert M.layer_activation_elems_per_token(m, "full") == (2 * 128 + 5 * 4 * 32 + 3 * 2 * 32) + (2 * 128 + 3 * 256)
+    conv_dim, value_dim = 2 * 2 * 64 + 4 * 64, 4 * 64
+    assert M.layer_activation_elems_per_token(m, "linear") == (2 * 128 + 2 * conv_dim + 3 * value_dim + 2 * 4) + (
+        2 * 128 + 3 * 256)
+    moe = tree(["model=qwen3_5_tiny_moe"])["model"]  # 8 experts, top-2 of 64, shared 64
+    assert M.layer_activation_elems_per_token(moe, "full") == (2 * 128 + 5 * 4 * 32 + 3 * 2 * 32) + (
+        2 * 128 + 2 * 8 + 2 * 2 * 128 + 3 * 2 * 64 + 3 * 64)
+
+
+def test_activations_with_and_without_recompute():
+    shard = M.TrainShard(dense=0, expert=0, layers=["linear", "full"], largest_unit=0)
+    lay = layout(world=8, tp=2, pp=1, ep=1)
+    m = tree(TINY)["model"]
+    full_el, lin_el = M.layer_activation_elems_per_token(m, "full"), M.layer_activation_elems_per_token(m, "linear")
+    base = dict(model=m)
+    t = tree(MG35, backend__recompute_granularity=None)
+    t.update(base)
+    tokens = 3072 / 2  # micro batch 1 x 3072 tokens, sequence parallel over TP2
+    assert M.activations_gib(t, lay, shard) == pytest.approx((full_el + lin_el) * tokens * 2 / GIB)
+    t = tree(MG35)  # full, uniform, 1 layer per group
+    t.update(base)
+    assert M.activations_gib(t, lay, shard) == pytest.approx((2 * 128 + 2 * lin_el) * tokens * 2 / GIB)
+    t = tree(MG35, backend__recompute_method="block", backend__recompute_num_layers=1)
+    t.update(base)
+    assert M.activations_gib(t, lay, shard) == pytest.approx((128 + full_el + 2 * lin_el) * tokens * 2 / GIB)
+
+
+def test_in_flight_micro_batches():
+    t = tree(MG35)  # 40 micro batches per mini batch at dp 4
+    assert M.in_flight_micro_batches(t, layout(world=32, tp=2, pp=4)) == 4
+    assert M.in_flight_micro_batches(t, layout(world=32, tp=2, pp=4, vpp=2)) == pytest.approx(4 * (1 + 3 / 8))
+    few = tree(MG35, data__train_batch_size=4, algorithm__mini_batch_size=4)  # 20 responses / dp 4 = 5
+    assert M.in_flight_micro_batches(few, layout(world=64, tp=2, pp=8)) == 5
+    assert M.in_flight_micro_batches(t, layout(world=8, tp=2, pp=1)) == 1
+
+
+def test_logits_buffer():
+    assert M.logits_gib(tree(MG35), layout(world=8, tp=2, pp=1)) == pytest.approx(1024 * 248320 / 2 * 10 / GIB)
+    short = tree(MG35, data__max_prompt_length=200, data__max_response_length=300)
+    assert M.logits_gib(short, layout(world=8, tp=1, pp=1)) == pytest.approx(500 * 248320 * 10 / GIB)
+
+
+def test_reference_model():
+    lay = layout()
+    assert M.reference_model_gib(tree(MG35, backend__param_offload=False), lay, SHARD) == pytest.approx(3e9 * 2 / GIB)
+    assert M.reference_model_gib(tree(MG35), lay, SHARD) == 0  # follows param_offload
+    no_kl = tree(MG35, backend__param_offload=False, algorithm__use_kl_loss=False)
+    assert M.reference_model_gib(no_kl, lay, SHARD) == 0
+
+
+def test_rollout_cache_terms():
+    t = tree(MG397)
+    assert M.kv_cache_bytes_per_token(t, layout(world=256, rtp=16)) == 15 * 2 * 1 * 256 * 2  # 2 KV heads replicated
+    assert M.kv_cache_bytes_per_token(t, layout(world=256, rtp=1)) == 15 * 2 * 2 * 256 * 2
+    expected = (45 * 64 * 128 * 128 * 4 + 45 * (2 * 16 * 128 + 64 * 128) * 3 * 2) / 16
+    assert M.gdn_state_bytes_per_sequence(t, layout(world=256, rtp=16)) == pytest.approx(expected)
+    assert M.sequence_cache_gib(t, layout(world=256, rtp=16)) == pytest.approx((3072 * 15360 + expected) / GIB)
+    assert M.vllm_pool_gib(t) == pytest.approx(0.6 * 64e9 / GIB)
+
+
+def test_rollout_weights_and_activations():
+    t = tree(MG397)
+    experts = 60 * 512 * 3 * 4096 * 1024
+    total = P.count_params(t["model"]).total
+    ep = layout(world=256, rtp=16, rdp=16, rep=256)
+    assert M.rollout_weights_params(t, ep) == pytest.approx((total - experts) / 16 + experts / 256)
+    assert M.rollout_weights_params(t, layout(world=256, rtp=8)) == pytest.approx(total / 8)
+    tiny = tree(TINY)
+    widest = max(M.layer_activation_elems_per_token(tiny["model"], k) for k in ("linear", "full"))
+    expected = 8192 * (widest / 1 + 2 * 128) * 2 + 256 * 320 * 8
+    assert M.rollout_activations_gib(tiny, layout("fsdp", world=2, tp=1, pp=1, ep=1)) == pytest.approx(expected / GIB)
+
+
+def test_what_stays_between_phases():
+    lay = layout()
+    t = tree(MG35)  # param/grad/optimizer offload and a sleeping vLLM: nothing stays
+    assert M.train_state_during_rollout_gib(t, lay, SHARD) == 0
+    assert M.sleeping_engine_gib(t, lay) == 0
+    kept = tree(MG35, backend__param_offload=False, backend__grad_offload=False)
+    weights, grads = 3e9 * 2 / GIB, 3e9 * 4 / GIB
+    assert M.train_state_during_rollout_gib(kept, lay, SHARD) == pytest.approx(weights + grads + weights)  # + reference
+    awake = tree(MG35, rollout__free_cache_engine=False)
+    assert M.sleeping_engine_gib(awake, lay) == pytest.approx(M.vllm_pool_gib(awake))
+    hf = tree(TINY)
+    assert M.sleeping_engine_gib(hf, derive_layout(hf)) == pytest.approx(P.count_params(hf["model"]).total * 4 / GIB)
+
+
+def test_host_offload_term():
+    t = tree(FSDP27)  # offload_policy: fp32 params + grads + Adam m, v on the host; reference offloaded too
+    shard = M.TrainShard(dense=1e9, expert=0, layers=[], largest_unit=0)
+    lay = layout("fsdp", world=8, tp=1, pp=1, ep=1)
+    assert M.host_offloaded_gib(t, lay, shard) == pytest.approx(1e9 * 16 / GIB + 1e9 * 2 / GIB)
+
+
+def test_assemble_pool_and_sequences():
+    t = tree(MG397)
+    est = M.estimate(t, derive_layout(t))
+    pool, per_seq = est.terms["rollout/pool"], est.terms["rollout/sequence_cache"]
+    free = pool - est.terms["rollout/weights"] - est.terms["rollout/activations"]
+    assert est.rollout_sequences == int(free // per_seq)
+    assert est.rollout_peak_gib == pytest.approx(est.terms["rollout/kept_by_trainer"] + pool)
+    assert est.train_peak_gib == pytest.approx(sum(v for k, v in est.terms.items() if k.startswith("train/")))
+    tight = tree(MG397, rollout__gpu_memory_utilization=0.05)
+    small = M.estimate(tight, derive_layout(tight))
+    assert not small.rollout_engine_fits and not small.fits and small.rollout_sequences == 0
+
+
+REFERENCE_RUNS = [("qwen3_5_27b", "fsdp", "gpu_1node"), ("qwen3_5_27b", "fsdp", "a3_1node"),
+                  ("qwen3_5_35b_a3b", "fsdp", "gpu_1node"), ("qwen3_5_35b_a3b", "fsdp", "a3_1node"),
+                  ("qwen3_5_35b_a3b", "megatron", "gpu_1node"), ("qwen3_5_35b_a3b", "megatron", "a3_1node"),
+                  ("qwen3_5_122b_a10b", "megatron", "h20_4node"), ("qwen3_5_122b_a10b", "megatron", "a3_4node"),
+                  ("qwen3_5_397b_a17b", "megatron", "gpu_16node"), ("qwen3_5_397b_a17b", "megatron", "a3_16node")]
+
+
+@pytest.mark.parametrize("model,backend,hw", REFERENCE_RUNS, ids=["-".join(r) for r in REFERENCE_RUNS])
+def test_reference_runs_fit(model, backend, hw):
+    cfg = compose([f"model={model}", f"backend={backend}", f"hw={hw}"])
+    est = M.estimate(cfg, derive_layout(cfg))
+    assert est.fits and 0 < est.train_peak_gib < est.capacity_gib and 0 < est.rollout_peak_gib <= est.capacity_gib
+    assert est.rollout_sequences >= 64  # the KV cache holds a useful batch of full-length sequences
+    d = est.to_dict()
+    assert {"train_peak", "rollout_peak", "capacity", "fits", "terms"} <= set(d)
+
+
+def test_offload_and_pipeline_lower_the_training_peak():
+    def peak(**kw):
+        t = tree(MG35, **kw)
+        return M.estimate(t, derive_layout(t)).train_peak_gib
+
+    assert peak(backend__optimizer_cpu_offload=False) > peak()
+    assert peak(parallelism__pp=2, parallelism__ep=4) < peak(parallelism__ep=4)
+    assert peak(backend__micro_batch_size_per_device=8) > peak()
