@@ -1,0 +1,118 @@
+"""parallelism=auto: every candidate is valid under the same rules, fits, is ranked by the documented cost, and
+applies back onto the config."""
+import os
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+
+from qwen35rl.config import layout_search as S
+from qwen35rl.config import rules
+from qwen35rl.config.compose import compose
+from qwen35rl.config.layout import derive_layout
+from qwen35rl.config.memory import as_tree, estimate
+
+MG397_A3 = ["model=qwen3_5_397b_a17b", "hw=a3_16node", "backend=megatron", "parallelism=auto"]
+_cache = {}
+
+
+def searched(overrides):
+    key = tuple(overrides)
+    if key not in _cache:
+        cfg = compose(list(overrides))
+        start = time.perf_counter()
+        cands = S.search(cfg)
+        _cache[key] = (cfg, cands, time.perf_counter() - start)
+    return _cache[key]
+
+
+def test_397b_on_a3_search_is_fast_and_ranked():
+    cfg, cands, seconds = searched(MG397_A3)
+    assert seconds < 4.0  # bench/bench_plan.py records the unloaded time (< 2 s)
+    assert len(cands) > 100
+    scores = [c.score for c in cands]
+    assert scores == sorted(scores)
+    assert all(c.memory.fits for c in cands)
+
+
+def test_candidates_pass_every_rule_when_applied():
+    cfg, cands, _ = searched(MG397_A3)
+    sample = cands[:5] + cands[len(cands) // 2: len(cands) // 2 + 3] + cands[-3:]
+    for c in sample:
+        applied = S.apply(cfg, c)
+        assert applied.parallelism.auto is False
+        layout = derive_layout(applied)
+        assert layout == c.layout
+        assert rules.check_all(applied, layout) == [], c.overrides
+
+
+def test_the_tested_layout_is_among_the_candidates():
+    _, cands, _ = searched(MG397_A3)
+    tested = {"parallelism.tp=2", "parallelism.pp=4", "parallelism.cp=1", "parallelism.ep=64", "parallelism.etp=1",
+              "parallelism.rollout.tp=16", "parallelism.rollout.dp=16", "parallelism.rollout.ep=256"}
+    assert any(set(c.overrides) == tested for c in cands)
+
+
+def test_invalid_layouts_are_dropped():
+    _, cands, _ = searched(MG397_A3)
+    for c in cands:
+        lay = c.layout
+        assert lay.cp == 1  # megatron-core 0.16: no context parallel through GDN
+        assert 60 % lay.pp == 0 and 32 % lay.tp == 0 and 16 % lay.rollout_tp == 0
+        assert 512 % lay.ep == 0 and (256 // lay.pp) % (lay.ep * lay.etp) == 0
+        assert lay.rollout_ep in (1, lay.rollout_tp * lay.rollout_dp) and lay.rollout_tp <= 16
+    with_cp = S.search(compose(MG397_A3 + ["backend.megatron_core_version=0.18.0"]))
+    assert any(c.layout.cp > 1 for c in with_cp)
+
+
+def test_overrides_compose_back_to_the_same_layout():
+    cfg, cands, _ = searched(["model=qwen3_5_35b_a3b", "hw=gpu_1node", "backend=megatron", "parallelism=auto"])
+    best = cands[0]
+    again = compose(["model=qwen3_5_35b_a3b", "hw=gpu_1node", "backend=megatron", *best.overrides])
+    assert derive_layout(again) == best.layout
+    d = best.to_dict()
+    assert {"score", "overrides", "train", "rollout", "memory_gib", "cost"} <= set(d)
+
+
+def test_fsdp_searches_fsdp_size_sp_and_rollout_tp():
+    _, cands, _ = searched(["model=qwen3_5_27b", "hw=gpu_1node", "backend=fsdp", "parallelism=auto"])
+    assert cands
+    for c in cands:
+        assert {o.split("=")[0] for o in c.overrides} == {"parallelism.fsdp_size", "parallelism.sp",
+                                                           "parallelism.rollout.tp", "parallelism.rollout.dp",
+                                                           "parallelism.rollout.ep"}
+        assert c.layout.rollout_ep == 1 and 24 % c.layout.sp == 0
+    assert {"parallelism.fsdp_size=8", "parallelism.sp=1", "parallelism.rollout.tp=4"} <= set(cands[0].overrides)
+
+
+def test_nothing_fits_gives_no_candidates():
+    assert S.search(compose(["model=qwen3_5_397b_a17b", "hw=gpu_1x", "backend=megatron", "parallelism=auto"])) == []
+
+
+def test_cost_model_components():
+    cfg = compose(["model=qwen3_5_397b_a17b", "hw=a3_16node", "backend=megatron"])
+    tree = as_tree(cfg)
+    lay = derive_layout(tree)  # PP4, 5 micro batches per mini batch per DP rank
+    c = S.cost(tree, lay, estimate(tree, lay))
+    assert c["bubble_fraction"] == pytest.approx(3 / (5 + 4 - 1))
+    assert c["bubble_s"] == pytest.approx(c["compute_s"] * (3 / 8) / (1 - 3 / 8))
+    parts = sum(v for k, v in c.items() if k.endswith("_s"))
+    assert c["score"] == pytest.approx(parts * c["headroom_penalty"]) and c["headroom_penalty"] == 1.0
+    assert c["comm_cp_s"] == 0 and c["comm_tp_s"] > 0 and c["comm_ep_s"] > 0
+    # A faster interconnect-free layout costs less communication: TP1 has no TP traffic.
+    one = as_tree(compose(["model=qwen3_5_397b_a17b", "hw=a3_16node", "backend=megatron", "parallelism.tp=1",
+                           "parallelism.ep=64"]))
+    lay1 = derive_layout(one)
+    assert S.cost(one, lay1, estimate(one, lay1))["comm_tp_s"] == 0
+
+
+def test_headroom_penalty():
+    cfg = as_tree(compose(["model=qwen3_5_35b_a3b", "hw=gpu_1node", "backend=megatron"]))
+    lay = derive_layout(cfg)
+    est = estimate(cfg, lay)
+    est.train_peak_gib = 0.95 * est.capacity_gib
+    est.rollout_peak_gib = 0.5 * est.capacity_gib
+    c = S.cost(cfg, lay, est)
+    assert c["headroom"] == pytest.approx(0.05)
+    assert c["headroom_penalty"] == pytest.approx(1 + 0.5 * 0.05 / 0.1)
