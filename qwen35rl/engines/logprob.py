@@ -52,23 +52,26 @@ class _ChunkedLogProbs(torch.autograd.Function):
             h, y = hidden[s:s + chunk], labels[s:s + chunk]
             log_probs, _ = _chunk_stats(h, weight, y, temp)
             probs = log_probs.exp()
-            # d logp_y / d z = onehot(y) - p
-            g = torch.zeros_like(probs)
-            if grad_logp is not None:
-                g_lp = grad_logp[s:s + chunk, None].float()
-                g -= probs * g_lp
-                g.scatter_add_(-1, y.unsqueeze(-1), g_lp)
+            # d logp_y / dz = onehot(y) - p;  H = -sum p log p, dH/dz = -p * (log p + H)
+            coef = -grad_logp[s:s + chunk, None].float() if grad_logp is not None else 0.0
             if ctx.with_entropy and grad_ent is not None:
-                # H = -sum p log p;  dH/dz = -p * (log p + H)
                 entropy = -(probs * log_probs).sum(-1, keepdim=True)
-                g -= grad_ent[s:s + chunk, None].float() * probs * (log_probs + entropy)
-            del log_probs, probs
+                g_ent = grad_ent[s:s + chunk, None].float()
+                g = probs.mul_(log_probs.add_(entropy).mul_(-g_ent).add_(coef))
+            else:
+                g = probs.mul_(coef)
+            del log_probs
+            if grad_logp is not None:
+                g.scatter_add_(-1, y.unsqueeze(-1), grad_logp[s:s + chunk, None].float())
             if temp != 1.0:
-                g /= temp  # z = logits / T
+                g.div_(temp)  # z = logits / T
+            # matmuls in the weight's dtype (bf16 tensor cores), accumulation of grad_w across chunks in fp32
+            g = g.to(weight.dtype)
             if need_h:
-                grad_h[s:s + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad_h[s:s + chunk] = (g @ weight).to(hidden.dtype)
             if need_w:
-                grad_w.addmm_(g.t(), h.float())
+                grad_w += (g.t() @ h.to(weight.dtype)).float()
+            del g
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 
 

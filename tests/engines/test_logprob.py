@@ -67,3 +67,15 @@ def test_autograd_keeps_no_logits():
         chunked_logprobs_entropy(hidden, weight, labels, 16, with_entropy=True)
     # only the inputs are kept for backward: hidden, weight, labels (no [N, V] logits)
     assert sum(saved) == hidden.numel() + weight.numel() + labels.numel()
+
+
+@pytest.mark.parametrize("use", ["logp", "entropy"])
+def test_one_output_unused(use):
+    hidden, weight, labels = _inputs()
+    logp, ent = chunked_logprobs_entropy(hidden, weight, labels, 8, 0.9, with_entropy=True)
+    ref_logp, ref_ent = _reference(hidden, weight, labels, 0.9)
+    out, ref = (logp, ref_logp) if use == "logp" else (ent, ref_ent)
+    gh, gw = torch.autograd.grad(out.sum(), (hidden, weight))
+    rh, rw = torch.autograd.grad(ref.sum(), (hidden, weight))
+    torch.testing.assert_close(gh, rh, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, rw, rtol=1e-5, atol=1e-6)
