@@ -121,11 +121,3 @@ def pipeline_stages(cfg: Any, layout: Layout) -> List[List[str]]:
         except ValueError:
             pass  # the pipeline rules report it; planning continues with an even split
     return even_pipeline_layout(int(cfg["model"]["num_hidden_layers"]), layout.pp * (layout.vpp or 1))
-
-
-def stages_per_rank(stages: List[List[str]], pp: int) -> List[List[str]]:
-    """What each pipeline rank holds: virtual stage i lives on rank i % pp."""
-    ranks: List[List[str]] = [[] for _ in range(max(pp, 1))]
-    for i, st in enumerate(stages):
-        ranks[i % max(pp, 1)].extend(st)
-    return ranks

@@ -129,7 +129,9 @@ def train_shard(cfg: Any, layout: Layout) -> TrainShard:
     for rank in ranks:
         expert = len(rank["layers"]) * P.layer_expert_params(m)
         dense = P.layers_params(m, rank["layers"]) - expert
-        dense += (embed if rank["E"] else 0) + (embed + h if rank["L"] else 0)
+        # The output layer: its own weights, or a copy of the tied embedding when that lives on another stage.
+        output = embed if rank["L"] and not (m["tie_word_embeddings"] and rank["E"]) else 0
+        dense += (embed if rank["E"] else 0) + output + (h if rank["L"] else 0)
         shards.append((dense / max(layout.tp, 1), expert / max(layout.ep * layout.etp, 1)))
     dense, expert = max(shards, key=sum)
     most_layers = max((r["layers"] for r in ranks), key=len)

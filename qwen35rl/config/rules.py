@@ -52,10 +52,6 @@ def _try(key: str, value: Any) -> str:
     return f"try {key}={value}"
 
 
-def _pow2_upto(n: int) -> List[int]:
-    return [2 ** i for i in range(int(math.log2(max(n, 1))) + 1)]
-
-
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, max(n, 1) + 1) if n % d == 0]
 

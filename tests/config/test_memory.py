@@ -240,3 +240,15 @@ def test_offload_and_pipeline_lower_the_training_peak():
     assert peak(backend__optimizer_cpu_offload=False) > peak()
     assert peak(parallelism__pp=2, parallelism__ep=4) < peak(parallelism__ep=4)
     assert peak(backend__micro_batch_size_per_device=8) > peak()
+
+
+def test_tied_embedding_is_counted_once_unless_split_over_stages():
+    base = ["model=qwen3_5_0_8b", "hw=gpu_1node", "backend=megatron"]
+    m = tree(base)["model"]
+    layers = P.layers_params(m, P.layer_kinds(m))
+    one = tree(base, parallelism__pp=1)
+    assert M.train_shard(one, derive_layout(one)).dense == layers + 248320 * 1024 + 1024
+    two = tree(base, parallelism__pp=2)
+    half = P.layers_params(m, P.layer_kinds(m)[12:])
+    assert M.train_shard(two, derive_layout(two)).dense == max(
+        P.layers_params(m, P.layer_kinds(m)[:12]) + 248320 * 1024, half + 248320 * 1024 + 1024)
