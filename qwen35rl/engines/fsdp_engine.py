@@ -135,6 +135,10 @@ class FsdpTrainEngine(TrainEngine):
         if self.backend.remove_padding and not self.pack:
             log.info("backend.remove_padding: padded batches (packing needs flash-linear-attention and causal-conv1d on CUDA)")
         self.skipped_steps = 0
+        # FSDP2's CPU offload keeps parameter shards, gradients and optimizer states on the host (one policy)
+        b = self.backend
+        self.offloaded = self.distributed and self.device.type != "cpu" and bool(
+            b.offload_policy or b.param_offload or b.optimizer_offload or b.grad_offload)
 
         # A frozen reference never updates: keep it in the compute dtype. The policy keeps fp32 master weights.
         param_dtype = self.compute_dtype if reference else torch.float32
@@ -177,7 +181,7 @@ class FsdpTrainEngine(TrainEngine):
         else:
             mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-        offload = CPUOffloadPolicy() if (self.backend.offload_policy or self.backend.param_offload) else OffloadPolicy()
+        offload = CPUOffloadPolicy() if self.offloaded else OffloadPolicy()
         kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
         for unit in decoder_layers(self.lm):
             fully_shard(unit, reshard_after_forward=bool(self.backend.reshard_after_forward), **kw)
@@ -188,8 +192,7 @@ class FsdpTrainEngine(TrainEngine):
         only rank 0 ever holds the whole model, and only on CPU."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        offloaded = self.backend.offload_policy or self.backend.param_offload
-        self.module.to_empty(device="cpu" if offloaded else self.device)
+        self.module.to_empty(device="cpu" if self.offloaded else self.device)
         init_rotary_buffers(self.lm)
         full: Dict[str, torch.Tensor] = {}
         if dist.get_rank() == 0:
@@ -229,11 +232,12 @@ class FsdpTrainEngine(TrainEngine):
         return logp, ent
 
     # ------------------------------------------------------------------------------------------ update
-    def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the DP group (on the device: NCCL/HCCL reduce device tensors only); returned on the CPU."""
         if self.distributed:
-            t = t.to(self.device if self.device.type != "cpu" else "cpu")
-            dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.dp_group)
-        return t
+            t = t.to(self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
+        return t.cpu()
 
     def _global_counts(self, micro_batches: List[Batch], global_scale: Dict[str, float]) -> Tuple[float, float]:
         if GLOBAL_TOKENS in global_scale and GLOBAL_SEQS in global_scale:
@@ -309,14 +313,20 @@ class FsdpTrainEngine(TrainEngine):
         }
 
     def _clip_grad_norm(self) -> float:
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
-        total = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False)
-        if hasattr(total, "full_tensor"):
-            total = total.full_tensor()
-        norm = float(total)
-        if self.backend.grad_clip and self.backend.grad_clip > 0 and math.isfinite(norm):
-            torch.nn.utils.clip_grads_with_norm_(params, float(self.backend.grad_clip), total)
+        """Global L2 norm of the gradients, then clipping to backend.grad_clip. FSDP shards every parameter over
+        the DP group (each element on one rank), so the squared norm is the all-reduced sum of local shards'.
+        Computed on local shards so it also works when they live on the host (CPU offload)."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g in local:
+            sq += g.detach().double().pow(2).sum().to(self.device)
+        norm = math.sqrt(float(self._all_reduce(sq)))
+        clip = float(self.backend.grad_clip or 0)
+        if clip > 0 and math.isfinite(norm) and norm > clip:
+            coef = clip / (norm + 1e-6)
+            for g in local:
+                g.mul_(coef)
         return norm
 
     # ------------------------------------------------------------------------------------------ weights
@@ -329,6 +339,8 @@ class FsdpTrainEngine(TrainEngine):
         for name, p in self.lm.named_parameters():
             t = p.detach()
             if hasattr(t, "full_tensor"):
+                if t.device.type != self.device.type:  # host-offloaded shard: gather on the device's backend
+                    t = t.to(self.device)
                 t = t.full_tensor()
             t = t.to(device="cpu", dtype=out_dtype)
             bucket.append((name, t))

@@ -116,3 +116,15 @@ def test_headroom_penalty():
     c = S.cost(cfg, lay, est)
     assert c["headroom"] == pytest.approx(0.05)
     assert c["headroom_penalty"] == pytest.approx(1 + 0.5 * 0.05 / 0.1)
+
+
+def test_search_and_sweep_import_nothing_heavy():
+    import subprocess
+    import sys
+
+    code = ("import sys; from qwen35rl.config.compose import compose; from qwen35rl.config import layout_search, sweep;"
+            "layout_search.search(compose(['model=qwen3_5_35b_a3b','hw=gpu_1node','backend=megatron']));"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch','ray','transformers','vllm'}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"

@@ -87,3 +87,18 @@ def test_packed_equals_padded(nccl_world_1):
     assert packed.pack and not padded.pack
     a, b = packed.compute_log_probs(batch)[0], padded.compute_log_probs(batch)[0]
     torch.testing.assert_close(a[mask], b[mask], rtol=1e-3, atol=1e-3)
+
+
+def test_cpu_offload_matches_on_device(nccl_world_1):
+    batch = build_batch(_sequences(), PAD)
+    common = ("backend.mixed_precision=fp32", "algorithm.use_kl_loss=true")
+    on_device = FsdpTrainEngine(_cfg(*common), rank=0, world_size=1, device="cuda")
+    offloaded = FsdpTrainEngine(_cfg(*common, "backend.offload_policy=true"), rank=0, world_size=1, device="cuda")
+    assert offloaded.offloaded and not on_device.offloaded
+    assert next(iter(offloaded.module.parameters())).to_local().device.type == "cpu"
+    a, b = on_device.train_mini_batch([batch], {}), offloaded.train_mini_batch([batch], {})
+    assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
+    wa = {n: t for bucket in on_device.export_weights(1) for n, t in bucket}
+    wb = {n: t for bucket in offloaded.export_weights(1) for n, t in bucket}
+    assert wa.keys() == wb.keys()
+    assert max((wa[n] - wb[n]).abs().max().item() for n in wa) < 1e-4
