@@ -61,6 +61,7 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "layout_name": str(cfg.parallelism.name),
         "params": count.to_dict(),
         "memory_gib": mem.to_dict(),
+        "cost": layout_search.cost(cfg, layout, mem),
         "batch": batch_arithmetic(cfg, layout),
         "device": str(cfg.hw.device),
         "nodes": int(cfg.hw.nodes),
