@@ -193,6 +193,9 @@ class FsdpTrainEngine(TrainEngine):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         self.module.to_empty(device="cpu" if self.offloaded else self.device)
+        for module in self.module.modules():  # buffers (rotary inv_freq) are not offloaded: compute needs them on device
+            for name, buf in module.named_buffers(recurse=False):
+                module._buffers[name] = buf.to(self.device)
         init_rotary_buffers(self.lm)
         full: Dict[str, torch.Tensor] = {}
         if dist.get_rank() == 0:

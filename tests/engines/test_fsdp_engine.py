@@ -333,3 +333,14 @@ def test_vision_language_batch():
     m = engine.train_mini_batch([batch], {})
     assert math.isfinite(m["actor/grad_norm"]) and m["actor/skipped_steps"] == 0
     assert any(n.startswith("model.visual.") for bucket in engine.export_weights(64) for n, _ in bucket)
+
+
+def test_grad_clip_scales_gradients_to_the_limit():
+    seqs = _sequences()
+    m_raw, g_raw, _ = _run(_cfg(), seqs, micro=4)
+    raw_norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in g_raw.values()))
+    assert m_raw["actor/grad_norm"] == pytest.approx(raw_norm, rel=1e-5)
+    clip = raw_norm / 4
+    m, g, _ = _run(_cfg(f"backend.grad_clip={clip}"), seqs, micro=4)
+    assert m["actor/grad_norm"] == pytest.approx(raw_norm, rel=1e-5)  # the metric is the norm before clipping
+    assert math.sqrt(sum(t.double().pow(2).sum().item() for t in g.values())) == pytest.approx(clip, rel=1e-4)
