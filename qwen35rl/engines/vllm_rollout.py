@@ -54,6 +54,8 @@ def import_vllm():
         import vllm
     except ImportError as e:
         raise VllmNotInstalledError(f"{INSTALL_HINT} ({e})") from e
+    if getattr(vllm, "__file__", None) is None:  # a directory named vllm on sys.path, not the package
+        raise VllmNotInstalledError(f"{INSTALL_HINT} (`vllm` resolves to the namespace {list(vllm.__path__)})")
     return vllm
 
 

@@ -5,7 +5,9 @@ import os
 
 import pytest
 
-collect_ignore_glob = [] if importlib.util.find_spec("vllm") else ["test_*.py"]
+# With tests/ on sys.path this very directory is a namespace package named `vllm`: only a real one counts.
+_spec = importlib.util.find_spec("vllm")
+collect_ignore_glob = [] if _spec is not None and _spec.origin is not None else ["test_*.py"]
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
