@@ -3,9 +3,8 @@ reporting (one block, exit code 2), and running a task through `@hydra.main` for
 from __future__ import annotations
 
 import json
-import os
 import sys
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 from qwen35rl.config.compose import ConfigError, searchpath_override
 from qwen35rl.config.paths import config_dir
@@ -54,12 +53,22 @@ def run_hydra(task: Callable[[Any], Any], argv: Sequence[str], extra: Sequence[s
         sys.argv = sys_argv
 
 
-def full_error() -> bool:
-    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+def start(argv: Sequence[str]) -> Tuple[Any, Optional[Any], Optional[int]]:
+    """Parse argv and check the config before anything runs: (args, composed config or None for a sweep, exit
+    code when already done: Hydra's own flags answered, or a config error reported)."""
+    from qwen35rl.config.compose import check_sweep, compose
 
+    args = parse_args(argv)
+    if wants_hydra_only(args):
+        from omegaconf import OmegaConf
 
-def split_overrides(argv: Sequence[str]) -> Optional[List[str]]:
+        run_hydra(lambda cfg: print(OmegaConf.to_yaml(cfg)), argv)
+        return args, None, 0
+    overrides = list(args.overrides)
     try:
-        return list(parse_args(argv).overrides)
-    except SystemExit:
-        return None
+        if args.multirun:
+            check_sweep(overrides)
+            return args, None, None
+        return args, compose(overrides), None
+    except ConfigError as e:
+        return args, None, report_config_error(e, output_format(overrides))

@@ -10,9 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen35rl.cli.common import (EXIT_CONFIG, output_format, parse_args, report_config_error, run_hydra,
-                                 wants_hydra_only)
-from qwen35rl.config.compose import ConfigError, check_sweep, compose
+from qwen35rl.cli.common import EXIT_CONFIG, output_format, run_hydra, start
 
 _sweep_results: List[Dict[str, Any]] = []
 
@@ -42,25 +40,15 @@ def _sweep_job(cfg: DictConfig) -> Dict[str, Any]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if wants_hydra_only(args):
-        run_hydra(lambda cfg: print(OmegaConf.to_yaml(cfg)), argv)
-        return 0
-    overrides = list(args.overrides)
-    fmt = output_format(overrides)
-    try:
-        if args.multirun:
-            check_sweep(overrides)
-        else:
-            cfg = compose(overrides)
-    except ConfigError as e:
-        return report_config_error(e, fmt)
+    args, cfg, done = start(argv)
+    if done is not None:
+        return done
     if args.multirun:
         _sweep_results.clear()
         run_hydra(_sweep_job, argv, extra=["hydra.output_subdir=null"])
         return 0 if any(p["valid"] for p in _sweep_results) else EXIT_CONFIG
     plan = plan_config(cfg)
-    emit(plan, fmt)
+    emit(plan, output_format(args.overrides))
     return 0 if plan["valid"] else EXIT_CONFIG
 
 

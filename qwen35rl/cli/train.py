@@ -10,9 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen35rl.cli.common import (EXIT_CONFIG, output_format, parse_args, report_config_error, run_hydra,
-                                 wants_hydra_only)
-from qwen35rl.config.compose import ConfigError, check_sweep, compose
+from qwen35rl.cli.common import EXIT_CONFIG, run_hydra, start
 from qwen35rl.config.problems import ERROR, Problem
 
 _exit_codes: List[int] = []
@@ -59,25 +57,17 @@ def _train_job(cfg: DictConfig) -> Dict[str, Any]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if wants_hydra_only(args):
-        run_hydra(lambda cfg: print(OmegaConf.to_yaml(cfg)), argv)
-        return 0
-    overrides = list(args.overrides)
-    try:
-        if args.multirun:
-            check_sweep(overrides)
-        else:
-            cfg = compose(overrides)
-            from qwen35rl.config.plan import select_layout
+    args, cfg, done = start(argv)
+    if done is not None:
+        return done
+    if not args.multirun:
+        from qwen35rl.config.plan import select_layout
 
-            cfg, _, problems = select_layout(cfg)
-            errors = [p for p in problems + launch_problems(cfg) if p.severity == ERROR]
-            if errors:
-                _print_problems(errors)
-                return EXIT_CONFIG
-    except ConfigError as e:
-        return report_config_error(e, output_format(overrides))
+        cfg, _, problems = select_layout(cfg)
+        errors = [p for p in problems + launch_problems(cfg) if p.severity == ERROR]
+        if errors:
+            _print_problems(errors)
+            return EXIT_CONFIG
     _exit_codes.clear()
     run_hydra(_train_job, argv)
     if not _exit_codes:
