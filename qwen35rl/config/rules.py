@@ -593,7 +593,8 @@ CHOICES: Dict[str, Sequence[Any]] = {
     "rollout.cudagraph_mode": ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", None),
     "format": ("text", "json"),
 }
-REWARDS = ("exact_match", "math", "format")
+# Built-in reward names (qwen35rl.rewards.BUILTIN, which imports the scorers; a test keeps the two equal).
+REWARDS = ("exact_match", "math", "format", "copy_digit", "sum_digits")
 
 
 def _get(cfg: Any, dotted: str, default: Any = KeyError) -> Any:

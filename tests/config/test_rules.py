@@ -274,3 +274,10 @@ def test_version_parsing():
     assert quirks.version_tuple("0.9.2+cpu") == (0, 9, 2)
     assert quirks.version_below("0.18.0", "0.22") and not quirks.version_below("0.22.0", "0.22")
     assert quirks.version_below("1.0", None)
+
+
+def test_reward_names_match_the_reward_registry():
+    from qwen35rl.config.rules import REWARDS
+    from qwen35rl.rewards import BUILTIN
+
+    assert set(REWARDS) == set(BUILTIN)
