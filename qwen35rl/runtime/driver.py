@@ -144,9 +144,12 @@ class GRPOTrainer:
             self.step += 1
             metrics = self.train_step()
             if self._due(self.cfg.trainer.test_freq) and self.val_set:
+                t0 = time.perf_counter()
                 metrics.update(self.validate())
+                metrics["timing_s/testing"] = time.perf_counter() - t0
             if self.step % max(int(self.cfg.trainer.log_every), 1) == 0 or self.step == self.total_steps:
                 self.tracking.log(self.step, metrics)
+            # after logging: a step with a checkpoint always has its metrics row (resume keeps rows up to it)
             if self._due(self.cfg.trainer.save_freq) or self.stop.requested:
                 self.save_checkpoint()
         if self.stop.requested:

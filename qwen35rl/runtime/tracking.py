@@ -62,21 +62,32 @@ def _step_of(line: str) -> Optional[int]:
 
 
 class ConsoleTracker:
-    """A progress line per logged step on stderr: step, elapsed, ETA, reward (and validation when present)."""
+    """A progress line per logged step on stderr: step, elapsed, ETA, reward (and validation when present).
+    The ETA uses the pace of the steps since the first one logged by this process (Ray start-up and the first
+    step's warm-up would otherwise inflate it)."""
 
     def __init__(self, total_steps: int, start_step: int, stream=None):
         self.total, self.start_step = total_steps, start_step
         self.stream = stream or sys.stderr
         self.t0 = time.monotonic()
+        self._first: Optional[tuple] = None  # (time, step) of the first logged step
+
+    def _eta(self, now: float, step: int, metrics: Mapping[str, Any]) -> float:
+        if self._first is None:
+            self._first = (now, step)
+            per_step = metrics.get("timing_s/step") or float("nan")
+        else:
+            t_first, s_first = self._first
+            per_step = (now - t_first) / max(step - s_first, 1)
+        return per_step * (self.total - step)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        elapsed = time.monotonic() - self.t0
-        done = step - self.start_step
-        eta = elapsed / done * (self.total - step) if done > 0 else float("nan")
-        parts = [f"step {step}/{self.total}", f"{_hms(elapsed)}<{_hms(eta)}"]
+        now = time.monotonic()
+        eta = self._eta(now, step, metrics)
+        parts = [f"step {step}/{self.total}", f"{_hms(now - self.t0)}<{_hms(eta)}"]
         for key, label in (("critic/score/mean", "reward"), ("response_length/mean", "len"),
                            ("actor/pg_loss", "pg_loss"), ("val/score/mean", "val"), ("timing_s/step", "s/step")):
-            if key in metrics and metrics[key] is not None:
+            if metrics.get(key) is not None:
                 parts.append(f"{label} {metrics[key]:.4g}")
         self.stream.write("[qwen35rl] " + " | ".join(parts) + "\n")
         self.stream.flush()
@@ -215,6 +226,8 @@ def plot_curves(rows: Iterable[Mapping[str, Any]], out_png: Path) -> Path:
         drawn = False
         for name in names:
             pts = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
+            if pts and all(y == 0 for _, y in pts) and name != names[-1]:
+                continue  # a term that is off (e.g. kl_loss without use_kl_loss) would only flatten the panel
             if pts:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, marker="." if len(pts) < 50 else None, label=name)
