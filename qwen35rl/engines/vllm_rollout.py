@@ -43,6 +43,8 @@ INSTALL_HINT = (
 # Prefixes of the text model inside a Qwen3.5 VL checkpoint, and of its vision tower.
 _VL_TEXT = "model.language_model."
 _VL_VISION = "model.visual."
+_EMBEDDINGS = ("model.embed_tokens.weight", _VL_TEXT + "embed_tokens.weight")
+_LM_HEAD = "lm_head.weight"
 
 
 class VllmNotInstalledError(ImportError):
@@ -175,12 +177,6 @@ def sampling_kwargs(request: RolloutRequest, stop_ids: List[int], prompt_index: 
 
 
 # ------------------------------------------------------------------------------------------------- weight names
-def checkpoint_is_multimodal(model_dir: str) -> bool:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        archs = json.load(f).get("architectures") or []
-    return any(a.endswith("ForConditionalGeneration") for a in archs)
-
-
 def vllm_weight_name(name: str, multimodal: bool) -> Optional[str]:
     """The trainer's HF name of a tensor as the engine's checkpoint names it; None: the engine has no such tensor
     (the vision tower for a text-only engine)."""
@@ -195,15 +191,40 @@ def vllm_weight_name(name: str, multimodal: bool) -> Optional[str]:
     return name
 
 
-def renamed_weights(buckets: Iterable[List[Tuple[str, torch.Tensor]]],
-                    multimodal: bool) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Flatten the buckets lazily: a bucket is fetched only when the previous one is consumed. Dtypes stay as
-    exported: vLLM's loaders cast into each parameter's dtype, as on the first load (GDN's A_log stays fp32)."""
+def renamed_weights(buckets: Iterable[List[Tuple[str, torch.Tensor]]], multimodal: bool,
+                    dtype: Optional[torch.dtype] = None, keep_dtype: Iterable[str] = (),
+                    tied_lm_head: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Flatten the buckets lazily: a bucket is fetched only when the previous one is consumed.
+
+    Floating tensors are cast to the engine's `dtype` as its loaders would (fewer bytes moved, no dtype warning per
+    tensor), except those whose last name part is in `keep_dtype`: parameters the engine holds in another dtype
+    (GDN's A_log in fp32). With `tied_lm_head` the embedding is sent as lm_head too, right after it: a trainer lists
+    a tied tensor once, and vLLM's in-place reload would otherwise keep the old lm_head."""
+    keep = frozenset(keep_dtype)
     for bucket in buckets:
         for name, tensor in bucket:
             mapped = vllm_weight_name(name, multimodal)
-            if mapped is not None:
-                yield mapped, tensor
+            if mapped is None or (tied_lm_head and mapped == _LM_HEAD):
+                continue
+            if dtype is not None and tensor.is_floating_point() and mapped.rsplit(".", 1)[-1] not in keep:
+                tensor = tensor.to(dtype)
+            yield mapped, tensor
+            if tied_lm_head and mapped in _EMBEDDINGS:
+                yield _LM_HEAD, tensor
+
+
+def checkpoint_config(model_dir: str) -> Dict[str, Any]:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
+
+
+def checkpoint_is_multimodal(config: Dict[str, Any]) -> bool:
+    return any(a.endswith("ForConditionalGeneration") for a in config.get("architectures") or [])
+
+
+def checkpoint_ties_embeddings(config: Dict[str, Any]) -> bool:
+    text = config.get("text_config") or config
+    return bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
 
 
 # ------------------------------------------------------------------------------------------------------- engine
@@ -217,13 +238,18 @@ class VllmRolloutEngine(RolloutEngine):
         vllm = import_vllm()
         self._vllm = vllm
         self.args = engine_args_from_config(cfg, layout or derive_layout(cfg), model_dir)
-        self.multimodal = checkpoint_is_multimodal(model_dir)
+        checkpoint = checkpoint_config(model_dir)
+        self.multimodal = checkpoint_is_multimodal(checkpoint)
+        self._tied_lm_head = checkpoint_ties_embeddings(checkpoint)
         self._stop_ids = stop_token_ids(cfg)
         self._free_cache = bool(cfg["rollout"]["free_cache_engine"])
         self._sleep_level = int(cfg["rollout"]["sleep_level"])
         self._asleep = False
         self._weights_awake = False
         self.llm = vllm.LLM(**self.args)
+        self._dtype = getattr(torch, self.args["dtype"])
+        self._keep_dtype = {n.rsplit(".", 1)[-1] for n, p in self._worker().model_runner.model.named_parameters()
+                            if p.is_floating_point() and p.dtype != self._dtype}
 
     # ---------------------------------------------------------------------------------------------- generation
     def generate(self, request: RolloutRequest) -> RolloutResult:
@@ -252,16 +278,19 @@ class VllmRolloutEngine(RolloutEngine):
         if self._asleep and not self._weights_awake:
             self.llm.wake_up(tags=["weights"])  # level 2 dropped them; the KV cache stays released
             self._weights_awake = True
-        self._reload(renamed_weights(buckets, self.multimodal))
+        self._reload(renamed_weights(buckets, self.multimodal, self._dtype, self._keep_dtype, self._tied_lm_head))
         self.llm.reset_prefix_cache()
 
-    def _reload(self, weights: Iterator[Tuple[str, torch.Tensor]]) -> None:
+    def _worker(self):
         try:
-            worker = self.llm.llm_engine.model_executor.driver_worker.worker
+            return self.llm.llm_engine.model_executor.driver_worker.worker
         except AttributeError as e:
             raise RuntimeError(
                 "in-place weight sync needs the engine core in this process: keep VLLM_ENABLE_V1_MULTIPROCESSING=0"
             ) from e
+
+    def _reload(self, weights: Iterator[Tuple[str, torch.Tensor]]) -> None:
+        worker = self._worker()
         if hasattr(worker, "reload_weights"):
             worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         else:  # workers without the reload entry point (older vLLM, vllm-ascend): the model's own loader

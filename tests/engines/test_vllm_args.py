@@ -3,6 +3,7 @@ import sys
 import types
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from qwen35rl.config.compose import compose
@@ -13,6 +14,7 @@ from qwen35rl.engines.vllm_rollout import (
     VllmRolloutEngine,
     engine_args_from_config,
     engine_env,
+    renamed_weights,
     sampling_kwargs,
     stop_token_ids,
     vllm_weight_name,
@@ -117,6 +119,40 @@ def test_sampling_kwargs():
 ])
 def test_weight_names_follow_the_checkpoint_layout(name, multimodal, expected):
     assert vllm_weight_name(name, multimodal) == expected
+
+
+def test_weights_stream_bucket_by_bucket_renamed_and_cast():
+    drawn = []
+
+    def buckets():
+        for k in range(3):
+            drawn.append(k)
+            yield [(f"model.layers.{k}.linear_attn.A_log", torch.ones(2)),
+                   (f"model.layers.{k}.mlp.up_proj.weight", torch.full((2, 2), 1 / 3)),
+                   ("model.visual.patch_embed.proj.weight", torch.ones(1))]
+
+    stream = renamed_weights(buckets(), multimodal=False, dtype=torch.bfloat16, keep_dtype={"A_log"})
+    assert drawn == []
+    first = [next(stream), next(stream)]
+    assert drawn == [0]  # the next bucket is not fetched before this one is consumed
+    assert [n for n, _ in first] == ["model.layers.0.linear_attn.A_log", "model.layers.0.mlp.up_proj.weight"]
+    assert first[0][1].dtype == torch.float32 and first[1][1].dtype == torch.bfloat16
+    rest = list(stream)
+    assert drawn == [0, 1, 2] and len(rest) == 4  # the vision tower is not part of a text-only engine
+    ints = list(renamed_weights([[("model.x", torch.arange(3))]], multimodal=True, dtype=torch.bfloat16))
+    assert ints[0][0] == "model.language_model.x" and ints[0][1].dtype == torch.int64
+
+
+@pytest.mark.parametrize("multimodal", [False, True])
+def test_a_tied_lm_head_follows_the_embedding(multimodal):
+    emb, head = torch.randn(4, 2), torch.randn(4, 2)
+    trainer = [[("model.embed_tokens.weight", emb), ("model.norm.weight", torch.ones(2))], [("lm_head.weight", head)]]
+    tied = list(renamed_weights(trainer, multimodal, tied_lm_head=True))
+    prefix = "model.language_model." if multimodal else "model."
+    assert [n for n, _ in tied] == [prefix + "embed_tokens.weight", "lm_head.weight", prefix + "norm.weight"]
+    assert tied[1][1] is emb  # the embedding, also when the trainer sends a copy of it as lm_head
+    untied = dict(renamed_weights(trainer, multimodal))
+    assert untied["lm_head.weight"] is head and len(untied) == 3
 
 
 def test_without_vllm_the_engine_names_the_extra_to_install(monkeypatch, tmp_path):
