@@ -31,6 +31,11 @@ def test_check_layout_names_the_reason():
     with pytest.raises(RuntimeError, match="Transformer Engine"):
         version.capabilities("0.19.2", has_te=False).check_layout(cp=2, packed=False)
     version.capabilities("0.16.1", has_te=False).check_layout(cp=1, packed=False)
+    # before 0.19, experts with EP=1 and ETP != TP miss the gradient sum over TP ranks
+    with pytest.raises(RuntimeError, match="set parallelism.etp=2"):
+        version.capabilities("0.16.1", has_te=False).check_layout(cp=1, packed=False, tp=2, ep=1, etp=1, moe=True)
+    version.capabilities("0.16.1", has_te=False).check_layout(cp=1, packed=False, tp=2, ep=2, etp=1, moe=True)
+    version.capabilities("0.19.2", has_te=False).check_layout(cp=1, packed=False, tp=2, ep=1, etp=1, moe=True)
 
 
 def test_missing_or_old_megatron_names_the_install(monkeypatch):

@@ -187,7 +187,9 @@ def transformer_config(model_cfg: Any, shape: Qwen35Shape, *, tp: int, pp: int, 
         # micro batches of different lengths; megatron refuses that with its (default) allgather dispatcher
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall", gradient_accumulation_fusion=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        perform_initialization=False,  # every weight comes from the HF state through `mapping`
+        # initialisation stays on although every weight then comes from the HF state: megatron's linears and
+        # embeddings mark themselves tensor-parallel (what grad-norm and checkpoint code read) only there
+        perform_initialization=True,
     )
     if shape.moe:
         kw.update(num_moe_experts=shape.num_experts, moe_router_topk=int(m.num_experts_per_tok),

@@ -9,6 +9,7 @@ What changes across 0.16 - 0.19 and how the backend copes:
   MLP / MoE submodules became builder callables too. The backend starts from megatron's own
   `get_gpt_layer_local_spec` (right for each version) and swaps in norm *classes*, which both styles accept.
 - The legacy (non-TE) GroupedMLP is gone from 0.17: without Transformer Engine experts are a SequentialMLP.
+- Up to 0.18, expert weights with EP = 1 and ETP != TP get wrong gradients (`EXPERT_GROUPS_WITHOUT_EP`): refused.
 - In every version, the local DotProductAttention takes neither packed sequences nor CP > 1, and the
   TE-only features (grouped GEMM, permute fusion, precision-aware optimizer, THD attention) need Transformer Engine.
 """
@@ -23,6 +24,10 @@ MIN_SUPPORTED: Tuple[int, int] = (0, 16)
 """Oldest megatron-core the backend targets (what Ascend / MindSpeed users pin)."""
 GDN_PACKED_AND_CP: Tuple[int, int] = (0, 18)
 """First megatron-core whose GDN takes packed (THD) sequences and context parallel > 1."""
+EXPERT_GROUPS_WITHOUT_EP: Tuple[int, int] = (0, 19)
+"""First megatron-core that reduces expert gradients over the expert groups when EP = 1 but ETP != TP. Before,
+such experts reduce like dense weights, over data parallel only, and miss the sum over the TP ranks (which route
+different tokens under sequence parallelism): gradients come out wrong."""
 LAYER_BUILDERS: Tuple[int, int] = (0, 17)
 """First megatron-core whose TransformerLayer calls norm / MLP builders instead of build_module(spec)."""
 
@@ -70,9 +75,17 @@ class Capabilities:
     def context_parallel(self) -> bool:
         return self.gdn_context_parallel and self.has_te
 
-    def check_layout(self, cp: int, packed: bool) -> None:
+    @property
+    def expert_groups_without_ep(self) -> bool:
+        return self.version >= EXPERT_GROUPS_WITHOUT_EP
+
+    def check_layout(self, cp: int, packed: bool, tp: int = 1, ep: int = 1, etp: int = 1, moe: bool = False) -> None:
         """Raise with the reason when the run asks for what this stack cannot do."""
         name = ".".join(map(str, self.version))
+        if moe and ep == 1 and etp != tp and not self.expert_groups_without_ep:
+            raise RuntimeError(f"parallelism.ep=1 with etp={etp} != tp={tp}: megatron-core {name} reduces expert "
+                               f"gradients like dense ones then and misses the sum over TP ranks (fixed in "
+                               f"{'.'.join(map(str, EXPERT_GROUPS_WITHOUT_EP))}); set parallelism.etp={tp} or ep > 1")
         if cp > 1 and not self.gdn_context_parallel:
             raise RuntimeError(f"parallelism.cp={cp}: megatron-core {name} GDN needs CP=1 (CP from "
                                f"{'.'.join(map(str, GDN_PACKED_AND_CP))})")
