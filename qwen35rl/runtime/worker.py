@@ -171,14 +171,19 @@ class PolicyWorker:
         """Collective: model + optimizer shards (DCP) and this rank's RNG into the (temporary) checkpoint dir."""
         ckpt.save_engine_state(Path(path), self.actor)
         ckpt.save_rng(Path(path), self.rank, self._device_rng_module())
-        dist.barrier()
+        self._barrier()
 
     def load_checkpoint(self, path: str) -> bool:
         """Collective. Returns whether this rank's RNG state was restored (False: saved with another world)."""
         ckpt.load_engine_state(Path(path), self.actor)
         restored = ckpt.load_rng(Path(path), self.rank, self._device_rng_module())
-        dist.barrier()
+        self._barrier()
         return restored
+
+    @staticmethod
+    def _barrier() -> None:
+        if dist.is_initialized():  # a single process without a group (tests) has nobody to wait for
+            dist.barrier()
 
     def _device_rng_module(self):
         return device_module(self.platform.device_type) if self.platform.is_accelerator else None
@@ -201,7 +206,7 @@ class PolicyWorker:
                 raise RuntimeError(f"HF export: no weights for {still_meta[:5]}, unknown {unexpected[:5]}")
             model.generation_config = generation_config(self.cfg.model)
             save_hf(model, self.tokenizer, path)
-        dist.barrier()
+        self._barrier()
 
     # ------------------------------------------------------------------------------------------------ stats
     def max_memory_allocated_gb(self) -> float:

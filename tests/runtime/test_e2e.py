@@ -1,0 +1,125 @@
+"""`qwen35rl-train` end to end on CPU through Ray (2 worker processes, FSDP over gloo, transformers rollout):
+the run directory it leaves, and kill -9 + resume ending bitwise equal to an uninterrupted run."""
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qwen35rl.runtime.tracking import read_metrics
+
+pytestmark = pytest.mark.slow
+
+_SCRIPT = Path(sys.executable).parent / "qwen35rl-train"
+TRAIN = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "qwen35rl.cli.train"]
+SMALL = ["hw.devices_per_node=2", "data.train_batch_size=4", "rollout.n=4", "algorithm.mini_batch_size=2",
+         "backend.micro_batch_size_per_device=4", "data.val_size=8", "data.val_batch_size=8"]
+# the metric names of grpo.md every step must carry
+STEP_METRICS = ["critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "response_length/mean",
+                "response_length/clip_ratio", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac",
+                "actor/ppo_kl", "actor/grad_norm", "actor/lr", "timing_s/gen", "timing_s/old_log_prob",
+                "timing_s/update_actor", "timing_s/step", "perf/throughput", "perf/mfu/actor",
+                "perf/max_memory_allocated_gb"]
+
+
+def train(run_dir, *overrides, timeout=600):
+    return subprocess.run([*TRAIN, f"hydra.run.dir={run_dir}", *SMALL, *overrides], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ))
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_train_end_to_end(tmp_path):
+    run = tmp_path / "run"
+    proc = train(run, "trainer.total_steps=3", "trainer.save_freq=2", "trainer.test_freq=3",
+                 "algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.01")
+    _ok(proc)
+    assert "[qwen35rl] step 3/3" in proc.stderr
+
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        missing = [k for k in STEP_METRICS + ["timing_s/ref"] if k not in r]
+        assert not missing, missing
+        assert 0.0 <= r["critic/score/mean"] <= 1.0 and r["actor/skipped_steps"] == 0
+    assert "val/score/mean" in rows[2] and "val/score/mean" not in rows[0]
+
+    ckpts = run / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_2", "step_3"]
+    for step in (2, 3):
+        d = ckpts / f"step_{step}"
+        assert json.loads((d / "meta.json").read_text())["step"] == step
+        assert (d / "trainer_state.pt").is_file()
+        assert sorted(p.name for p in (d / "rng").iterdir()) == ["rank_0.pt", "rank_1.pt"]
+        assert list((d / "model").glob("*.distcp")) and (d / "model" / ".metadata").is_file()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run / "final")
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    ids = torch.tensor([tok.encode("7 3 9 =")])
+    assert model(ids).logits.shape == (1, ids.shape[1], model.config.vocab_size)
+    assert (run / "curves.png").stat().st_size > 0
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_moe_model_trains(tmp_path):
+    run = tmp_path / "moe"
+    _ok(train(run, "model=qwen3_5_tiny_moe", "hw.devices_per_node=1", "trainer.total_steps=2",
+              "trainer.test_freq=-1", "trainer.save_freq=-1"))
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2]
+    assert (run / "final" / "model.safetensors").is_file()
+
+
+def _kill_after_checkpoint(run_dir, step, *overrides):
+    """Start a run in its own session; SIGKILL the whole session (driver, Ray, workers) once the step's checkpoint
+    is committed."""
+    proc = subprocess.Popen([*TRAIN, f"hydra.run.dir={run_dir}", *SMALL, *overrides], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=dict(os.environ))
+    marker = run_dir / "checkpoints" / f"step_{step}" / "meta.json"
+    deadline = time.monotonic() + 600
+    try:
+        while not marker.exists():
+            assert proc.poll() is None, f"run ended before its step-{step} checkpoint: {proc.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no checkpoint within 600 s"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stderr.close()
+
+
+def test_kill_and_resume_is_bitwise_identical(tmp_path):
+    args = ["trainer.total_steps=6", "trainer.save_freq=3", "trainer.test_freq=3", "trainer.max_keep_checkpoints=0"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    _ok(train(straight, *args))
+
+    _kill_after_checkpoint(resumed, 3, *args)
+    done = sorted(p.name for p in (resumed / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert done == ["step_3"], f"killed too late: {done}"
+    proc = train(resumed, *args)           # the same command again: resume=auto picks step_3 up
+    _ok(proc)
+    assert "resuming from" in proc.stderr
+
+    a, b = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    differing = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differing, f"parameters differ after resume: {differing[:5]}"
+
+    rows_a, rows_b = read_metrics(straight / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl")
+    assert [r["step"] for r in rows_b] == [1, 2, 3, 4, 5, 6]          # each step logged once
+    for ra, rb in zip(rows_a, rows_b):
+        for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm"):
+            assert ra[key] == rb[key], (ra["step"], key)

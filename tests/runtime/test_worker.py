@@ -1,0 +1,97 @@
+"""The colocated worker in one process (world 1, no Ray, no process group) with the real engines: a non-finite
+loss skips the update and is counted, checkpoints restore the policy and RNG exactly, weight sync reaches the
+rollout engine, and the HF export loads with transformers."""
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from qwen35rl.config.compose import compose
+from qwen35rl.runtime.batching import Sequences
+from qwen35rl.runtime.worker import PolicyWorker
+
+PROMPTS = [[ord(c) for c in "7 3 9 ="], [ord(c) for c in "1 2 ="]]
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    cfg = compose(["hw.devices_per_node=1", "rollout.n=2", "data.max_response_length=4"])
+    w = PolicyWorker(OmegaConf.to_container(cfg, resolve=True), rank=0, world_size=1, local_rank=0,
+                     run_dir=str(tmp_path_factory.mktemp("run")), optimizer_steps=10)
+    w._build_engines()
+    w.sync_weights()
+    return w
+
+
+def _policy(worker):
+    return {n: t.clone() for bucket in worker.actor.export_weights(64) for n, t in bucket}
+
+
+def _rollout_seqs(worker, advantage):
+    result = worker.generate(PROMPTS, dict(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, seed=5))
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    seqs = Sequences(prompts, result.response_ids)
+    seqs.old_log_probs = worker.compute_log_probs(seqs)
+    seqs.advantages = [advantage, -advantage] * 2
+    return seqs
+
+
+def _scale(seqs):
+    return {"global_tokens": float(seqs.token_count()), "global_seqs": float(len(seqs))}
+
+
+def test_nonfinite_loss_skips_the_update_and_counts_it(worker):
+    before = _policy(worker)
+    seqs = _rollout_seqs(worker, float("nan"))
+    metrics = worker.update_actor(seqs, _scale(seqs))
+    assert metrics["actor/skipped_steps"] == 1
+    after = _policy(worker)
+    assert all(torch.equal(before[k], after[k]) for k in before), "a non-finite loss must not touch the weights"
+    seqs = _rollout_seqs(worker, 1.0)
+    metrics = worker.update_actor(seqs, _scale(seqs))
+    assert metrics["actor/skipped_steps"] == 1 and metrics["actor/grad_norm"] > 0
+    assert any(not torch.equal(after[k], v) for k, v in _policy(worker).items())
+
+
+def test_rollout_log_probs_follow_weight_sync(worker):
+    """After a sync the rollout engine samples from the policy: its log-probs match the train engine's."""
+    seqs = _rollout_seqs(worker, 1.0)
+    worker.update_actor(seqs, _scale(seqs))
+    worker.sync_weights()
+    result = worker.generate(PROMPTS, dict(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, seed=9))
+    recomputed = worker.compute_log_probs(Sequences([p for p in PROMPTS for _ in range(2)], result.response_ids))
+    for a, b in zip(result.log_probs, recomputed):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_checkpoint_round_trip_restores_policy_optimizer_and_rng(worker, tmp_path):
+    worker.save_checkpoint(str(tmp_path))
+    saved, draw = _policy(worker), torch.rand(3)
+    seqs = _rollout_seqs(worker, 1.0)
+    worker.update_actor(seqs, _scale(seqs))
+    assert worker.load_checkpoint(str(tmp_path))
+    assert all(torch.equal(saved[k], v) for k, v in _policy(worker).items())
+    assert torch.equal(torch.rand(3), draw)      # RNG state as at the save
+    # the optimizer state came back too: the same update from the restored state gives the same weights
+    seqs = _rollout_seqs(worker, 1.0)
+    worker.update_actor(seqs, _scale(seqs))
+    first = _policy(worker)
+    worker.load_checkpoint(str(tmp_path))
+    worker.update_actor(seqs, _scale(seqs))
+    assert all(torch.equal(first[k], v) for k, v in _policy(worker).items())
+
+
+def test_hf_export_loads_with_transformers(worker, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    worker.export_hf(str(tmp_path / "final"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "final"))
+    policy = _policy(worker)
+    exported = dict(model.named_parameters())
+    assert set(policy) <= set(exported)
+    assert all(torch.equal(policy[k], exported[k].detach()) for k in policy)
+    assert tok.decode(tok.encode("7 3 9 =")) == "7 3 9 ="
