@@ -123,3 +123,28 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path):
     for ra, rb in zip(rows_a, rows_b):
         for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm"):
             assert ra[key] == rb[key], (ra["step"], key)
+
+
+def test_ctrl_c_finishes_the_step_checkpoints_and_exits(tmp_path):
+    """Ctrl-C in a terminal signals the whole foreground process group (driver and local Ray alike)."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([*TRAIN, f"hydra.run.dir={run}", *SMALL, "trainer.total_steps=100", "trainer.test_freq=-1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ))
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, "no step logged"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    last = read_metrics(metrics)[-1]["step"]
+    assert last < 100
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names == [f"step_{last}"], names          # the interrupted step's checkpoint, nothing half-written
+    assert not (run / "final").exists()
