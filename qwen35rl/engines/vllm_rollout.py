@@ -38,6 +38,7 @@ from omegaconf import OmegaConf
 from qwen35rl.config.layout import Layout, derive_layout
 from qwen35rl.config.quirks import effective_engine_kwargs
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult
+from qwen35rl.models.special_tokens import special_token_ids
 
 INSTALL_HINT = (
     "rollout.engine=vllm needs vLLM: on GPU clusters `pip install 'qwen35rl[gpu]'` (into the image's torch), on "
@@ -137,8 +138,6 @@ def engine_args_from_config(cfg: Any, layout: Layout, model_dir: str) -> Dict[st
 
 def stop_token_ids(cfg: Any) -> List[int]:
     """End of a chat turn and end of text: the official checkpoints' generation_config EOS list."""
-    from qwen35rl.models.special_tokens import special_token_ids
-
     ids = special_token_ids(cfg["model"])
     return [ids["im_end"], ids["eos"]]
 
