@@ -99,8 +99,13 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--sync-model", default="qwen3_5_0_8b", help="second model for the weight-sync time")
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench_vllm_") as work:
+        results = measure(work, args)
+    print(markdown(results, args) if args.markdown else json.dumps(results, indent=2, default=str))
+
+
+def measure(work: str, args) -> Dict[str, object]:
     results: Dict[str, object] = {"threads": torch.get_num_threads(), "rows": []}
-    work = tempfile.mkdtemp(prefix="bench_vllm_")
 
     cfg = tiny_cfg()
     model = checkpoint(cfg, f"{work}/tiny")
@@ -143,7 +148,7 @@ def main() -> None:
     results[f"sync {args.sync_model}"] = sync_time(engine, big.state_dict(), args.repeat)
     engine.close()
     results["load"] = os.getloadavg()
-    print(markdown(results, args) if args.markdown else json.dumps(results, indent=2, default=str))
+    return results
 
 
 def markdown(r: Dict[str, object], args) -> str:
