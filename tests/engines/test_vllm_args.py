@@ -168,7 +168,7 @@ def test_without_vllm_the_engine_names_the_extra_to_install(monkeypatch, tmp_pat
 
 def test_a_directory_named_vllm_is_not_vllm(monkeypatch, tmp_path):
     namespace = types.ModuleType("vllm")
-    namespace.__path__ = [str(tmp_path)]  # what `import vllm` gives when tests/ (holding tests/vllm) is on sys.path
+    namespace.__path__ = [str(tmp_path)]  # what `import vllm` gives when tests/ (holding a folder named vllm) is on sys.path
     monkeypatch.setitem(sys.modules, "vllm", namespace)
     cfg = compose(["hw=gpu_1x"])
     for key in engine_env(cfg):

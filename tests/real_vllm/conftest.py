@@ -1,5 +1,5 @@
 """The real vLLM engine on CPU (`-m vllm`). Runs where vLLM is installed: `tests/vllm_env.sh` builds .venv-vllm, then
-`.venv-vllm/bin/pytest tests/vllm -m vllm`. Anywhere else (the main .venv) nothing here is collected."""
+`.venv-vllm/bin/pytest tests/real_vllm -m vllm`. Anywhere else (the main .venv) nothing here is collected."""
 import importlib.util
 import os
 
