@@ -127,10 +127,12 @@ class GRPOTrainer:
         self.total_steps, self.run_dir = total_steps, run_dir
         self.algo, self.data, self.rollout_cfg = cfg.algorithm, cfg.data, cfg.rollout
         self.n = int(cfg.rollout.n)
-        self.dp = layout.dp
-        if layout.dp != workers.world:
-            raise NotImplementedError(f"data parallel {layout.dp} != world {workers.world} (sequence parallel is "
-                                      f"not implemented by this runtime)")
+        shards = workers.run("data_shards")
+        self.train_group = [s["train_dp_rank"] for s in shards]
+        self.rollout_group = [s["rollout_group"] for s in shards]
+        self.dp = shards[0]["train_dp_size"]
+        if self.dp != layout.dp or sorted(set(self.train_group)) != list(range(self.dp)):
+            raise RuntimeError(f"train engines report data-parallel ranks {self.train_group}; the layout has dp={layout.dp}")
         self.use_ref = needs_reference(cfg)
         self.step = 0
         self.saved_step = -1
@@ -233,12 +235,12 @@ class GRPOTrainer:
     def generate(self, examples: Sequence[Any], *, n: int, temperature: float, top_p: float, top_k: int,
                  seed: int) -> RolloutBatch:
         """n responses per prompt; prompts split over the workers, each generating its share."""
-        shares = split_even(list(examples), self.workers.world)
+        shares = split_even(list(examples), max(self.rollout_group) + 1)
         params = dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
                       max_new_tokens=int(self.data.max_response_length))
-        results = self.workers.run_each("generate", [
-            ([ex.prompt_ids for ex in share], dict(params, seed=step_seed(seed, rank)))
-            for rank, share in enumerate(shares)])
+        results = self.scatter("generate", self.rollout_group, [
+            ([ex.prompt_ids for ex in share], dict(params, seed=step_seed(seed, group)))
+            for group, share in enumerate(shares)])
         batch = RolloutBatch(n=n, examples=list(examples), prompt_ids=[], response_ids=[], rollout_log_probs=[],
                              finish_reasons=[])
         for share, result in zip(shares, results):
@@ -269,8 +271,8 @@ class GRPOTrainer:
     def log_probs(self, seqs: Sequences, reference: bool = False) -> List[List[float]]:
         if len(seqs) % self.dp:
             raise ValueError(f"{len(seqs)} responses do not split evenly over {self.dp} data-parallel ranks")
-        shares = self.workers.run_each("compute_log_probs", [(s,) for s in split_sequences(seqs, self.dp)],
-                                       reference=reference)
+        shares = self.scatter("compute_log_probs", self.train_group, [(s,) for s in split_sequences(seqs, self.dp)],
+                              reference=reference)
         return [row for share in shares for row in share]
 
     def final_rewards(self, batch: RolloutBatch, seqs: Sequences, metrics: Dict[str, float]) -> torch.Tensor:
@@ -283,6 +285,15 @@ class GRPOTrainer:
             rewards = rewards - float(self.algo.kl_loss_coef) * kl
             metrics["critic/kl_in_reward/mean"] = float(kl.mean())
         return rewards
+
+    def scatter(self, method: str, group_of: Sequence[int], shares: Sequence[tuple], **kwargs: Any) -> List[Any]:
+        """Worker r gets shares[group_of[r]] (the ranks of one model-parallel group take the same share); one
+        result per share, from the first worker of its group."""
+        results = self.workers.run_each(method, [shares[g] for g in group_of], **kwargs)
+        first: Dict[int, Any] = {}
+        for g, result in zip(group_of, results):
+            first.setdefault(g, result)
+        return [first[g] for g in range(len(shares))]
 
     # ================================================================================================ update
     def update_actor(self, seqs: Sequences) -> Dict[str, float]:
@@ -300,8 +311,8 @@ class GRPOTrainer:
                 mini = seqs.take(order[start:start + per_mini])
                 scale = {GLOBAL_TOKENS: float(mini.token_count()),
                          GLOBAL_SEQS: float(sum(1 for r in mini.response_ids if r)), NORM_CONST: norm_const}
-                results = self.workers.run_each("update_actor", [(s,) for s in split_sequences(mini, self.dp)],
-                                                global_scale=scale)
+                results = self.scatter("update_actor", self.train_group,
+                                       [(s,) for s in split_sequences(mini, self.dp)], global_scale=scale)
                 for key in results[0]:
                     collected[key].append(sum(float(r[key]) for r in results) / len(results))
         metrics = {k: sum(v) / len(v) for k, v in collected.items()}

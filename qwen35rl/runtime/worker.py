@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from qwen35rl.config.layout import derive_layout
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult, TrainEngine
 from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.runtime.batching import Sequences, build_batch, chunk, response_values
@@ -96,12 +97,24 @@ class PolicyWorker:
         self.rollout = self._rollout_engine()
 
     def _train_engine(self, reference: bool) -> TrainEngine:
-        if str(self.cfg.backend.name) != "fsdp":
-            raise NotImplementedError(f"backend={self.cfg.backend.name}: only the fsdp train engine is available")
-        from qwen35rl.engines.fsdp_engine import FsdpTrainEngine
+        backend = str(self.cfg.backend.name)
+        if backend == "fsdp":
+            from qwen35rl.engines.fsdp_engine import FsdpTrainEngine as engine_cls
+        elif backend == "megatron":
+            from qwen35rl.engines.megatron.engine import MegatronTrainEngine as engine_cls
+        else:
+            raise NotImplementedError(f"backend={backend}: expected fsdp or megatron")
+        return engine_cls(self.cfg, rank=self.rank, world_size=self.world_size, device=self.device,
+                          reference=reference, total_steps=self.optimizer_steps)
 
-        return FsdpTrainEngine(self.cfg, rank=self.rank, world_size=self.world_size, device=self.device,
-                               reference=reference, total_steps=self.optimizer_steps)
+    def data_shards(self) -> Dict[str, int]:
+        """Which share of the data this worker takes. Training: its data-parallel rank (the ranks of one
+        tensor/pipeline-parallel group take the same micro batches). Rollout: its rollout TP group (the ranks of
+        one TP group generate the same prompts)."""
+        rollout_tp = derive_layout(self.cfg).rollout_tp if str(self.cfg.rollout.engine) == "vllm" else 1
+        return {"train_dp_rank": int(getattr(self.actor, "dp_rank", self.rank)),
+                "train_dp_size": int(getattr(self.actor, "dp_size", self.world_size)),
+                "rollout_group": self.rank // rollout_tp, "rollout_groups": self.world_size // rollout_tp}
 
     def _rollout_engine(self) -> RolloutEngine:
         """The rollout engine starts from the initial weights; the driver syncs the policy's weights into it

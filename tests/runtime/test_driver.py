@@ -33,9 +33,13 @@ class FakeWorker:
     """Responds like a policy that is sure of itself on prompts with an even answer (every sample the same: no
     GRPO signal) and mixed on odd ones (half right, half wrong)."""
 
-    def __init__(self, rank: int, log: Dict[str, list]):
-        self.rank, self.log = rank, log
+    def __init__(self, rank: int, log: Dict[str, list], world: int, tp: int = 1):
+        self.rank, self.log, self.world, self.tp = rank, log, world, tp
         self.skipped = 0
+
+    def data_shards(self):
+        return {"train_dp_rank": self.rank // self.tp, "train_dp_size": self.world // self.tp,
+                "rollout_group": self.rank, "rollout_groups": self.world}
 
     def generate(self, prompt_ids, params):
         self.log["generate"].append((self.rank, len(prompt_ids), params))
@@ -75,9 +79,9 @@ class FakeWorker:
 
 
 class FakeWorkers:
-    def __init__(self, world: int):
+    def __init__(self, world: int, tp: int = 1):
         self.log: Dict[str, list] = {"generate": [], "update": [], "sync": []}
-        self.workers = [FakeWorker(r, self.log) for r in range(world)]
+        self.workers = [FakeWorker(r, self.log, world, tp) for r in range(world)]
 
     @property
     def world(self):
@@ -91,13 +95,13 @@ class FakeWorkers:
         return [getattr(w, method)(*args, **kwargs) for w, args in zip(self.workers, per_rank)]
 
 
-def make_trainer(tmp_path, overrides, world=2):
+def make_trainer(tmp_path, overrides, world=2, tp=1):
     cfg = compose(["hw.devices_per_node=%d" % world, "data.reward=copy_digit", *overrides])
     tokenizer = build_tokenizer(cfg.model)
     loader = PromptLoader(build_dataset(cfg.data, tokenizer, "train"), cfg.data.train_batch_size, seed=cfg.trainer.seed)
     val = build_dataset(cfg.data, tokenizer, "val")
     total = int(cfg.trainer.total_steps)
-    workers = FakeWorkers(world)
+    workers = FakeWorkers(world, tp)
     trainer = GRPOTrainer(cfg, derive_layout(cfg), workers, tokenizer, loader, val, get_reward_fn(cfg.data.reward),
                           Tracking(cfg, tmp_path, total), ckpt.CheckpointManager(tmp_path / "checkpoints", 2),
                           StopRequest(), total, tmp_path)
@@ -132,6 +136,21 @@ def test_step_splits_work_over_ranks_and_mini_batches(tmp_path):
     assert "timing_s/ref" not in metrics                          # no KL: no reference pass
     assert metrics["perf/max_memory_allocated_gb"] == pytest.approx(0.2)
     assert workers.log["sync"] == [0, 1]
+
+
+def test_model_parallel_ranks_share_their_data(tmp_path):
+    """tp=2 on 4 workers: 2 data-parallel groups; both ranks of a group get the same mini-batch share, while
+    every worker generates its own prompts (the transformers rollout has no TP)."""
+    trainer, workers = make_trainer(tmp_path, ["backend=megatron", "parallelism.tp=2", "trainer.total_steps=2",
+                                               "data.train_batch_size=8",
+                                               "rollout.n=2", "algorithm.mini_batch_size=8",
+                                               "backend.micro_batch_size_per_device=8"], world=4, tp=2)
+    trainer.step = 1
+    trainer.train_step()
+    assert [(r, n) for r, n, _ in workers.log["generate"]] == [(0, 2), (1, 2), (2, 2), (3, 2)]
+    (r0, s0, _), (r1, s1, _), (r2, s2, _), (r3, s3, _) = workers.log["update"]
+    assert s0.response_ids == s1.response_ids and s2.response_ids == s3.response_ids
+    assert s0.response_ids != s2.response_ids and len(s0) == len(s2) == 8
 
 
 def test_dynamic_sampling_keeps_only_groups_with_signal(tmp_path):
