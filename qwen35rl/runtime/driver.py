@@ -90,7 +90,10 @@ def run_training(cfg: DictConfig, run_dir: Path) -> int:
         tracking.close()
         rows = read_metrics(run_dir / METRICS_FILE)
         if rows:
-            plot_curves(rows, run_dir / CURVES_FILE)
+            try:
+                plot_curves(rows, run_dir / CURVES_FILE)
+            except ImportError as e:  # matplotlib is a dependency, but a stripped image may lack it
+                log.warning("no %s: %s", CURVES_FILE, e)
 
 
 class Timer:
@@ -134,6 +137,11 @@ class GRPOTrainer:
         if self.dp != layout.dp or sorted(set(self.train_group)) != list(range(self.dp)):
             raise RuntimeError(f"train engines report data-parallel ranks {self.train_group}; the layout has dp={layout.dp}")
         self.use_ref = needs_reference(cfg)
+        # One optimizer step per batch on the policy that generated it: the old log-probs are the current ones, so
+        # the update takes them from its own forward (detached) instead of a separate pass giving the same numbers.
+        self.single_on_policy_update = (int(self.algo.ppo_epochs) == 1
+                                        and int(self.algo.mini_batch_size) >= int(self.data.train_batch_size)
+                                        and not self.algo.use_kl_in_reward)
         self.step = 0
         self.saved_step = -1
 
@@ -172,8 +180,10 @@ class GRPOTrainer:
             batch, metrics = self.collect_rollouts(timer)                                  # generate + score
             seqs = batch.sequences()
             with timer("old_log_prob"):
-                seqs.old_log_probs = (batch.rollout_log_probs if self.cfg.backend.use_rollout_log_probs
-                                      else self.log_probs(seqs))
+                if self.cfg.backend.use_rollout_log_probs:
+                    seqs.old_log_probs = batch.rollout_log_probs
+                elif not self.single_on_policy_update:
+                    seqs.old_log_probs = self.log_probs(seqs)
             if self.use_ref:
                 with timer("ref"):
                     seqs.ref_log_probs = self.log_probs(seqs, reference=True)
