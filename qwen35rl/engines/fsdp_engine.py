@@ -333,9 +333,11 @@ class FsdpTrainEngine(TrainEngine):
         return norm
 
     # ------------------------------------------------------------------------------------------ weights
-    def export_weights(self, bucket_mb: int) -> Iterator[List[Tuple[str, torch.Tensor]]]:
-        """Collective on every rank (each gathers one parameter at a time); tensors in `model.dtype` on CPU."""
+    def export_weights(self, bucket_mb: int, device: Optional[Any] = None) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+        """Collective on every rank (each gathers one parameter at a time); tensors in `model.dtype` on CPU, or on
+        `device` (a rollout engine on the trainer's own device takes them without a round trip through the host)."""
         out_dtype = torch_dtype(self.cfg.model.dtype)
+        out_device = torch.device("cpu") if device is None else torch.device(device)
         limit = float(bucket_mb) * 2 ** 20  # <= 0: one tensor per bucket
         bucket: List[Tuple[str, torch.Tensor]] = []
         size = 0
@@ -345,7 +347,7 @@ class FsdpTrainEngine(TrainEngine):
                 if t.device.type != self.device.type:  # host-offloaded shard: gather on the device's backend
                     t = t.to(self.device)
                 t = t.full_tensor()
-            t = t.to(device="cpu", dtype=out_dtype)
+            t = t.to(device=out_device, dtype=out_dtype)
             bucket.append((name, t))
             size += t.numel() * t.element_size()
             if size >= limit:

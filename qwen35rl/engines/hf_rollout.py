@@ -1,27 +1,52 @@
-"""RolloutEngine over transformers `generate`: one batched call for all prompts x n (left padding).
+"""RolloutEngine over a transformers Qwen3.5 model: one batched decode of all prompts x n (left padding).
 
-Meant for CPU runs and small models: per-token log-probs come from the raw logits of every step
-(`output_logits`), which holds [steps, rows, vocab] floats until the call returns.
+The decode loop is ours, over the model's own forward and transformers' `StaticCache` (fixed-size KV cache for the
+full-attention layers, in-place conv / recurrent states for the Gated DeltaNet layers): every step has the same
+shapes and tensor addresses, so on CUDA one step is captured once as a CUDA graph and replayed (a 0.8B decode step
+is otherwise dominated by launching ~1000 small kernels from Python). Only the last position's logits are ever
+computed, and the sampled token's log-prob is taken per step, so nothing of size [steps, rows, vocab] is kept.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
-from transformers import GenerationConfig
+from transformers import StaticCache
 
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult
+
+log = logging.getLogger(__name__)
+
+EAGER_STEPS_BEFORE_CAPTURE = 2
+"""Decode steps run eagerly (on a side stream) before capturing: Triton autotuning and lazy initialisation must not
+happen inside the capture."""
+FINISHED_CHECK_EVERY = 16
+"""Steps between checks whether every row has stopped (each check waits for the device)."""
+
+
+@dataclass
+class DecodeStats:
+    """How the last `generate` ran (for benchmarks and logs)."""
+
+    rows: int = 0
+    steps: int = 0
+    cuda_graph: bool = False
+    graph_error: str = ""
 
 
 class HfRolloutEngine(RolloutEngine):
     def __init__(self, model: Any, tokenizer: Any, *, device: Any, pad_token_id: int,
-                 eos_token_id: Union[int, Sequence[int]], processor: Optional[Any] = None):
+                 eos_token_id: Union[int, Sequence[int]], processor: Optional[Any] = None, cuda_graphs: bool = True):
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.tokenizer, self.processor = tokenizer, processor
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.stats = DecodeStats()
 
     # ------------------------------------------------------------------------------------------ generate
     @torch.no_grad()
@@ -31,57 +56,94 @@ class HfRolloutEngine(RolloutEngine):
         if not request.prompt_ids:
             return RolloutResult([], [], [])
         rows = [p for p in request.prompt_ids for _ in range(request.n)]  # prompt-major: row i*n + j
-        width = max(len(p) for p in rows)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
         for i, p in enumerate(rows):
             if not p:
                 raise ValueError(f"prompt {i // request.n} is empty")
-            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            attention[i, width - len(p):] = 1
-
         greedy = request.temperature <= 0
-        gen_cfg = GenerationConfig(
-            do_sample=not greedy,
-            temperature=None if greedy else float(request.temperature),
-            top_p=None if greedy else float(request.top_p),
-            top_k=None if greedy or request.top_k is None or request.top_k <= 0 else int(request.top_k),
-            max_new_tokens=int(request.max_new_tokens),
-            eos_token_id=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-            use_cache=True,
-        )
-        with self._seeded(request.seed):
-            out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
-                                      generation_config=gen_cfg)
-        new_tokens = out.sequences[:, width:].cpu()
-        # log-probs under the sampling distribution: log_softmax(logits / T) (T = 1 for greedy)
-        temperature = 1.0 if greedy else float(request.temperature)
-        logits = torch.stack(out.logits, dim=1).float()  # [rows, steps, V]
-        logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, new_tokens[:, :, None].to(logits.device))
-        logp = logp.squeeze(-1).cpu()
+        sampler = Sampler(1.0 if greedy else float(request.temperature), greedy,
+                          None if greedy else float(request.top_p),
+                          None if greedy or request.top_k is None or request.top_k <= 0 else int(request.top_k),
+                          self._generator(request.seed))
+        tokens, log_probs = self._decode(rows, int(request.max_new_tokens), sampler)
 
-        response_ids, log_probs, finish = [], [], []
+        response_ids, out_logp, finish = [], [], []
         for i in range(len(rows)):
-            tokens = new_tokens[i].tolist()
-            stop = next((k for k, t in enumerate(tokens) if t in self.eos_token_ids), None)
-            length = len(tokens) if stop is None else stop + 1
-            response_ids.append(tokens[:length])
-            log_probs.append(logp[i, :length].tolist())
+            ids = tokens[i].tolist()
+            stop = next((k for k, t in enumerate(ids) if t in self.eos_token_ids), None)
+            length = len(ids) if stop is None else stop + 1
+            response_ids.append(ids[:length])
+            out_logp.append(log_probs[i, :length].tolist())
             finish.append("length" if stop is None else "stop")
-        return RolloutResult(response_ids, log_probs, finish)
+        return RolloutResult(response_ids, out_logp, finish)
 
-    @contextlib.contextmanager
-    def _seeded(self, seed: Optional[int]):
+    def _generator(self, seed: Optional[int]) -> Optional[torch.Generator]:
         if seed is None:
-            yield
-            return
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(int(seed))
-            yield
+            return None
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(int(seed))
+        return gen
+
+    def _decode(self, rows: List[List[int]], max_new: int, sampler: "Sampler") -> Tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [B, max_new] (pad after a row's stop token) and their log-probs [B, max_new], on the CPU."""
+        dev, n_rows = self.device, len(rows)
+        width = max(len(p) for p in rows)
+        total = width + max_new
+        input_ids = torch.full((n_rows, width), self.pad_token_id, dtype=torch.long)
+        prompt_mask = torch.zeros((n_rows, width), dtype=torch.bool)
+        for i, p in enumerate(rows):
+            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            prompt_mask[i, width - len(p):] = True
+        input_ids, prompt_mask = input_ids.to(dev), prompt_mask.to(dev)
+        positions = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)
+
+        decoder, lm_head = self.model.get_decoder(), self.model.lm_head
+        cache = StaticCache(config=self.model.config, max_cache_len=total)
+        # key columns a query may see: the prompt's real tokens, then every generated token up to itself
+        keys = torch.zeros((n_rows, 1, 1, total), dtype=torch.bool, device=dev)
+        keys[:, 0, 0, :width] = prompt_mask
+        causal = torch.ones((width, width), dtype=torch.bool, device=dev).tril()
+        prefill_mask = keys[:, :, :, :width] & causal  # [B, 1, P, P] ...
+        prefill_mask |= torch.eye(width, dtype=torch.bool, device=dev)  # a left pad sees itself: no empty softmax row
+        prefill_mask = torch.nn.functional.pad(prefill_mask, (0, max_new), value=False)
+        linear_mask = None if bool(prompt_mask.all()) else prompt_mask.long()
+        hidden = decoder(input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                         attention_mask={"full_attention": prefill_mask, "linear_attention": linear_mask}
+                         ).last_hidden_state[:, -1:]
+        logits = lm_head(hidden)[:, -1]
+        del prefill_mask, hidden
+
+        # static inputs of one decode step: the token fed, its position, the visible key columns
+        step_ids = torch.zeros((n_rows, 1), dtype=torch.long, device=dev)
+        step_pos = positions[:, -1:].clone()
+
+        def step() -> torch.Tensor:
+            h = decoder(input_ids=step_ids, position_ids=step_pos, past_key_values=cache, use_cache=True,
+                        attention_mask={"full_attention": keys, "linear_attention": None}).last_hidden_state
+            return lm_head(h)[:, -1]
+
+        runner = StepRunner(step, self.cuda_graphs)
+        tokens = torch.full((n_rows, max_new), self.pad_token_id, dtype=torch.long, device=dev)
+        log_probs = torch.zeros((n_rows, max_new), dtype=torch.float32, device=dev)
+        finished = torch.zeros(n_rows, dtype=torch.bool, device=dev)
+        eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=dev)
+        steps = 0
+        for t in range(max_new):
+            if t > 0:
+                step_ids.copy_(tokens[:, t - 1:t])
+                step_pos.add_(1)
+                keys[:, 0, 0, width + t - 1] = True
+                logits = runner()
+            token, logp = sampler(logits)
+            token = torch.where(finished, torch.full_like(token, self.pad_token_id), token)
+            tokens[:, t] = token
+            log_probs[:, t] = torch.where(finished, torch.zeros_like(logp), logp)
+            finished |= torch.isin(token, eos)
+            steps = t + 1
+            if (t + 1) % FINISHED_CHECK_EVERY == 0 and bool(finished.all()):
+                break
+        self.stats = DecodeStats(rows=n_rows, steps=steps, cuda_graph=runner.captured, graph_error=runner.error)
+        del runner, cache
+        return tokens.cpu(), log_probs.cpu()
 
     # ------------------------------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -105,3 +167,77 @@ class HfRolloutEngine(RolloutEngine):
 
     def wake_up(self) -> None:
         self.model.to(self.device)
+
+
+class Sampler:
+    """Next token from the last position's logits: greedy, or temperature + top-k + top-p sampling. The log-prob
+    returned is under softmax(logits / T) (T = 1 for greedy), before top-k/top-p, as the trainer recomputes it."""
+
+    def __init__(self, temperature: float, greedy: bool, top_p: Optional[float], top_k: Optional[int],
+                 generator: Optional[torch.Generator]):
+        self.temperature, self.greedy, self.top_p, self.top_k = temperature, greedy, top_p, top_k
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        z = logits.float()
+        if self.temperature != 1.0:
+            z = z / self.temperature
+        log_probs = torch.log_softmax(z, dim=-1)
+        if self.greedy:
+            token = z.argmax(-1)
+        else:
+            token = self._sample(z)
+        return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
+
+    def _sample(self, z: torch.Tensor) -> torch.Tensor:
+        if self.top_k is not None and self.top_k < z.shape[-1]:
+            kth = torch.topk(z, self.top_k, dim=-1).values[:, -1:]
+            z = z.masked_fill(z < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1.0:
+            sorted_z, order = torch.sort(z, dim=-1, descending=True)
+            cum = torch.softmax(sorted_z, dim=-1).cumsum(-1)
+            drop = cum - torch.softmax(sorted_z, dim=-1) > self.top_p  # keep the smallest prefix reaching top_p
+            z = z.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        probs = torch.softmax(z, dim=-1)
+        # exponential race == sampling from probs, without multinomial's host synchronisation
+        race = torch.empty_like(probs).exponential_(generator=self.generator)
+        return (probs / race).argmax(-1)
+
+
+class StepRunner:
+    """Runs the decode step: eagerly, or (CUDA) eagerly for a few warm-up steps on a side stream, then captured once
+    as a CUDA graph and replayed. A failed capture falls back to eager steps and records why."""
+
+    def __init__(self, step: Callable[[], torch.Tensor], cuda_graphs: bool):
+        self.step, self.use_graph = step, cuda_graphs
+        self.calls, self.captured, self.error = 0, False, ""
+        self.graph: Optional[Any] = None
+        self.out: Optional[torch.Tensor] = None
+
+    def __call__(self) -> torch.Tensor:
+        self.calls += 1
+        if not self.use_graph:
+            return self.step()
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        if self.calls <= EAGER_STEPS_BEFORE_CAPTURE:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = self.step()
+            torch.cuda.current_stream().wait_stream(side)
+            return out
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self.step()
+        except Exception as e:  # noqa: BLE001 - any capture problem: decode eagerly instead
+            # a capture only records kernels, so the cache is as before the step: run it eagerly
+            self.use_graph, self.error = False, f"{type(e).__name__}: {e}"[:500]
+            log.warning("decode step could not be captured as a CUDA graph (%s); decoding eagerly", self.error)
+            torch.cuda.synchronize()
+            return self.step()
+        self.graph, self.out, self.captured = graph, out, True
+        graph.replay()
+        return out

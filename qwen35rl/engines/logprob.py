@@ -21,6 +21,13 @@ def _chunk_stats(h: Tensor, weight: Tensor, labels: Tensor, temperature: float):
     return log_probs, token_logp
 
 
+def _chunk_token_logp(h: Tensor, weight: Tensor, labels: Tensor, temperature: float) -> Tensor:
+    logits = (h @ weight.t()).float()
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size, temperature, with_entropy):
@@ -28,10 +35,13 @@ class _ChunkedLogProbs(torch.autograd.Function):
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
         for s in range(0, n, chunk_size):
-            log_probs, token_logp = _chunk_stats(hidden[s:s + chunk_size], weight, labels[s:s + chunk_size], temperature)
+            h, y = hidden[s:s + chunk_size], labels[s:s + chunk_size]
+            if not with_entropy:  # logit of the label minus logsumexp: no [chunk, V] log-softmax written
+                logp[s:s + chunk_size] = _chunk_token_logp(h, weight, y, temperature)
+                continue
+            log_probs, token_logp = _chunk_stats(h, weight, y, temperature)
             logp[s:s + chunk_size] = token_logp
-            if with_entropy:
-                ent[s:s + chunk_size] = -(log_probs.exp() * log_probs).sum(-1)
+            ent[s:s + chunk_size] = -(log_probs.exp() * log_probs).sum(-1)
             del log_probs
         ctx.save_for_backward(hidden, weight, labels)
         ctx.chunk_size, ctx.temperature, ctx.with_entropy = chunk_size, temperature, with_entropy

@@ -157,7 +157,8 @@ class PolicyWorker:
     def sync_weights(self) -> None:
         """Collective: stream the policy's full weights into the rollout engine bucket by bucket (an engine that
         sleeps takes them asleep and wakes for the next generation)."""
-        self.rollout.load_weights(self.actor.export_weights(int(self.cfg.rollout.weight_sync_bucket_mb)))
+        on_device = self.device if str(self.cfg.rollout.engine) == "hf" else None  # the hf engine shares the device
+        self.rollout.load_weights(self.actor.export_weights(int(self.cfg.rollout.weight_sync_bucket_mb), device=on_device))
 
     # -------------------------------------------------------------------------------------------- training
     def compute_log_probs(self, seqs: Sequences, reference: bool = False) -> List[List[float]]:

@@ -200,6 +200,9 @@ def test_export_round_trip_and_reference_mode():
     assert len(list(engine.export_weights(bucket_mb=1024))) == 1
     sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in engine.export_weights(bucket_mb=0.1)]
     assert len(sizes) > 2 and all(s >= 0.1 * 2 ** 20 for s in sizes[:-1])
+    assert all(t.device.type == "cpu" for b in buckets for _, t in b)
+    on_meta = [t for b in engine.export_weights(bucket_mb=1024, device="meta") for _, t in b]  # a chosen device
+    assert len(on_meta) == len(buckets) and all(t.is_meta and t.dtype == torch.float32 for t in on_meta)
     ref = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu", reference=True)
     assert ref.optimizer is None and not any(p.requires_grad for p in ref.module.parameters())
     batch = build_batch(_sequences(seed=5), PAD)

@@ -222,3 +222,22 @@ def test_stop_request_finishes_the_step_then_checkpoints(tmp_path):
 def test_step_seeds_are_distinct_and_stable():
     assert step_seed(1, 2, 0) == step_seed(1, 2, 0)
     assert len({step_seed(1, s, r) for s in range(50) for r in range(4)}) == 200
+
+
+def test_single_on_policy_update_skips_the_old_log_prob_pass(tmp_path):
+    """One optimizer step per batch (ppo_epochs 1, one mini batch): the update uses its own detached log-probs as
+    the old ones, so no separate forward runs; with two mini batches the old log-probs are computed."""
+    calls = []
+    single, workers = make_trainer(tmp_path / "a", ["data.train_batch_size=4", "rollout.n=2",
+                                                    "algorithm.mini_batch_size=4"])
+    for w in workers.workers:
+        w.compute_log_probs = lambda seqs, reference=False: calls.append(reference) or [[-0.5] * len(r) for r in seqs.response_ids]
+    single.step = 1
+    metrics = single.train_step()
+    assert False not in calls and "timing_s/old_log_prob" in metrics  # reference passes may run, no policy pass
+    assert all(s.old_log_probs is None for _, s, _ in workers.log["update"])
+
+    two, workers = make_trainer(tmp_path / "b", ["data.train_batch_size=4", "rollout.n=2", "algorithm.mini_batch_size=2"])
+    two.step = 1
+    two.train_step()
+    assert all(s.old_log_probs == [[-0.5] * len(r) for r in s.response_ids] for _, s, _ in workers.log["update"])
