@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 import warnings
@@ -140,6 +141,8 @@ class WandbTracker:
 class MlflowTracker:
     def __init__(self, cfg: Any, run_dir: Path):
         self.mlflow = _import_tracker("mlflow")
+        if not os.environ.get("MLFLOW_TRACKING_URI"):  # keep the run's files in its run dir, not the cwd
+            self.mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
         self.mlflow.set_experiment(str(cfg.trainer.project_name))
         self.mlflow.start_run(run_name=str(cfg.trainer.run_name))
 

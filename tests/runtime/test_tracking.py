@@ -57,3 +57,35 @@ def test_curves_png(tmp_path):
     rows = [{"step": s, "critic/rewards/mean": s / 10, "response_length/mean": 5 + s} for s in range(1, 6)]
     out = tracking.plot_curves(rows, tmp_path / tracking.CURVES_FILE)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_wandb_and_mlflow_receive_each_step(tmp_path, monkeypatch):
+    """Opt-in trackers, with stand-in modules recording what they are given."""
+    import types
+
+    calls = []
+    run = types.SimpleNamespace(log=lambda m, step: calls.append(("wandb", step, m)),
+                                finish=lambda: calls.append(("wandb", "finish")))
+    wandb = types.SimpleNamespace(init=lambda **kw: calls.append(("wandb.init", kw["id"], kw["resume"])) or run)
+    mlflow = types.SimpleNamespace(
+        set_tracking_uri=lambda uri: calls.append(("mlflow.uri", uri)),
+        set_experiment=lambda name: None, start_run=lambda run_name: None,
+        log_metrics=lambda m, step: calls.append(("mlflow", step, m)), end_run=lambda: calls.append(("mlflow", "end")))
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.setitem(sys.modules, "mlflow", mlflow)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    t = tracking.Tracking(_cfg(["wandb", "mlflow"]), tmp_path, total_steps=3)
+    t.log(2, {"critic/score/mean": 0.5, "actor/pg_loss": float("nan")})
+    t.close()
+    init = next(c for c in calls if c[0] == "wandb.init")
+    assert init[2] == "allow"                                           # a resumed run continues the W&B run
+    logged = [c[2] for c in calls if c[0] == "wandb" and c[1] == 2]
+    assert len(logged) == 1 and logged[0]["critic/score/mean"] == 0.5
+    assert [c for c in calls if c[0] == "mlflow" and c[1] == 2] == [("mlflow", 2, {"critic/score/mean": 0.5})]
+    assert next(c for c in calls if c[0] == "mlflow.uri")[1].endswith("/mlruns")
+    assert ("wandb", "finish") in calls and ("mlflow", "end") in calls
+    # the same run dir gives the same W&B run id
+    again = []
+    wandb.init = lambda **kw: again.append(kw["id"]) or run
+    tracking.Tracking(_cfg(["wandb"]), tmp_path, total_steps=3)
+    assert again == [init[1]]
