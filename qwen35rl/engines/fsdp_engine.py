@@ -264,7 +264,8 @@ class FsdpTrainEngine(TrainEngine):
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         # sums over this rank: aggregated losses, then masked token sums and counts for the token-mean metrics
-        sums = torch.zeros(8, dtype=torch.float64)
+        # (kept on the device: reading them per micro batch would stall the launch queue)
+        sums = torch.zeros(8, dtype=torch.float64, device=self.device)
         for mb in micro_batches:
             mask = mb.response_mask.to(self.device)
             logp, ent = self._forward(mb, with_entropy=True)
@@ -283,11 +284,11 @@ class FsdpTrainEngine(TrainEngine):
             if need_entropy_grad:
                 loss = loss - float(algo.entropy_coef) * ent_agg
             loss.backward()
-            sums += torch.tensor([
-                pg.item(), kl.item(), ent_agg.item(), float(not torch.isfinite(loss).item()),
-                masked_sum(stats["clipfrac"], mask).item(), masked_sum(stats["approx_kl"], mask).item(),
-                masked_sum(stats["clipfrac_lower"], mask).item(), float(mask.sum().item()),
-            ], dtype=torch.float64)
+            sums += torch.stack([
+                pg.detach(), kl.detach(), ent_agg.detach(), (~torch.isfinite(loss.detach())).to(pg.dtype),
+                masked_sum(stats["clipfrac"], mask), masked_sum(stats["approx_kl"], mask),
+                masked_sum(stats["clipfrac_lower"], mask), mask.sum().to(pg.dtype),
+            ]).detach().to(torch.float64)
         sums = self._all_reduce(sums)
         grad_norm = self._clip_grad_norm()
         lr = self.optimizer.param_groups[0]["lr"]

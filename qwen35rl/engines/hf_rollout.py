@@ -121,7 +121,7 @@ class HfRolloutEngine(RolloutEngine):
                         attention_mask={"full_attention": keys, "linear_attention": None}).last_hidden_state
             return lm_head(h)[:, -1]
 
-        runner = StepRunner(step, self.cuda_graphs)
+        runner = StepRunner(step, self.cuda_graphs and dev.type == "cuda")
         tokens = torch.full((n_rows, max_new), self.pad_token_id, dtype=torch.long, device=dev)
         log_probs = torch.zeros((n_rows, max_new), dtype=torch.float32, device=dev)
         finished = torch.zeros(n_rows, dtype=torch.bool, device=dev)

@@ -57,6 +57,8 @@ class PolicyWorker:
         try:
             import ray
 
+            if not ray.is_initialized():  # outside Ray (tests, benchmarks): asking would start a local cluster
+                return []
             return list(ray.get_runtime_context().get_accelerator_ids().get(self.platform.ray_resource, []))
         except Exception:  # outside Ray (tests run the worker in-process)
             return []
@@ -164,13 +166,13 @@ class PolicyWorker:
     def compute_log_probs(self, seqs: Sequences, reference: bool = False) -> List[List[float]]:
         """Collective: per-response log-probs of the response tokens under the policy (or the reference)."""
         engine = self.ref if reference else self.actor
-        out: List[List[float]] = []
+        computed = []
         with torch.no_grad():
             for micro in chunk(seqs, self._micro_size()):
                 batch = build_batch(micro, self.pad_token_id, self.device)
-                log_probs, _ = engine.compute_log_probs(batch)
-                out.extend(response_values(log_probs, batch))
-        return out
+                computed.append((engine.compute_log_probs(batch)[0], batch))
+        # read back once at the end: a read per micro batch would idle the device while the next one is launched
+        return [row for log_probs, batch in computed for row in response_values(log_probs, batch)]
 
     def update_actor(self, seqs: Sequences, global_scale: Dict[str, float]) -> Dict[str, float]:
         """Collective: one optimizer step over this rank's share of a mini batch, in micro batches."""

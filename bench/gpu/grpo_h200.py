@@ -1,0 +1,519 @@
+"""The GRPO workload on an H200, measured: qwen35rl through its real CLI / driver, TRL's GRPOTrainer on the same
+workload, and the memory estimate against measured peaks.
+
+The workload (both sides): a random-init Qwen3.5-0.8B architecture (vocab 248,320, byte-level tokenizer), 16 prompts
+of exactly 256 tokens (the synthetic copy-digit task behind a fixed system prompt) x n=8 samples of up to 512 tokens,
+temperature 1, KL to a reference (k3, coefficient 0.001), AdamW lr 1e-6 / weight decay 0.01 / clip 1.0, constant LR,
+one optimizer step per batch (micro batches of --micro), bf16 compute on fp32 master weights, no vLLM.
+
+Subcommands (each writes JSON; `report` turns them into markdown and runs anywhere):
+  peak      bf16 matmul TFLOP/s of the visible GPU
+  qwen35rl  `python -m qwen35rl.cli.train <overrides>` in a subprocess; its metrics.jsonl is the result
+  trl       trl.GRPOTrainer with per-phase timers (generate / old / ref log-probs, update) per optimizer step
+  memory    estimated vs measured peaks (training, rollout) of the colocated worker for several configs, a decode
+            micro-benchmark (eager / CUDA graph / transformers generate) and a kernel profile of one update
+  report    bench/results tables from those files
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PROMPTS, N, PROMPT_LEN, RESPONSE_LEN = 16, 8, 256, 512
+
+
+def system_prompt(prompt_len: int) -> str:
+    """Byte tokens: system prompt + "\n\n" + "7 3 9 =" make a prompt of exactly prompt_len tokens."""
+    return ("reply with the last digit before the equals sign " * 64)[:prompt_len - len("\n\n7 3 9 =")]
+
+
+def workload(model: str = "qwen3_5_0_8b", hw: str = "gpu_1x", devices: int = 1, micro: int = 16, ckpt: bool = False,
+             kl: bool = True, prompts: int = PROMPTS, n: int = N, prompt_len: int = PROMPT_LEN,
+             response_len: int = RESPONSE_LEN, steps: int = 4, peak_tflops: Optional[float] = None,
+             memory_gb: Optional[float] = 141) -> List[str]:
+    """Hydra overrides of the workload (qwen35rl side; the TRL side reads the same composed config)."""
+    o = [f"model={model}", "model.init=random", "model.tokenizer=byte", f"hw={hw}", f"hw.devices_per_node={devices}",
+         "backend=fsdp", "rollout=hf", "data=synthetic", f"data.system_prompt='{system_prompt(prompt_len)}'",
+         f"data.max_prompt_length={prompt_len}", f"data.max_response_length={response_len}",
+         f"data.train_batch_size={prompts}", f"rollout.n={n}", f"algorithm.mini_batch_size={prompts}",
+         f"backend.micro_batch_size_per_device={micro}", f"backend.gradient_checkpointing={str(ckpt).lower()}",
+         f"algorithm.use_kl_loss={str(kl).lower()}", "algorithm.kl_loss_coef=0.001", "algorithm.kl_loss_type=low_var_kl",
+         "backend.lr=1e-6", "backend.weight_decay=0.01", "backend.grad_clip=1.0", "backend.lr_scheduler=constant",
+         "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=-1", f"trainer.total_steps={steps}",
+         "trainer.export_hf=false", "trainer.test_freq=-1", "trainer.resume=never", "trainer.trackers=[console,jsonl]", "trainer.seed=1"]
+    if memory_gb is not None and hw != "cpu":
+        o.append(f"hw.memory_gb={memory_gb}")
+    if peak_tflops:
+        o.append(f"hw.peak_tflops={peak_tflops:.1f}")
+    return o
+
+
+def write_json(path: str, data: Any) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+
+
+# ================================================================================================ peak
+def cmd_peak(args) -> None:
+    import torch
+
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    for _ in range(5):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    iters = 50
+    start.record()
+    for _ in range(iters):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / iters
+    tflops = 2 * 8192 ** 3 / seconds / 1e12
+    out = {"device": torch.cuda.get_device_name(), "bf16_matmul_tflops": tflops, "shape": [8192, 8192, 8192],
+           "torch": torch.__version__, "cuda": torch.version.cuda}
+    print(json.dumps(out))
+    write_json(args.out, out)
+
+
+# ============================================================================================ qwen35rl
+def cmd_qwen35rl(args) -> None:
+    overrides = workload(model=args.model, hw=args.hw, devices=args.devices, micro=args.micro, ckpt=args.ckpt,
+                         kl=not args.no_kl, prompts=args.prompts, steps=args.steps, peak_tflops=args.peak_tflops,
+                         prompt_len=args.prompt_len, response_len=args.response_len,
+                         memory_gb=None if args.hw == "cpu" else 141)
+    cmd = [sys.executable, "-m", "qwen35rl.cli.train", f"hydra.run.dir={args.run_dir}", *overrides, *args.extra]
+    print("command:", " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=str(ROOT))
+    try:
+        code: Any = proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.wait()
+        code = "timeout"
+    info = {"command": cmd, "exit_code": code, "wall_s": time.perf_counter() - t0, "overrides": overrides + args.extra}
+    metrics = Path(args.run_dir) / "metrics.jsonl"
+    info["steps"] = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    write_json(args.out, info)
+    print(f"qwen35rl exit {code} after {info['wall_s']:.0f} s, {len(info['steps'])} steps", flush=True)
+
+
+def descendants(pid: int) -> List[int]:
+    """Every process below `pid` (from /proc: parent ids), children first found first."""
+    children: Dict[int, List[int]] = defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children[int(stat.rsplit(")", 1)[1].split()[1])].append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int, grace_s: float = 10.0) -> None:
+    """End a process and everything it started (Ray's local cluster: GCS, raylet, workers holding the GPU), by pid:
+    SIGTERM, then SIGKILL for what is left after `grace_s`."""
+    import signal
+
+    procs = descendants(pid) + [pid]
+    for p in procs:
+        try:
+            os.kill(p, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + grace_s
+    while time.time() < deadline and any(Path(f"/proc/{p}").exists() for p in procs):
+        time.sleep(0.5)
+    for p in procs:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+# ================================================================================================= trl
+class PhaseTimer:
+    """Wall time per phase name, synchronising the device at both ends (phases nest: callers subtract)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.seconds: Dict[str, float] = defaultdict(float)
+
+    def wrap(self, name, fn, pick_name=None):
+        import torch
+
+        def timed(*a, **k):
+            key = pick_name(*a, **k) if pick_name else name
+            if self.cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if self.cuda:
+                    torch.cuda.synchronize()
+                self.seconds[key] += time.perf_counter() - t0
+
+        return timed
+
+
+def cmd_trl(args) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from qwen35rl.config.compose import compose
+    from qwen35rl.data import build_dataset
+    from qwen35rl.data.synthetic import digit_reward
+    from qwen35rl.models.build import build_model, save_hf
+    from qwen35rl.models.tokenizer import build_tokenizer
+
+    cuda = torch.cuda.is_available()
+    cfg = compose(workload(model=args.model, hw=args.hw, micro=args.micro, ckpt=args.ckpt, kl=not args.no_kl,
+                           prompts=args.prompts, steps=args.steps, prompt_len=args.prompt_len,
+                           response_len=args.response_len, memory_gb=None if args.hw == "cpu" else 141))
+    tok = build_tokenizer(cfg.model)
+    model_dir = Path(args.work_dir) / "init_hf"
+    t0 = time.perf_counter()
+    # the same initial weights as qwen35rl's policy (same builder, seed and fp32 master dtype)
+    save_hf(build_model(cfg.model, dtype=torch.float32, seed=int(cfg.trainer.seed)), tok, str(model_dir))
+    save_s = time.perf_counter() - t0
+
+    examples = build_dataset(cfg.data, tok, "train")
+    texts = [tok.decode(ex.prompt_ids) for ex in examples]  # exactly the prompt token ids qwen35rl feeds
+    data = Dataset.from_dict({"prompt": texts, "answer": [ex.answer for ex in examples]})
+
+    def reward(prompts, completions, answer, **_):
+        return [digit_reward(c, a) for c, a in zip(completions, answer)]
+
+    rows = args.prompts * N
+    conf = GRPOConfig(
+        output_dir=str(Path(args.work_dir) / "out"), per_device_train_batch_size=args.micro,
+        gradient_accumulation_steps=rows // args.micro, num_generations=N, max_completion_length=args.response_len,
+        temperature=1.0, top_p=1.0, beta=0.0 if args.no_kl else 0.001, epsilon=0.2, loss_type="dapo",
+        learning_rate=1e-6, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
+        lr_scheduler_type="constant", warmup_steps=0, max_steps=args.steps, logging_steps=1, report_to="none",
+        save_strategy="no", bf16=cuda, use_cpu=not cuda, gradient_checkpointing=args.ckpt,
+        model_init_kwargs={"dtype": torch.float32}, seed=1, shuffle_dataset=False, use_vllm=False,
+        dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=conf, train_dataset=data,
+                          processing_class=tok)
+    timer = PhaseTimer(cuda)
+
+    def logp_phase(model, *a, **k):
+        if model is trainer.ref_model:
+            return "ref"
+        return "old_log_prob" if not torch.is_grad_enabled() else "update_forward"
+
+    trainer._generate_single_turn = timer.wrap("gen", trainer._generate_single_turn)
+    trainer._get_per_token_logps_and_entropies = timer.wrap("", trainer._get_per_token_logps_and_entropies, logp_phase)
+    trainer._generate_and_score_completions = timer.wrap("gen_score_logps", trainer._generate_and_score_completions)
+    steps: List[Dict[str, Any]] = []
+    out = {"config": conf.to_dict(), "save_init_s": save_s, "steps": steps, "model_dtype": str(trainer.model.dtype)}
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, *_a, **_k):
+            if cuda:
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+            timer.seconds.clear()
+
+        def on_step_end(self, _args, state, *_a, **_k):
+            if cuda:
+                torch.cuda.synchronize()
+            total = time.perf_counter() - self.t0
+            s = dict(timer.seconds)
+            row = {"step": state.global_step, "step_s": total, "gen_s": s.get("gen", 0.0),
+                   "old_log_prob_s": s.get("old_log_prob", 0.0), "ref_s": s.get("ref", 0.0),
+                   "update_s": total - s.get("gen_score_logps", 0.0),
+                   "score_other_s": s.get("gen_score_logps", 0.0) - s.get("gen", 0.0) - s.get("ref", 0.0)
+                   - s.get("old_log_prob", 0.0),
+                   "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
+                   "max_memory_reserved_gib": torch.cuda.max_memory_reserved() / 2 ** 30 if cuda else None}
+            steps.append(row)
+            print("trl step", json.dumps(row), flush=True)
+            write_json(args.out, out)
+
+        def on_log(self, _args, state, control, logs=None, **_k):
+            if logs and steps:
+                steps[-1].setdefault("logs", {}).update({k: v for k, v in logs.items() if isinstance(v, (int, float))})
+                write_json(args.out, out)
+
+    trainer.add_callback(StepTimes())
+    t0 = time.perf_counter()
+    trainer.train()
+    out["train_wall_s"] = time.perf_counter() - t0
+    write_json(args.out, out)
+
+
+# ============================================================================================== memory
+MEMORY_CASES = [
+    # name, micro, ckpt, kl, prompts, prompt_len, response_len
+    ("m16_s768_nockpt_kl", 16, False, True, 16, 256, 512),
+    ("m8_s768_ckpt_kl", 8, True, True, 4, 256, 512),
+    ("m4_s1280_nockpt_nokl", 4, False, False, 2, 256, 1024),
+    ("m16_s768_ckpt_nokl", 16, True, False, 4, 256, 512),
+    ("m2_s2304_ckpt_kl", 2, True, True, 1, 256, 2048),
+]
+SMOKE_CASE = ("smoke_m8_s320_kl", 8, False, True, 2, 256, 64)
+"""A short check of the whole worker path (decode graph, log-probs, updates) before the long runs."""
+
+
+def _gib(n: float) -> float:
+    return n / 2 ** 30
+
+
+class DeviceMemory:
+    """torch.cuda's allocator counters in GiB; zeros without CUDA (so the flow can be checked on a CPU)."""
+
+    def __init__(self):
+        import torch
+
+        self.torch, self.cuda = torch, torch.cuda.is_available()
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            self.torch.cuda.reset_peak_memory_stats()
+
+    def allocated(self) -> float:
+        return _gib(self.torch.cuda.memory_allocated()) if self.cuda else 0.0
+
+    def peak(self) -> float:
+        return _gib(self.torch.cuda.max_memory_allocated()) if self.cuda else 0.0
+
+    def reserved_peak(self) -> float:
+        return _gib(self.torch.cuda.max_memory_reserved()) if self.cuda else 0.0
+
+    def empty_cache(self) -> None:
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+
+
+def measure_case(name: str, overrides: Sequence[str], port: int, profile: bool = False,
+                 decode_bench: bool = False, new_tokens: int = 32) -> Dict[str, Any]:
+    """One colocated worker (FSDP over a world-1 process group, hf rollout, reference when KL is on), driven like
+    the GRPO loop: sync, generate, log-probs, two updates; peaks per phase."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from qwen35rl.config.compose import compose
+    from qwen35rl.config.layout import derive_layout
+    from qwen35rl.config.memory import estimate
+    from qwen35rl.data import build_dataset
+    from qwen35rl.runtime.batching import Sequences
+    from qwen35rl.runtime.worker import PolicyWorker
+
+    cfg = compose(list(overrides))
+    est = estimate(cfg, derive_layout(cfg))
+    mem = DeviceMemory()
+    worker = PolicyWorker(OmegaConf.to_container(cfg, resolve=True), rank=0, world_size=1, local_rank=0,
+                          run_dir="/tmp/qwen35rl-memory", optimizer_steps=10)
+    mem.reset_peak()
+    worker.init_distributed("127.0.0.1", port)
+    worker.sync_weights()
+    mem.sync()
+    res: Dict[str, Any] = {"name": name, "overrides": list(overrides), "estimate": est.to_dict(),
+                           "after_build_gib": mem.allocated(), "build_peak_gib": mem.peak()}
+    prompts = [ex.prompt_ids for ex in build_dataset(cfg.data, worker.tokenizer, "train")[:int(cfg.data.train_batch_size)]]
+    n, resp = int(cfg.rollout.n), int(cfg.data.max_response_length)
+    params = dict(n=n, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=resp, seed=3)
+
+    def peak(fn, key):
+        gc.collect()
+        mem.reset_peak()
+        base = mem.allocated()
+        t0 = time.perf_counter()
+        out = fn()
+        mem.sync()
+        res[key] = {"peak_gib": mem.peak(), "reserved_gib": mem.reserved_peak(), "before_gib": base,
+                    "after_gib": mem.allocated(), "s": time.perf_counter() - t0}
+        return out
+
+    result = peak(lambda: worker.generate(prompts, params), "generate")
+    res["decode"] = vars(worker.rollout.stats)
+    seqs = Sequences([p for p in prompts for _ in range(n)], result.response_ids)
+    res["response_tokens"] = seqs.token_count()
+    old = peak(lambda: worker.compute_log_probs(seqs), "log_probs")
+    if worker.ref is not None:
+        seqs.ref_log_probs = peak(lambda: worker.compute_log_probs(seqs, reference=True), "ref_log_probs")
+    seqs.old_log_probs = old
+    seqs.advantages = [(-1.0) ** i for i in range(len(seqs))]
+    scale = {"global_tokens": float(seqs.token_count()), "global_seqs": float(len(seqs))}
+    res["update_1"] = {"metrics": peak(lambda: worker.update_actor(seqs, scale), "update_first")}
+    res["update_2"] = {"metrics": peak(lambda: worker.update_actor(seqs, scale), "update")}
+    res["measured_train_peak_gib"] = max(res[k]["peak_gib"] for k in ("log_probs", "ref_log_probs", "update") if k in res)
+    res["measured_rollout_peak_gib"] = res["generate"]["peak_gib"]
+    if mem.cuda:
+        res["train_error"] = est.train_peak_gib / res["measured_train_peak_gib"] - 1
+        res["rollout_error"] = est.rollout_peak_gib / res["measured_rollout_peak_gib"] - 1
+    print(f"memory {name}: train est {est.train_peak_gib:.2f} vs {res['measured_train_peak_gib']:.2f} GiB, "
+          f"rollout est {est.rollout_peak_gib:.2f} vs {res['measured_rollout_peak_gib']:.2f} GiB", flush=True)
+
+    if profile:
+        res["profile"] = profile_update(worker, seqs, scale)
+    if decode_bench:
+        res["decode_bench"] = bench_decode(worker, prompts[:PROMPTS], n, new_tokens)
+    worker.actor = worker.ref = worker.rollout = None
+    del worker
+    gc.collect()
+    mem.empty_cache()
+    return res
+
+
+def profile_update(worker, seqs, scale) -> str:
+    """Top CUDA kernels of one update step (time share), as text."""
+    from torch.profiler import ProfilerActivity, profile
+
+    mem = DeviceMemory()
+    with profile(activities=[ProfilerActivity.CUDA] if mem.cuda else [ProfilerActivity.CPU]) as prof:
+        worker.update_actor(seqs, scale)
+        mem.sync()
+    return prof.key_averages().table(sort_by="cuda_time_total" if mem.cuda else "cpu_time_total", row_limit=25, max_name_column_width=70)
+
+
+def bench_decode(worker, prompts, n, new_tokens: int) -> Dict[str, Any]:
+    """Decode of all prompts x n rows: ms per step (after the prefill) of our loop with a CUDA graph, of the same
+    loop run eagerly, and of transformers `generate` (dynamic cache), each after a short warm-up."""
+    import torch
+    from transformers import GenerationConfig
+
+    from qwen35rl.engines.base import RolloutRequest
+
+    eng, mem = worker.rollout, DeviceMemory()
+    rows = [p for p in prompts for _ in range(n)]
+    ids = torch.tensor(rows, device=eng.device)
+
+    def timed(fn) -> float:
+        mem.sync()
+        t0 = time.perf_counter()
+        fn()
+        mem.sync()
+        return time.perf_counter() - t0
+
+    def ours(tokens):
+        return lambda: eng.generate(RolloutRequest(prompt_ids=prompts, n=n, temperature=1.0, max_new_tokens=tokens, seed=1))
+
+    def hf(tokens):
+        gen = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=None, max_new_tokens=tokens,
+                               min_new_tokens=tokens, pad_token_id=eng.pad_token_id, eos_token_id=eng.eos_token_ids)
+
+        def run():
+            with torch.no_grad():
+                eng.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+        return run
+
+    out: Dict[str, Any] = {"rows": len(rows), "prompt_len": len(rows[0]), "new_tokens": new_tokens}
+    for label, graphs in (("graph", True), ("eager", False), ("hf_generate", None)):
+        if graphs is not None:
+            eng.cuda_graphs = graphs
+        make = hf if graphs is None else ours
+        timed(make(4))  # warm-up: kernel compilation and autotuning
+        first, total = timed(make(1)), timed(make(new_tokens))
+        out[label] = {"prefill_s": first, "total_s": total, "ms_per_step": (total - first) / (new_tokens - 1) * 1e3}
+        if graphs is not None:
+            out[label].update(captured=eng.stats.cuda_graph, graph_error=eng.stats.graph_error)
+    eng.cuda_graphs = True
+    print("decode bench", json.dumps(out), flush=True)
+    return out
+
+
+def cmd_memory(args) -> None:
+    import torch.distributed as dist
+
+    results: List[Dict[str, Any]] = []
+    cases = [SMOKE_CASE] if args.smoke else [c for c in MEMORY_CASES if not args.cases or c[0] in args.cases]
+    port = 29600 + os.getpid() % 1000
+    for i, (name, micro, ckpt, kl, prompts, p_len, r_len) in enumerate(cases):
+        if args.tiny:  # the flow on a CPU: short sequences
+            prompts, p_len, r_len = 1, 32, 8
+        overrides = workload(model=args.model, hw=args.hw, micro=micro, ckpt=ckpt, kl=kl, prompts=prompts,
+                             prompt_len=p_len, response_len=r_len, steps=2,
+                             memory_gb=None if args.hw == "cpu" else 141)
+        try:
+            results.append(measure_case(name, overrides, port, profile=args.profile and i == 0,
+                                        decode_bench=args.decode_bench and i == 0, new_tokens=args.decode_tokens))
+        except Exception as e:  # noqa: BLE001 - record and go on with the next configuration
+            import traceback
+
+            traceback.print_exc()
+            results.append({"name": name, "overrides": overrides, "error": f"{type(e).__name__}: {e}"[:2000]})
+            gc.collect()
+            DeviceMemory().empty_cache()
+        write_json(args.out, results)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ============================================================================================== report
+def cmd_report(args) -> None:
+    from bench.gpu.report import render
+
+    print(render(Path(args.results)))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("peak")
+    s.add_argument("--out", required=True)
+    for name in ("qwen35rl", "trl", "memory"):
+        s = sub.add_parser(name)
+        s.add_argument("--out", required=True)
+        s.add_argument("--model", default="qwen3_5_0_8b")
+        s.add_argument("--hw", default="gpu_1x")
+        s.add_argument("--micro", type=int, default=16)
+        s.add_argument("--ckpt", action="store_true", help="gradient checkpointing")
+        s.add_argument("--no-kl", action="store_true")
+        s.add_argument("--prompts", type=int, default=PROMPTS)
+        s.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
+        s.add_argument("--response-len", type=int, default=RESPONSE_LEN)
+        s.add_argument("--steps", type=int, default=4)
+    sub.choices["qwen35rl"].add_argument("--devices", type=int, default=1)
+    sub.choices["qwen35rl"].add_argument("--run-dir", required=True)
+    sub.choices["qwen35rl"].add_argument("--peak-tflops", type=float, default=None)
+    sub.choices["qwen35rl"].add_argument("--timeout", type=float, default=None, help="seconds; then the run's "
+                                         "process tree is ended and the steps logged so far are kept")
+    sub.choices["qwen35rl"].add_argument("extra", nargs="*", help="more Hydra overrides")
+    sub.choices["trl"].add_argument("--work-dir", required=True)
+    sub.choices["memory"].add_argument("--cases", nargs="*", default=None)
+    sub.choices["memory"].add_argument("--profile", action="store_true")
+    sub.choices["memory"].add_argument("--decode-bench", action="store_true")
+    sub.choices["memory"].add_argument("--tiny", action="store_true", help="short sequences (checking the flow on a CPU)")
+    sub.choices["memory"].add_argument("--smoke", action="store_true", help="only the short smoke case")
+    sub.choices["memory"].add_argument("--decode-tokens", type=int, default=32)
+    s = sub.add_parser("report")
+    s.add_argument("results")
+    args = p.parse_args(argv)
+    {"peak": cmd_peak, "qwen35rl": cmd_qwen35rl, "trl": cmd_trl, "memory": cmd_memory, "report": cmd_report}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
