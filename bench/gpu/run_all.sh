@@ -31,7 +31,7 @@ if [ "$stage" = gdn ]; then
     python3 -c 'import torch, transformers, triton, fla, tilelang; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, "triton", triton.__version__, "fla", fla.__version__, "tilelang", tilelang.__version__)'
   } > "$OUT/env.txt" 2>&1
   cat "$OUT/env.txt"
-  CUDA_VISIBLE_DEVICES=0 timeout 200 $G memory --out "$OUT/smoke.json" --smoke --profile --decode-bench \
+  CUDA_VISIBLE_DEVICES=0 timeout 150 $G memory --out "$OUT/smoke.json" --smoke --decode-bench \
     2>&1 | grep -v "Warning\|warnings.warn" | tee "$OUT/smoke.log" | tail -40
   elapsed "smoke done"
   exit 0
@@ -55,20 +55,20 @@ elapsed "bf16 matmul peak $PEAK TFLOP/s (GPU 0); $(cat "$OUT/peak.json")"
 
 (
   CUDA_VISIBLE_DEVICES=0 $G qwen35rl --out "$OUT/q1.json" --run-dir "$RUNS/q1" --steps 4 --peak-tflops "$PEAK" \
-    --timeout 190 > "$LOGS/q1.log" 2>&1
+    --timeout 170 > "$LOGS/q1.log" 2>&1
   elapsed "qwen35rl 1 GPU done: $(grep -c '\[qwen35rl\] step' "$LOGS/q1.log") steps"
   rm -rf "$RUNS/q1/checkpoints"
-  CUDA_VISIBLE_DEVICES=0 timeout 150 $G memory --out "$OUT/memory.json" > "$LOGS/memory.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout 100 $G memory --out "$OUT/memory.json" --profile --decode-bench > "$LOGS/memory.log" 2>&1
   elapsed "memory calibration done"
 ) &
 (
-  CUDA_VISIBLE_DEVICES=1 timeout 300 $G trl --out "$OUT/trl.json" --work-dir /tmp/trl --steps 3 > "$LOGS/trl.log" 2>&1
+  CUDA_VISIBLE_DEVICES=1 timeout 240 $G trl --out "$OUT/trl.json" --work-dir /tmp/trl --steps 3 > "$LOGS/trl.log" 2>&1
   elapsed "TRL done"
 ) &
 wait
 
 CUDA_VISIBLE_DEVICES=0,1 $G qwen35rl --out "$OUT/q2.json" --run-dir "$RUNS/q2" --devices 2 --prompts 32 --steps 3 \
-  --peak-tflops "$PEAK" --timeout 150 > "$LOGS/q2.log" 2>&1
+  --peak-tflops "$PEAK" --timeout 120 > "$LOGS/q2.log" 2>&1
 elapsed "qwen35rl 2 GPUs done: $(grep -c '\[qwen35rl\] step' "$LOGS/q2.log") steps"
 rm -rf "$RUNS"
 
