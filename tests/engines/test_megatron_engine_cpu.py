@@ -23,6 +23,8 @@ import types
 import pytest
 import torch
 
+torch.set_num_threads(1)  # the workers are forked: a multi-threaded pool in the parent would deadlock them
+
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed", allow_module_level=True)
 
@@ -97,7 +99,21 @@ class _Done:
         pass
 
 
+class _Stream:
+    def wait_stream(self, *a):
+        pass
+
+    def record_event(self, *a):
+        return _Done()
+
+    def synchronize(self):
+        pass
+
+
 def _megatron_on_cpu():
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True  # also when torch was imported before TORCHDYNAMO_DISABLE was set
     fla = {name: types.ModuleType(name) for name in
            ("fla", "fla.modules", "fla.modules.l2norm", "fla.modules.convolution", "fla.ops", "fla.ops.gated_delta_rule")}
     fla["fla.modules.l2norm"].l2norm = lambda x, dim=-1, eps=1e-6, **_: x * torch.rsqrt((x * x).sum(dim, keepdim=True) + eps)
@@ -106,6 +122,10 @@ def _megatron_on_cpu():
     sys.modules.update(fla)
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
+    stream = _Stream()
+    torch.cuda.Stream = lambda *a, **k: stream
+    torch.cuda.current_stream = lambda *a, **k: stream
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
 
     def on_cpu(fn):
         @functools.wraps(fn)
