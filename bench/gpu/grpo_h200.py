@@ -270,15 +270,14 @@ def cmd_trl(args) -> None:
 
 
 # ============================================================================================== memory
-MEMORY_CASES = [
-    # name, micro, ckpt, kl, prompts, prompt_len, response_len
-    ("m16_s768_nockpt_kl", 16, False, True, 16, 256, 512),
-    ("m8_s768_ckpt_kl", 8, True, True, 4, 256, 512),
-    ("m4_s1280_nockpt_nokl", 4, False, False, 2, 256, 1024),
-    ("m16_s768_ckpt_nokl", 16, True, False, 4, 256, 512),
-    ("m2_s2304_ckpt_kl", 2, True, True, 1, 256, 2048),
+MEMORY_GROUPS = [
+    # one colocated worker per (gradient checkpointing, KL) pair; shapes measured on it in turn:
+    # (name, micro batch, prompts, prompt_len, response_len)
+    (False, True, [("m16_s768_nockpt_kl", 16, 2, 256, 512), ("m4_s1280_nockpt_kl", 4, 1, 256, 1024)]),
+    (True, False, [("m8_s768_ckpt_nokl", 8, 2, 256, 512), ("m2_s2304_ckpt_nokl", 2, 1, 256, 2048)]),
+    (True, True, [("m16_s768_ckpt_kl", 16, 2, 256, 512)]),
 ]
-SMOKE_CASE = ("smoke_m8_s320_kl", 8, False, True, 2, 256, 64)
+SMOKE_GROUP = (False, True, [("smoke_m8_s320_kl", 8, 2, 256, 64)])
 """A short check of the whole worker path (decode graph, log-probs, updates) before the long runs."""
 
 
@@ -317,11 +316,10 @@ class DeviceMemory:
             self.torch.cuda.empty_cache()
 
 
-def measure_case(name: str, overrides: Sequence[str], port: int, profile: bool = False,
-                 decode_bench: bool = False, new_tokens: int = 32) -> Dict[str, Any]:
+def measure_group(ckpt: bool, kl: bool, shapes, args, port: int, results: List[Dict[str, Any]]) -> None:
     """One colocated worker (FSDP over a world-1 process group, hf rollout, reference when KL is on), driven like
-    the GRPO loop: sync, generate, log-probs, two updates; peaks per phase."""
-    import torch
+    the GRPO loop for each shape in turn: generate, log-probs, updates (two on the first shape, so that the Adam
+    states exist); peak allocator memory per phase, against the estimate of that shape's config."""
     from omegaconf import OmegaConf
 
     from qwen35rl.config.compose import compose
@@ -331,61 +329,75 @@ def measure_case(name: str, overrides: Sequence[str], port: int, profile: bool =
     from qwen35rl.runtime.batching import Sequences
     from qwen35rl.runtime.worker import PolicyWorker
 
-    cfg = compose(list(overrides))
-    est = estimate(cfg, derive_layout(cfg))
+    def overrides(micro, prompts, p_len, r_len):
+        return workload(model=args.model, hw=args.hw, micro=micro, ckpt=ckpt, kl=kl, prompts=prompts,
+                        prompt_len=p_len, response_len=r_len, steps=2, memory_gb=None if args.hw == "cpu" else 141)
+
     mem = DeviceMemory()
+    _, micro0, prompts0, p0, r0 = shapes[0]
+    cfg = compose(overrides(micro0, prompts0, p0, r0))
     worker = PolicyWorker(OmegaConf.to_container(cfg, resolve=True), rank=0, world_size=1, local_rank=0,
                           run_dir="/tmp/qwen35rl-memory", optimizer_steps=10)
     mem.reset_peak()
+    t0 = time.perf_counter()
     worker.init_distributed("127.0.0.1", port)
     worker.sync_weights()
     mem.sync()
-    res: Dict[str, Any] = {"name": name, "overrides": list(overrides), "estimate": est.to_dict(),
-                           "after_build_gib": mem.allocated(), "build_peak_gib": mem.peak()}
-    prompts = [ex.prompt_ids for ex in build_dataset(cfg.data, worker.tokenizer, "train")[:int(cfg.data.train_batch_size)]]
-    n, resp = int(cfg.rollout.n), int(cfg.data.max_response_length)
-    params = dict(n=n, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=resp, seed=3)
+    built = {"after_build_gib": mem.allocated(), "build_peak_gib": mem.peak(), "build_s": time.perf_counter() - t0}
+    for i, (name, micro, prompts, p_len, r_len) in enumerate(shapes):
+        if args.tiny:  # the flow on a CPU: short sequences
+            prompts, p_len, r_len = 1, 32, 8
+        ov = overrides(micro, prompts, p_len, r_len)
+        cfg = compose(ov)
+        est = estimate(cfg, derive_layout(cfg))
+        worker.cfg.backend.micro_batch_size_per_device = micro
+        worker.cfg.data.max_response_length = r_len
+        res: Dict[str, Any] = {"name": name, "overrides": ov, "estimate": est.to_dict(), **built}
+        results.append(res)
+        prompt_ids = [ex.prompt_ids for ex in build_dataset(cfg.data, worker.tokenizer, "train")[:prompts]]
+        params = dict(n=N, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=r_len, seed=3)
 
-    def peak(fn, key):
-        gc.collect()
-        mem.reset_peak()
-        base = mem.allocated()
-        t0 = time.perf_counter()
-        out = fn()
-        mem.sync()
-        res[key] = {"peak_gib": mem.peak(), "reserved_gib": mem.reserved_peak(), "before_gib": base,
-                    "after_gib": mem.allocated(), "s": time.perf_counter() - t0}
-        return out
+        def peak(fn, key):
+            gc.collect()
+            mem.reset_peak()
+            base = mem.allocated()
+            t = time.perf_counter()
+            out = fn()
+            mem.sync()
+            res[key] = {"peak_gib": mem.peak(), "reserved_gib": mem.reserved_peak(), "before_gib": base,
+                        "after_gib": mem.allocated(), "s": time.perf_counter() - t}
+            return out
 
-    result = peak(lambda: worker.generate(prompts, params), "generate")
-    res["decode"] = vars(worker.rollout.stats)
-    seqs = Sequences([p for p in prompts for _ in range(n)], result.response_ids)
-    res["response_tokens"] = seqs.token_count()
-    old = peak(lambda: worker.compute_log_probs(seqs), "log_probs")
-    if worker.ref is not None:
-        seqs.ref_log_probs = peak(lambda: worker.compute_log_probs(seqs, reference=True), "ref_log_probs")
-    seqs.old_log_probs = old
-    seqs.advantages = [(-1.0) ** i for i in range(len(seqs))]
-    scale = {"global_tokens": float(seqs.token_count()), "global_seqs": float(len(seqs))}
-    res["update_1"] = {"metrics": peak(lambda: worker.update_actor(seqs, scale), "update_first")}
-    res["update_2"] = {"metrics": peak(lambda: worker.update_actor(seqs, scale), "update")}
-    res["measured_train_peak_gib"] = max(res[k]["peak_gib"] for k in ("log_probs", "ref_log_probs", "update") if k in res)
-    res["measured_rollout_peak_gib"] = res["generate"]["peak_gib"]
-    if mem.cuda:
-        res["train_error"] = est.train_peak_gib / res["measured_train_peak_gib"] - 1
-        res["rollout_error"] = est.rollout_peak_gib / res["measured_rollout_peak_gib"] - 1
-    print(f"memory {name}: train est {est.train_peak_gib:.2f} vs {res['measured_train_peak_gib']:.2f} GiB, "
-          f"rollout est {est.rollout_peak_gib:.2f} vs {res['measured_rollout_peak_gib']:.2f} GiB", flush=True)
-
-    if profile:
-        res["profile"] = profile_update(worker, seqs, scale)
-    if decode_bench:
-        res["decode_bench"] = bench_decode(worker, prompts[:PROMPTS], n, new_tokens)
+        result = peak(lambda: worker.generate(prompt_ids, params), "generate")
+        res["decode"] = vars(worker.rollout.stats)
+        seqs = Sequences([p for p in prompt_ids for _ in range(N)], result.response_ids)
+        res["response_tokens"] = seqs.token_count()
+        old = peak(lambda: worker.compute_log_probs(seqs), "log_probs")
+        if worker.ref is not None:
+            seqs.ref_log_probs = peak(lambda: worker.compute_log_probs(seqs, reference=True), "ref_log_probs")
+        seqs.old_log_probs = old
+        seqs.advantages = [(-1.0) ** k for k in range(len(seqs))]
+        scale = {"global_tokens": float(seqs.token_count()), "global_seqs": float(len(seqs))}
+        if i == 0:
+            res["update_first_metrics"] = peak(lambda: worker.update_actor(seqs, scale), "update_first")
+        res["update_metrics"] = peak(lambda: worker.update_actor(seqs, scale), "update")
+        res["measured_train_peak_gib"] = max(res[k]["peak_gib"] for k in ("log_probs", "ref_log_probs", "update")
+                                             if k in res)
+        res["measured_rollout_peak_gib"] = res["generate"]["peak_gib"]
+        if mem.cuda:
+            res["train_error"] = est.train_peak_gib / res["measured_train_peak_gib"] - 1
+            res["rollout_error"] = est.rollout_peak_gib / res["measured_rollout_peak_gib"] - 1
+        print(f"memory {name}: train est {est.train_peak_gib:.2f} vs {res['measured_train_peak_gib']:.2f} GiB, "
+              f"rollout est {est.rollout_peak_gib:.2f} vs {res['measured_rollout_peak_gib']:.2f} GiB", flush=True)
+        if args.profile and i == 0:
+            res["profile"] = profile_update(worker, seqs, scale)
+        if args.decode_bench and i == 0:
+            res["decode_bench"] = bench_decode(worker, prompt_ids, N, args.decode_tokens)
+        write_json(args.out, results)
     worker.actor = worker.ref = worker.rollout = None
     del worker
     gc.collect()
     mem.empty_cache()
-    return res
 
 
 def profile_update(worker, seqs, scale) -> str:
@@ -449,22 +461,18 @@ def cmd_memory(args) -> None:
     import torch.distributed as dist
 
     results: List[Dict[str, Any]] = []
-    cases = [SMOKE_CASE] if args.smoke else [c for c in MEMORY_CASES if not args.cases or c[0] in args.cases]
+    groups = [SMOKE_GROUP] if args.smoke else MEMORY_GROUPS
     port = 29600 + os.getpid() % 1000
-    for i, (name, micro, ckpt, kl, prompts, p_len, r_len) in enumerate(cases):
-        if args.tiny:  # the flow on a CPU: short sequences
-            prompts, p_len, r_len = 1, 32, 8
-        overrides = workload(model=args.model, hw=args.hw, micro=micro, ckpt=ckpt, kl=kl, prompts=prompts,
-                             prompt_len=p_len, response_len=r_len, steps=2,
-                             memory_gb=None if args.hw == "cpu" else 141)
+    for g, (ckpt, kl, shapes) in enumerate(groups):
+        if g:  # the profile and the decode benchmark once
+            args.profile = args.decode_bench = False
         try:
-            results.append(measure_case(name, overrides, port, profile=args.profile and i == 0,
-                                        decode_bench=args.decode_bench and i == 0, new_tokens=args.decode_tokens))
-        except Exception as e:  # noqa: BLE001 - record and go on with the next configuration
+            measure_group(ckpt, kl, shapes, args, port, results)
+        except Exception as e:  # noqa: BLE001 - record and go on with the next worker
             import traceback
 
             traceback.print_exc()
-            results.append({"name": name, "overrides": overrides, "error": f"{type(e).__name__}: {e}"[:2000]})
+            results.append({"group": [ckpt, kl], "error": f"{type(e).__name__}: {e}"[:2000]})
             gc.collect()
             DeviceMemory().empty_cache()
         write_json(args.out, results)
@@ -503,7 +511,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                          "process tree is ended and the steps logged so far are kept")
     sub.choices["qwen35rl"].add_argument("extra", nargs="*", help="more Hydra overrides")
     sub.choices["trl"].add_argument("--work-dir", required=True)
-    sub.choices["memory"].add_argument("--cases", nargs="*", default=None)
     sub.choices["memory"].add_argument("--profile", action="store_true")
     sub.choices["memory"].add_argument("--decode-bench", action="store_true")
     sub.choices["memory"].add_argument("--tiny", action="store_true", help="short sequences (checking the flow on a CPU)")
