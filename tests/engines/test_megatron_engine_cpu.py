@@ -7,7 +7,7 @@ unpacked megatron-core >= 0.16 on PYTHONPATH (e.g. `pip download --no-deps megat
 "cpu", gloo gets reduce-scatter / all-gather-into-tensor emulations, the model-parallel RNG fork is a no-op, and
 flash-linear-attention is replaced by megatron's own torch GDN recurrence (installed after the transformers
 reference ran, so the reference keeps transformers' recurrence). The MoE token dispatcher is `allgather` (the
-alltoall one needs CUDA streams)."""
+alltoall one moves its split sizes through CUDA)."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -181,7 +181,7 @@ def _worker(rank, world, port, cfg, batch, agg, out):
         for c in eng.model:
             c.train()
             c.zero_grad_buffer()
-        eng._run([eng._prepare(batch, train=True)], functools.partial(eng._train_loss, scaled, 1), forward_only=False)
+        eng._run([eng._prepare(batch, train=True)], functools.partial(eng._train_loss, scaled), forward_only=False)
         eng.optimizer.prepare_grads()
         res["grad_norm"] = float(eng.optimizer.get_grad_norm())
         params = {p: p.data for c in eng.chunks for p in c.parameters()}
@@ -227,6 +227,8 @@ def _check(init, logp, grads, out):
     ("qwen3_5_tiny", ["parallelism.pp=2"]),
     ("qwen3_5_tiny_moe", ["parallelism.ep=2"]),
     ("qwen3_5_tiny_moe", ["parallelism.tp=2", "parallelism.etp=2"]),
-], ids=["dense-tp2", "dense-pp2", "moe-ep2", "moe-tp2-etp2"])
+    ("qwen3_5_tiny", ["parallelism.pp=2", "parallelism.vpp=2"]),
+    ("qwen3_5_tiny_moe", ["parallelism.pp=2", "parallelism.pipeline_layout=Et|tttL"]),
+], ids=["dense-tp2", "dense-pp2", "moe-ep2", "moe-tp2-etp2", "dense-pp2-vpp2", "moe-pp2-uneven"])
 def test_engine_matches_transformers(model, parallel):
     _check(*_run_parallel(model, parallel))

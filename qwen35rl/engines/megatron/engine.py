@@ -339,6 +339,41 @@ class MegatronTrainEngine(TrainEngine):
         out = aligned.restore(tok)
         return torch.where(response_mask.bool().cpu(), out, torch.zeros((), dtype=out.dtype))
 
+    _ROW_KEYS = ("input_ids", "position_ids", "labels", "loss_mask", "advantages", "old", "ref")
+
+    def _rows(self, p: Dict[str, Any], parts: int) -> List[Dict[str, Any]]:
+        """`p` split into up to `parts` micro batches of consecutive rows."""
+        rows = p["input_ids"].shape[0]
+        bounds = [round(i * rows / parts) for i in range(parts + 1)]
+        return [{k: (v[a:b] if k in self._ROW_KEYS and v is not None else v) for k, v in p.items()}
+                for a, b in zip(bounds, bounds[1:]) if b > a]
+
+    def _schedule_ready(self, prepared: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """Micro batches of one shape (rows and columns padded with entries that count nowhere), so pipeline
+        stages can exchange fixed-shape activations; with virtual pipeline stages, a multiple of PP of them
+        (megatron's interleaved schedule needs it), padded with empty micro batches."""
+        rows = max(p["input_ids"].shape[0] for p in prepared)
+        cols = max(p["input_ids"].shape[1] for p in prepared)
+        count = len(prepared)
+        if self.layout.vpp:
+            count += (-count) % self.layout.pp
+        out = []
+        for i in range(count):
+            p = prepared[min(i, len(prepared) - 1)]
+            q = dict(p)
+            for k in self._ROW_KEYS:
+                v = p.get(k)
+                if v is None:
+                    continue
+                if i >= len(prepared):  # an empty micro batch
+                    v = torch.zeros_like(v)
+                grown = v.new_zeros((rows, cols))
+                grown[:v.shape[0], :v.shape[1]] = v
+                q[k] = grown
+            q["position_ids"] = torch.arange(cols, device=self.device)[None].expand(rows, -1)
+            out.append(q)
+        return out
+
     # ------------------------------------------------------------------------------------------ forward
     def _iterators(self, prepared: Sequence[Dict[str, Any]]):
         its = [iter(list(prepared)) for _ in self.model]
@@ -350,12 +385,16 @@ class MegatronTrainEngine(TrainEngine):
         return output, partial(loss_fn, b)
 
     def _run(self, prepared: List[Dict[str, Any]], loss_fn, forward_only: bool) -> List[Dict[str, torch.Tensor]]:
+        """megatron's pipeline schedule over `prepared`; `loss_fn(num_micro, batch, logits)` on the last stage.
+        Returns the last stage's per-micro-batch results (padding micro batches last)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        ready = self._schedule_ready(prepared)
+        rows, cols = ready[0]["input_ids"].shape
         return get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, loss_fn), data_iterator=self._iterators(prepared),
-            model=self.model, num_microbatches=len(prepared), seq_length=max(p["input_ids"].shape[1] for p in prepared),
-            micro_batch_size=max(p["input_ids"].shape[0] for p in prepared), forward_only=forward_only)
+            forward_step_func=partial(self._forward_step, partial(loss_fn, len(ready))),
+            data_iterator=self._iterators(ready), model=self.model, num_microbatches=len(ready),
+            seq_length=cols, micro_batch_size=rows, forward_only=forward_only)
 
     def _tp_group(self):
         return self.mpu.get_tensor_model_parallel_group() if self.layout.tp > 1 else None
@@ -364,7 +403,7 @@ class MegatronTrainEngine(TrainEngine):
         return vocab_parallel_logprobs(logits, b["labels"], self._tp_group(), self.temperature, with_entropy,
                                        int(self.backend.logprob_chunk_size))
 
-    def _logprob_loss(self, with_entropy: bool, b, logits):
+    def _logprob_loss(self, with_entropy: bool, num_micro: int, b, logits):
         logp, ent = self._logprobs(b, logits, with_entropy)
         out = {"logp": logp.detach()}
         if ent is not None:
@@ -387,14 +426,17 @@ class MegatronTrainEngine(TrainEngine):
         for c in self.model:
             c.eval()
         prepared = self._prepare(batch, train=False)
-        out = self._run([prepared], partial(self._logprob_loss, with_entropy), forward_only=True)
+        # the interleaved schedule wants a multiple of PP micro batches: split the rows
+        parts = self._rows(prepared, self.layout.pp if self.layout.vpp else 1)
+        out = self._run(parts, partial(self._logprob_loss, with_entropy), forward_only=True)
         shape = prepared["input_ids"].shape
         n = 2 if with_entropy else 1
         stacked = torch.zeros((n, *shape), dtype=torch.float32, device=self.device)
         if self._is_last_stage():
-            stacked[0] = out[0]["logp"]
+            sizes = [p["input_ids"].shape[0] for p in parts]
+            stacked[0] = torch.cat([o["logp"][:r, :shape[1]] for o, r in zip(out, sizes)])
             if with_entropy:
-                stacked[1] = out[0]["ent"]
+                stacked[1] = torch.cat([o["ent"][:r, :shape[1]] for o, r in zip(out, sizes)])
         stacked = self._pp_broadcast(stacked)
         logp = self._to_batch_layout(prepared, stacked[0], batch.response_mask)
         ent = self._to_batch_layout(prepared, stacked[1], batch.response_mask) if with_entropy else None
@@ -460,7 +502,7 @@ class MegatronTrainEngine(TrainEngine):
             c.train()
             c.zero_grad_buffer()
         self.optimizer.zero_grad()
-        out = self._run(prepared, partial(self._train_loss, agg, len(prepared)), forward_only=False)
+        out = self._run(prepared, partial(self._train_loss, agg), forward_only=False)
 
         sums = torch.zeros(len(_METRICS), dtype=torch.float64, device=self.device)
         if self._is_last_stage():
