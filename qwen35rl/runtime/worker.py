@@ -159,8 +159,13 @@ class PolicyWorker:
     def sync_weights(self) -> None:
         """Collective: stream the policy's full weights into the rollout engine bucket by bucket (an engine that
         sleeps takes them asleep and wakes for the next generation)."""
-        on_device = self.device if str(self.cfg.rollout.engine) == "hf" else None  # the hf engine shares the device
-        self.rollout.load_weights(self.actor.export_weights(int(self.cfg.rollout.weight_sync_bucket_mb), device=on_device))
+        bucket_mb = int(self.cfg.rollout.weight_sync_bucket_mb)
+        if str(self.cfg.rollout.engine) == "hf" and str(self.cfg.backend.name) == "fsdp":
+            # the hf engine shares the trainer's device: FSDP can hand the gathered tensors over without a CPU hop
+            buckets = self.actor.export_weights(bucket_mb, device=self.device)
+        else:  # TrainEngine.export_weights: CPU tensors
+            buckets = self.actor.export_weights(bucket_mb)
+        self.rollout.load_weights(buckets)
 
     # -------------------------------------------------------------------------------------------- training
     def compute_log_probs(self, seqs: Sequences, reference: bool = False) -> List[List[float]]:
