@@ -1,0 +1,286 @@
+"""The Megatron engine on GPUs: numerics against transformers and a few GRPO steps, per parallel layout.
+
+For a random-init model with real Qwen3.5 head shapes (few layers; dense: the 0.8B architecture, MoE: the 35B-A3B
+architecture with fewer experts) the same bf16 weights go into transformers and into the Megatron engine. For each
+layout (TP1 / TP2 / PP2 / EP2; world 2 unless a layout fills it) the script prints
+- how far the engine's per-token log-probs and entropies are from transformers in fp32, next to how far transformers
+  in bf16 is from itself in fp32 (the bf16 noise floor: the engine should be of the same order),
+- GRPO steps on one fixed batch (fixed advantages, old log-probs from the first forward): policy loss, grad norm,
+  step time, tokens/s and MFU (6·N·tokens over the peak), and whether the loss went down,
+and writes everything as JSON (`--out`).
+
+Run on the GPU machine (Python 3.12, torch 2.11, transformers 5.17), from the project root. Wheels first, on the
+CPU machine: `../shared/gpu/pack-wheels.sh megatron-core==0.19.2` (hydra/omegaconf, flash-linear-attention and the
+2.4 MB megatron-core wheel in .whl/). Then on the GPU machine:
+    bash bench/gpu/install-wheels.sh .whl && export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH
+    torchrun --standalone --nproc_per_node=2 bench/gpu/megatron_numerics.py --out /tmp/out/megatron.json
+(about 2 GB of weights per model; the MoE model's HF random init on CPU is the slowest part).
+A dry run of this script's logic works on CPU with tests/engines/test_megatron_engine_cpu.py's stand-ins and the
+`tiny` / `tiny_moe` models.
+`--gdn torch` (default) runs megatron-core's own torch GDN recurrence (deterministic_mode; fla's chunked backward is
+refused on Hopper with Triton 3.6 unless TileLang is installed), `--gdn fla` its fla path. megatron-core's GDN
+imports fla either way (its q/k L2 norm is fla's kernel).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch
+import torch.distributed as dist
+
+MODELS = {
+    # name: (config, overrides): real head shapes, 4 layers (3 GDN + 1 gated full attention)
+    "dense": ("qwen3_5_0_8b", ["model.num_hidden_layers=4"]),
+    "moe": ("qwen3_5_35b_a3b", ["model.num_hidden_layers=4", "model.num_experts=64"]),
+    # dry runs of this script (CPU, tests' stand-ins for CUDA)
+    "tiny": ("qwen3_5_tiny", ["model.dtype=bfloat16"]),
+    "tiny_moe": ("qwen3_5_tiny_moe", ["model.dtype=bfloat16"]),
+}
+LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "ep2": {"ep": 2}}
+
+
+def log(*args):
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def compose_cfg(model: str, layout: Dict[str, int], args) -> Any:
+    from omegaconf import OmegaConf
+
+    from qwen35rl.config.compose import compose
+
+    name, extra = MODELS[model]
+    p = {"tp": 1, "pp": 1, "ep": 1, **layout}
+    cfg = compose([f"model={name}", "model.init=random", "model.tokenizer=byte", "model.vision=null",
+                   "model.dtype=bfloat16", "hw=gpu_1x", f"hw.devices_per_node={dist.get_world_size()}",
+                   "backend=megatron", "rollout=hf", "backend.optimizer_cpu_offload=false",
+                   f"backend.gradient_checkpointing={str(args.recompute).lower()}", f"backend.lr={args.lr}",
+                   "backend.moe_aux_loss_coeff=0", "backend.moe_z_loss_coeff=0",
+                   f"parallelism.tp={p['tp']}", f"parallelism.pp={p['pp']}", f"parallelism.ep={p['ep']}",
+                   # megatron-core < 0.19 needs ETP = TP when EP = 1 (version.EXPERT_GROUPS_WITHOUT_EP)
+                   f"parallelism.etp={p['tp'] if p['ep'] == 1 else 1}",
+                   "trainer.seed=1"] + extra + list(args.set))
+    OmegaConf.set_readonly(cfg, False)
+    OmegaConf.set_struct(cfg, False)
+    cfg.backend.transformer_overrides = {"deterministic_mode": args.gdn == "torch", **args.transformer_overrides}
+    return cfg
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def fixed_batch(vocab: int, rows: int, prompt: int, response: int, seed: int = 0):
+    """Prompts left-padded, responses right-padded (the runtime's layout), random tokens, fixed advantages."""
+    from qwen35rl.engines.base import Batch
+
+    g = torch.Generator().manual_seed(seed)
+    width = prompt + response
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    resp = torch.zeros(rows, width, dtype=torch.long)
+    for r in range(rows):
+        p = int(torch.randint(prompt // 2, prompt + 1, (1,), generator=g))
+        n = int(torch.randint(response // 2, response + 1, (1,), generator=g))
+        ids[r, prompt - p:prompt + n] = torch.randint(0, vocab, (p + n,), generator=g)
+        mask[r, prompt - p:prompt + n] = 1
+        resp[r, prompt:prompt + n] = 1
+    adv = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0)[:, None] * resp
+    return Batch(input_ids=ids, attention_mask=mask, response_mask=resp, advantages=adv.float())
+
+
+@torch.no_grad()
+def hf_reference(hf, batch, device, dtype):
+    """transformers' per-token log-probs and entropies ([B, T], token t from logits at t-1), in `dtype`."""
+    from qwen35rl.algo.core import entropy_from_logits, logprobs_from_logits
+
+    model = hf.to(device=device, dtype=dtype)
+    ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    logp = torch.zeros(ids.shape, device=device)
+    ent = torch.zeros(ids.shape, device=device)
+    for r in range(ids.shape[0]):  # row by row: fp32 logits of the whole batch over 248k vocab are large
+        lg = logits[r, :-1].float()
+        logp[r, 1:] = logprobs_from_logits(lg, ids[r, 1:])
+        ent[r, 1:] = entropy_from_logits(lg)
+    resp = batch.response_mask.to(device).bool()
+    return (logp * resp).cpu(), (ent * resp).cpu()
+
+
+def diff(a, b, mask):
+    d = (a - b).abs()[mask.bool()]
+    return {"max": float(d.max()), "mean": float(d.mean())}
+
+
+def run_layout(model: str, layout_name: str, args, hf_state, refs, batch) -> Dict[str, Any]:
+    from megatron.core import parallel_state
+
+    from qwen35rl.engines.megatron.engine import MegatronTrainEngine
+    from qwen35rl.runtime.flops import mfu, train_flops
+
+    cfg = compose_cfg(model, LAYOUTS[layout_name], args)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    device = args.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    eng = MegatronTrainEngine(cfg, rank=dist.get_rank(), world_size=dist.get_world_size(), device=device,
+                              total_steps=args.steps, hf_state=hf_state)
+    build_s = time.perf_counter() - t0
+    out: Dict[str, Any] = {"model": model, "layout": layout_name, "dp": eng.dp_size, "build_s": build_s}
+
+    _sync()
+    t0 = time.perf_counter()
+    logp, ent = eng.compute_log_probs(batch, with_entropy=True)
+    _sync()
+    out["logprob_s"] = time.perf_counter() - t0
+    mask = batch.response_mask
+    out["logp_vs_fp32"] = diff(logp, refs["fp32"][0], mask)
+    out["ent_vs_fp32"] = diff(ent, refs["fp32"][1], mask)
+    out["logp_vs_hf_bf16"] = diff(logp, refs["bf16"][0], mask)
+
+    # GRPO steps on the fixed batch: old log-probs from the first forward, two micro batches
+    batch.old_log_probs = logp
+    batch.ref_log_probs = logp
+    half = batch.input_ids.shape[0] // 2
+    micro = [type(batch)(**{k: (v[s] if torch.is_tensor(v) else v) for k, v in vars(batch).items()})
+             for s in (slice(0, half), slice(half, None))]
+    seq_lens = batch.attention_mask.sum(1).tolist()
+    flops = train_flops(cfg.model, seq_lens)
+    steps = []
+    for i in range(args.steps):
+        _sync()
+        t0 = time.perf_counter()
+        m = eng.train_mini_batch(micro, {})
+        _sync()
+        dt = time.perf_counter() - t0
+        steps.append({"pg_loss": m["actor/pg_loss"], "grad_norm": m["actor/grad_norm"], "ppo_kl": m["actor/ppo_kl"],
+                      "clipfrac": m["actor/pg_clipfrac"], "step_s": dt,
+                      # every DP rank holds the same batch here: tokens of the layout = tokens x DP
+                      "tokens_per_s_per_gpu": sum(seq_lens) * eng.dp_size / dt / dist.get_world_size(),
+                      "mfu": mfu(flops * eng.dp_size, dt, dist.get_world_size(), float(args.peak_tflops))})
+        log(f"  {model}/{layout_name} step {i}: pg_loss {m['actor/pg_loss']:+.5f} grad_norm {m['actor/grad_norm']:.4f} "
+            f"{dt:.2f} s")
+    out["steps"] = steps
+    losses = [s["pg_loss"] for s in steps]
+    out["loss_decreased"] = bool(all(map(torch.isfinite, torch.tensor(losses))) and losses[-1] < losses[0])
+
+    t0 = time.perf_counter()
+    exported = {name: t.shape for bucket in eng.export_weights(512) for name, t in bucket}
+    out["export_s"] = time.perf_counter() - t0
+    out["export_tensors"] = len(exported)
+    out["export_matches_hf_names"] = set(exported) == set(hf_state)
+    out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    del eng
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def table(rows: List[Dict[str, Any]], floor: Dict[str, Dict[str, float]]) -> str:
+    lines = ["| model | layout | DP | max/mean abs dlogp vs HF fp32 | (HF bf16 vs fp32) | max abs dentropy | "
+             "pg_loss first -> last | decreased | step s | tok/s/GPU | MFU | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['layout']} | | error: {r['error'][:80]} | | | | | | | | |")
+            continue
+        s, f = r["steps"], floor[r["model"]]
+        last = s[-1]
+        lines.append(
+            f"| {r['model']} | {r['layout']} | {r['dp']} | {r['logp_vs_fp32']['max']:.4f} / {r['logp_vs_fp32']['mean']:.5f} "
+            f"| {f['max']:.4f} / {f['mean']:.5f} | {r['ent_vs_fp32']['max']:.4f} | {s[0]['pg_loss']:+.4f} -> "
+            f"{last['pg_loss']:+.4f} | {r['loss_decreased']} | {last['step_s']:.2f} | {last['tokens_per_s_per_gpu']:.0f} "
+            f"| {100 * last['mfu']:.1f}% | {r['peak_mem_gib']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None, transformer_overrides=None):
+    """`transformer_overrides`: extra TransformerConfig fields (dry runs on CPU set megatron's CPU-able options)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="dense,moe")
+    ap.add_argument("--layouts", default="tp1,tp2,pp2,ep2")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--response", type=int, default=768)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--gdn", choices=("torch", "fla"), default="torch")
+    ap.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--peak-tflops", type=float, default=794.0, help="bf16 matmul peak measured on the H200")
+    ap.add_argument("--set", action="append", default=[], help="extra config override (repeatable)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    args.transformer_overrides = dict(transformer_overrides or {})
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        args.device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=args.device)
+    else:
+        args.device = torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+    from qwen35rl.models.build import build_model
+
+    rows, floor = [], {}
+    results = {"args": {k: str(v) for k, v in vars(args).items()}, "world": dist.get_world_size(),
+               "env": {"torch": torch.__version__,
+                       "device": torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu"}}
+    try:
+        import megatron.core
+
+        results["env"]["megatron_core"] = megatron.core.__version__
+    except Exception:
+        pass
+    for model in args.models.split(","):
+        cfg = compose_cfg(model, {}, args)
+        hf = build_model(cfg.model, dtype=torch.bfloat16, seed=int(cfg.trainer.seed))
+        hf_state = {k: v.clone() for k, v in hf.state_dict().items()}
+        if cfg.model.tie_word_embeddings:
+            hf_state.pop("lm_head.weight", None)
+        batch = fixed_batch(int(cfg.model.vocab_size), args.rows, args.prompt, args.response)
+        refs = {"bf16": hf_reference(hf, batch, args.device, torch.bfloat16),
+                "fp32": hf_reference(hf, batch, args.device, torch.float32)}
+        del hf
+        if args.device.type == "cuda":
+            torch.cuda.empty_cache()
+        floor[model] = diff(refs["bf16"][0], refs["fp32"][0], batch.response_mask)
+        log(f"{model}: HF bf16 vs fp32 log-prob noise floor max {floor[model]['max']:.4f} mean {floor[model]['mean']:.5f}")
+        for name in args.layouts.split(","):
+            need = max(LAYOUTS[name].values(), default=1)
+            if name == "ep2" and not cfg.model.moe or need > dist.get_world_size():
+                continue
+            try:
+                r = run_layout(model, name, args, {k: v.clone() for k, v in hf_state.items()}, refs, batch)
+            except Exception as e:  # record and go on with the next layout
+                import traceback
+
+                log(traceback.format_exc())
+                r = {"model": model, "layout": name, "error": f"{type(e).__name__}: {e}"}
+            rows.append(r)
+            log(f"{model}/{name}: " + json.dumps({k: v for k, v in r.items() if k != "steps"}))
+    results["floor"], results["rows"] = floor, rows
+    log(table(rows, floor))
+    if args.out and dist.get_rank() == 0:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
