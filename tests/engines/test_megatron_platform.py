@@ -116,3 +116,12 @@ def test_megatron_imported_first_is_refused(monkeypatch):
     monkeypatch.delitem(sys.modules, "mindspeed.megatron_adaptor", raising=False)
     with pytest.raises(RuntimeError, match="imported before MindSpeed"):
         ascend.adapt_megatron(ascend.AscendSettings(), {}, import_module=lambda n: None, find_spec=lambda n: object())
+
+
+@pytest.mark.skipif(not importlib_missing("megatron"), reason="megatron-core is installed here")
+def test_engine_without_megatron_names_the_install():
+    from qwen35rl.engines.megatron.engine import MegatronTrainEngine
+
+    cfg = compose(["model=qwen3_5_tiny", "backend=megatron", "hw=cpu"])
+    with pytest.raises(ImportError, match=r"pip install 'qwen35rl\[gpu\]'"):
+        MegatronTrainEngine(cfg, rank=0, world_size=1, device="cpu")

@@ -102,28 +102,9 @@ class MegatronTrainEngine(TrainEngine):
         self.backend, self.algo = cfg.backend, cfg.algorithm
         self.device = torch.device(device)
         self.layout = Layout.from_cfg(cfg, world_size)
-        if self.layout.cp > 1:
-            raise NotImplementedError("parallelism.cp > 1: context parallelism needs Transformer Engine attention, "
-                                      "which these specs do not build")
-        if cfg.data.get("has_images", False):
-            raise NotImplementedError("backend=megatron trains the text model only: image data needs backend=fsdp")
         # MindSpeed must patch megatron before anything imports it
         self.platform = ascend.prepare_platform(cfg.hw, self.layout.transformer_parallel())
-        self.caps = version.capabilities()
-        l = self.layout
-        self.caps.check_layout(cp=l.cp, packed=False, tp=l.tp, ep=l.ep, etp=l.etp, moe=bool(cfg.model.moe))
-        _import_megatron()
-        if self.backend.remove_padding:
-            log.info("backend=megatron: padded (right-aligned) batches; packed sequences are not implemented here")
-        for name in ("param_offload", "grad_offload"):
-            if self.backend.get(name):
-                log.warning("backend.%s is not applied by the megatron engine (megatron-core has no such offload)", name)
-        self.te_options, disabled = te_gated_options(self.backend, self.caps.has_te)
-        if disabled:
-            log.warning("Transformer Engine is not installed: %s turned off", ", ".join(disabled))
-        if self.device.type == "cuda" and importlib.util.find_spec("fla") is None:
-            raise ImportError("megatron-core's GatedDeltaNet needs flash-linear-attention: pip install "
-                              "flash-linear-attention (see ../shared/gpu/README.md for the Hopper stack)")
+        self._check_stack()
 
         from megatron.core import parallel_state as mpu
 
@@ -154,6 +135,29 @@ class MegatronTrainEngine(TrainEngine):
         else:
             self._wrap_and_optimize()
         self._export_plan()
+
+    def _check_stack(self) -> None:
+        """Refuse what this run cannot do here, each with its reason; switch off TE-only options without TE."""
+        cfg, l, b = self.cfg, self.layout, self.backend
+        if l.cp > 1:
+            raise NotImplementedError("parallelism.cp > 1: context parallelism needs Transformer Engine attention, "
+                                      "which these specs do not build")
+        if cfg.data.get("has_images", False):
+            raise NotImplementedError("backend=megatron trains the text model only: image data needs backend=fsdp")
+        self.caps = version.capabilities()
+        self.caps.check_layout(cp=l.cp, packed=False, tp=l.tp, ep=l.ep, etp=l.etp, moe=bool(cfg.model.moe))
+        _import_megatron()
+        if b.remove_padding:
+            log.info("backend=megatron: padded (right-aligned) batches; packed sequences are not implemented here")
+        for name in ("param_offload", "grad_offload"):
+            if b.get(name):
+                log.warning("backend.%s is not applied by the megatron engine (megatron-core has no such offload)", name)
+        self.te_options, disabled = te_gated_options(b, self.caps.has_te)
+        if disabled:
+            log.warning("Transformer Engine is not installed: %s turned off", ", ".join(disabled))
+        if self.device.type == "cuda" and importlib.util.find_spec("fla") is None:
+            raise ImportError("megatron-core's GatedDeltaNet needs flash-linear-attention: pip install "
+                              "flash-linear-attention (see ../shared/gpu/README.md for the Hopper stack)")
 
     # ------------------------------------------------------------------------------------------ build
     def _transformer_config(self):
@@ -213,9 +217,7 @@ class MegatronTrainEngine(TrainEngine):
         maps = mp.param_maps(self.shape, self.names, layers=self.chunk_layers[ci], pre_process=chunk.pre_process,
                              post_process=chunk.post_process)
         if self.shape.tie_word_embeddings and chunk.post_process and not chunk.pre_process:
-            # a last stage without the embedding keeps its own copy of the tied weight as output_layer.weight
-            maps.append(mp.ParamMap((mp.CAUSAL_LM_PREFIX + "embed_tokens.weight",),
-                                    (mp.MegatronParam(mp.OUTPUT_LAYER, mp.Split(0)),), mp._identity, mp._identity))
+            maps.append(mp.tied_output_layer_map())
         return maps
 
     def _local_name(self, ci: int, p: mp.MegatronParam, local_experts: range) -> str:

@@ -374,6 +374,12 @@ def param_maps(shape: Qwen35Shape, names: MegatronNames = MegatronNames(), hf_pr
     return maps
 
 
+def tied_output_layer_map(hf_prefix: str = CAUSAL_LM_PREFIX) -> ParamMap:
+    """With tied embeddings, a last pipeline stage without the embedding keeps its own copy of the tied weight as
+    output_layer.weight: it loads from the HF embedding (and is never exported)."""
+    return _one(hf_prefix + "embed_tokens.weight", OUTPUT_LAYER, Split(0))
+
+
 def megatron_params(maps: Iterable[ParamMap]) -> Dict[str, MegatronParam]:
     return {p.name: p for m in maps for p in m.megatron}
 
