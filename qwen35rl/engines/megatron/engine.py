@@ -337,9 +337,10 @@ class MegatronTrainEngine(TrainEngine):
         """Per-logit values [B, T'] -> per-token values [B, T] of the original layout, 0 outside the response."""
         aligned: Aligned = prepared["aligned"]
         width = prepared["width"]
-        tok = F.pad(values[:, :-1], (1, 0))[:, :width].float().cpu()
+        device = response_mask.device
+        tok = F.pad(values[:, :-1], (1, 0))[:, :width].float().to(device)
         out = aligned.restore(tok)
-        return torch.where(response_mask.bool().cpu(), out, torch.zeros((), dtype=out.dtype))
+        return torch.where(response_mask.bool(), out, torch.zeros((), dtype=out.dtype, device=device))
 
     _ROW_KEYS = ("input_ids", "position_ids", "labels", "loss_mask", "advantages", "old", "ref")
 
