@@ -595,7 +595,7 @@ class MegatronTrainEngine(TrainEngine):
         dist.all_gather(parts, t.contiguous(), group=group)
         return mp.merge_ranks(parts, split)
 
-    def _fetch(self, out_dtype: torch.dtype, m: mp.ParamMap) -> List[torch.Tensor]:
+    def _fetch(self, out_dtype: torch.dtype, out_device: torch.device, m: mp.ParamMap) -> List[torch.Tensor]:
         owner_pp, ci = self.owner[m.hf]
         pp_rank = self.mpu.get_pipeline_model_parallel_rank()
         if pp_rank == owner_pp:
@@ -607,14 +607,15 @@ class MegatronTrainEngine(TrainEngine):
             src = dist.get_global_rank(group, owner_pp)
             for t in full:
                 dist.broadcast(t, src=src, group=group)
-        return [t.to("cpu", copy=True) for t in full]
+        return [t.to(out_device, copy=True) for t in full]
 
-    def export_weights(self, bucket_mb: int) -> Iterator[List[Tuple[str, torch.Tensor]]]:
-        """HF-named full tensors (tied embedding once), on CPU in model.dtype. Collective over every rank."""
+    def export_weights(self, bucket_mb: int, device: Optional[Any] = None) -> Iterator[List[Tuple[str, torch.Tensor]]]:
+        """HF-named full tensors (tied embedding once) in model.dtype, on CPU or on `device` (a rollout engine on
+        the trainer's device skips the host). Collective over every rank, one map at a time."""
         from qwen35rl.models.build import torch_dtype
 
-        out_dtype = torch_dtype(self.cfg.model.dtype)
-        return mp.export_hf(self.export_maps, partial(self._fetch, out_dtype), float(bucket_mb))
+        out = torch.device("cpu") if device is None else torch.device(device)
+        return mp.export_hf(self.export_maps, partial(self._fetch, torch_dtype(self.cfg.model.dtype), out), float(bucket_mb))
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def _rank_key(self) -> str:
