@@ -18,7 +18,8 @@ from qwen35rl.config import known_keys, memory, quirks
 from qwen35rl.config.compose import did_you_mean
 from qwen35rl.config.layout import Layout, even_pipeline_layout, format_pipeline_layout, parse_pipeline_layout
 from qwen35rl.config.problems import ERROR, WARNING, Problem
-from qwen35rl.engines.megatron.version import GDN_PACKED_AND_CP  # stdlib only: the version fact stated once
+from qwen35rl.engines.megatron.version import (  # stdlib only: the version facts stated once
+    EXPERT_GROUPS_WITHOUT_EP, GDN_PACKED_AND_CP)
 
 Rule = Callable[[Any, Layout], List[Problem]]
 SCOPES = ("config", "train", "rollout", "colocated")
@@ -341,6 +342,19 @@ def gdn_context_parallel_needs_mcore_0_18(cfg: Any, layout: Layout) -> List[Prob
                 f"{val(cfg, 'backend.megatron_core_version')} has no context parallel for Gated DeltaNet layers "
                 f"(supported from {GDN_PACKING_MCORE})",
                 f"try parallelism.cp=1 or backend.megatron_core_version={GDN_PACKING_MCORE}.0")
+
+
+@rule("train")
+def expert_grads_need_ep_or_etp_equal_tp(cfg: Any, layout: Layout) -> List[Problem]:
+    """megatron-core < 0.19 reduces expert gradients like dense ones when EP = 1 and ETP != TP: wrong gradients."""
+    if not (_megatron(layout) and _moe(cfg) and layout.ep == 1 and layout.etp != layout.tp):
+        return []
+    first = ".".join(map(str, EXPERT_GROUPS_WITHOUT_EP))
+    if not quirks.version_below(val(cfg, "backend.megatron_core_version"), first):
+        return []
+    return _err("expert_grads_need_ep_or_etp_equal_tp", "parallelism.etp", f"EP1 with ETP{layout.etp} != TP{layout.tp}:"
+                f" megatron-core {val(cfg, 'backend.megatron_core_version')} reduces such expert gradients like dense "
+                f"ones and misses the sum over the TP ranks (fixed in {first})", _try("parallelism.etp", layout.tp))
 
 
 # ====================================================================================================== rollout

@@ -89,6 +89,8 @@ CASES = [
      {"backend__dynamic_batch_size": True}, "backend.dynamic_batch_size", ERROR),
     ("gdn_context_parallel_needs_mcore_0_18", "mg397_a3",
      {"parallelism__cp": 2, "backend__megatron_core_version": "0.18.0"}, {"parallelism__cp": 2}, "parallelism.cp", ERROR),
+    ("expert_grads_need_ep_or_etp_equal_tp", "mg35", {"parallelism__ep": 1, "parallelism__etp": 2},
+     {"parallelism__ep": 1}, "parallelism.etp", ERROR),
     ("rollout_engine_parallelism", "tiny", {}, {"parallelism__rollout__tp": 2}, "parallelism.rollout.tp", ERROR),
     ("rollout_tp_divides_heads", "fsdp27_a3", {"parallelism__rollout__tp": 8}, {"parallelism__rollout__tp": 16},
      "parallelism.rollout.tp", ERROR),
