@@ -361,6 +361,9 @@ class TrainerConfig:
     """Export the final policy in Hugging Face format to `final/`."""
     max_keep_checkpoints: int = 2
     log_every: int = 1
+    placement_timeout_s: float = 300.0
+    """Seconds to wait for the cluster to offer the run's devices (nodes still joining, a placement group still
+    pending) before failing with what is missing. A local cluster started by the run fails at once."""
 
 
 @dataclass

@@ -19,7 +19,6 @@ from qwen35rl.runtime.platform import Platform
 log = logging.getLogger(__name__)
 
 CPU_OBJECT_STORE_BYTES = 256 * 1024 ** 2
-PLACEMENT_TIMEOUT_S = 300
 
 
 class ClusterError(RuntimeError):
@@ -55,32 +54,38 @@ def connect(cfg: Any, platform: Platform, world: int) -> bool:
 
 @contextlib.contextmanager
 def ray_session(cfg: Any, platform: Platform, world: int):
-    """Connected to Ray for the duration; a local cluster started here is stopped on exit."""
+    """Connected to Ray for the duration (yields whether this run started a local cluster, which is stopped on
+    exit)."""
     import ray
 
     started_local = connect(cfg, platform, world)
     try:
-        yield
+        yield started_local
     finally:
         if started_local and ray.is_initialized():
             ray.shutdown()
 
 
-def placement_groups(platform: Platform, nodes: int, devices_per_node: int) -> List[Any]:
-    """One STRICT_PACK placement group per node (its devices on one host), all ready or a clear error."""
+def placement_groups(platform: Platform, nodes: int, devices_per_node: int, timeout_s: float) -> List[Any]:
+    """One STRICT_PACK placement group per node (its devices on one host), all ready within `timeout_s` or a
+    ClusterError naming what is missing."""
     import ray
     from ray.util.placement_group import placement_group
 
-    groups = [placement_group([platform.bundle() for _ in range(devices_per_node)], strategy="STRICT_PACK",
+    bundle = platform.bundle()
+    groups = [placement_group([bundle for _ in range(devices_per_node)], strategy="STRICT_PACK",
                               name=f"qwen35rl-node{i}-{os.getpid()}") for i in range(nodes)]
-    ready, pending = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=PLACEMENT_TIMEOUT_S)
+    ready, pending = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=timeout_s)
     if pending:
         for g in groups:
             ray.util.remove_placement_group(g)
+        free, total = ray.available_resources(), ray.cluster_resources()
+        have = ", ".join(f"{free.get(k, 0):g} of {total.get(k, 0):g} {k}" for k in bundle)
         raise ClusterError(
-            f"Ray could not place {nodes} node(s) x {devices_per_node} bundles of {platform.bundle()} within "
-            f"{PLACEMENT_TIMEOUT_S} s; the cluster has {ray.cluster_resources()}. Check hw.nodes / "
-            f"hw.devices_per_node against `ray status` (Ascend: ray start --resources='{{\"NPU\": N}}').")
+            f"placement: needs {nodes} node(s) x {devices_per_node} bundles of {bundle} (one node each), "
+            f"{len(pending)} of {nodes} still unplaced after {timeout_s:g} s (trainer.placement_timeout_s); free "
+            f"now: {have}. Other actors or placement groups may hold them, or no single node has "
+            f"{devices_per_node} free: check `ray status` against hw.nodes / hw.devices_per_node.")
     return groups
 
 
@@ -104,7 +109,7 @@ class WorkerGroup:
         nodes, per_node = int(cfg.hw.nodes), int(cfg.hw.devices_per_node)
         if nodes * per_node != world:
             raise ClusterError(f"layout world {world} != hw.nodes {nodes} x hw.devices_per_node {per_node}")
-        groups = placement_groups(platform, nodes, per_node)
+        groups = placement_groups(platform, nodes, per_node, float(cfg.trainer.placement_timeout_s))
         plain_cfg = OmegaConf.to_container(cfg, resolve=True)
         resources = {k: v for k, v in platform.bundle().items() if k not in ("CPU", "GPU")}
         remote_cls = ray.remote(worker_cls)

@@ -27,9 +27,11 @@ from qwen35rl.config.layout import Layout, derive_layout
 from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST
 from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.runtime.batching import Sequences, split_even, split_sequences
-from qwen35rl.runtime.cluster import WorkerGroup, ray_session
+from qwen35rl.runtime import provenance
+from qwen35rl.runtime.cluster import ClusterError, WorkerGroup, ray_session
 from qwen35rl.runtime.flops import mfu, train_flops
 from qwen35rl.runtime.platform import require_stack, resolve_platform
+from qwen35rl.runtime.preflight import EXIT_PREFLIGHT, PreflightError, run_preflight
 from qwen35rl.runtime.rollouts import RolloutBatch, data_metrics
 from qwen35rl.runtime.signals import StopRequest
 from qwen35rl.runtime.tracking import CURVES_FILE, METRICS_FILE, Tracking, plot_curves, read_metrics
@@ -65,12 +67,16 @@ def run_training(cfg: DictConfig, run_dir: Path) -> int:
     checkpoints.remove_partial()
     resume_from = checkpoints.resolve(str(cfg.trainer.resume))
     start_step = int(ckpt.read_meta(resume_from)["step"]) if resume_from else 0
+    start_dir = provenance.record_start(run_dir, cfg, start_step=start_step, resume_from=resume_from)
     tracking = Tracking(cfg, run_dir, total_steps, start_step)
     if resume_from:
         log.warning("resuming from %s (step %d of %d)", resume_from, start_step, total_steps)
 
     try:
-        with ray_session(cfg, platform, layout.world), StopRequest() as stop:
+        with ray_session(cfg, platform, layout.world) as started_local, StopRequest() as stop:
+            # a cluster still being assembled gets time to reach its size; a local one is what it is
+            wait_s = 0.0 if started_local else float(cfg.trainer.placement_timeout_s)
+            provenance.record_cluster(start_dir, run_preflight(cfg, platform, wait_s=wait_s))
             optimizer_steps = (total_steps * int(cfg.algorithm.ppo_epochs)
                                * (int(cfg.data.train_batch_size) // int(cfg.algorithm.mini_batch_size)))
             workers = WorkerGroup.create(cfg, platform, PolicyWorker, layout.world, run_dir=str(run_dir),
@@ -86,6 +92,9 @@ def run_training(cfg: DictConfig, run_dir: Path) -> int:
     except KeyboardInterrupt:
         log.warning("interrupted; the last finished checkpoint is intact")
         return 130
+    except (PreflightError, ClusterError) as e:
+        log.error("%s", e)
+        return EXIT_PREFLIGHT
     finally:
         tracking.close()
         rows = read_metrics(run_dir / METRICS_FILE)

@@ -73,6 +73,9 @@ def test_train_end_to_end(tmp_path):
     assert model(ids).logits.shape == (1, ids.shape[1], model.config.vocab_size)
     assert (run / "curves.png").stat().st_size > 0
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    start = run / "provenance" / "start-001"
+    assert {p.name for p in start.iterdir()} >= {"config.yaml", "run.json", "cluster.json"}
+    assert json.loads((start / "cluster.json").read_text())["probes"][0]["packages"]["torch"] == torch.__version__
 
 
 def test_moe_model_trains(tmp_path):
@@ -112,6 +115,9 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path):
     proc = train(resumed, *args)           # the same command again: resume=auto picks step_3 up
     _ok(proc)
     assert "resuming from" in proc.stderr
+    starts = sorted(p.name for p in (resumed / "provenance").iterdir())
+    assert starts == ["start-001", "start-002"]                      # the resume kept the first start's record
+    assert json.loads((resumed / "provenance" / "start-002" / "run.json").read_text())["start_step"] == 3
 
     a, b = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
     assert a.keys() == b.keys()

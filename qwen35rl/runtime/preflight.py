@@ -1,0 +1,258 @@
+"""Preflight: the resolved config against the cluster it is about to run on, before any worker is built.
+
+1. Resources: `hw.nodes` nodes, each offering `hw.devices_per_node` of `hw.ray_resource` (plus a CPU per worker).
+   A cluster being assembled (nodes still running `ray start`) is given `trainer.placement_timeout_s` to reach that;
+   a local cluster the run started itself is checked once.
+2. Devices: a short probe task per node reports its devices' memory and the installed cluster stack. Memory below
+   `hw.memory_gb` is an error (the plan's memory estimate assumed more); far above it, a warning (the plan leaves
+   memory unused).
+3. Versions: vLLM (rollout=vllm) and megatron-core (backend=megatron) on every node against
+   `rollout.vllm_version` / `backend.megatron_core_version`. The config layer derives facts from these versions
+   (platform quirks, rules); a difference that changes any of them is an error, any other difference a warning.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from omegaconf import OmegaConf
+
+from qwen35rl.config.problems import ERROR, WARNING, Problem
+from qwen35rl.runtime.platform import Platform
+
+log = logging.getLogger(__name__)
+
+EXIT_PREFLIGHT = 3
+"""Exit code of a run the cluster cannot host as configured."""
+MEMORY_SHORT = 0.95
+"""Measured device memory below this share of hw.memory_gb is an error (vendors' nominal GB vs what the driver
+reports differ by a few percent)."""
+MEMORY_SLACK = 1.25
+"""Measured device memory above this multiple of hw.memory_gb draws a warning."""
+POLL_S = 1.0
+VERSION_KEYS = {"vllm": "rollout.vllm_version", "megatron-core": "backend.megatron_core_version"}
+
+
+class PreflightError(RuntimeError):
+    def __init__(self, problems: List[Problem]):
+        self.problems = problems
+        super().__init__("preflight failed:\n" + "\n".join(p.render() for p in problems))
+
+
+@dataclass
+class Node:
+    """A live Ray node as `ray.nodes()` describes it."""
+
+    node_id: str
+    address: str
+    resources: Dict[str, float] = field(default_factory=dict)
+
+
+def live_nodes() -> List[Node]:
+    import ray
+
+    return [Node(n["NodeID"], str(n.get("NodeManagerAddress", "?")), dict(n.get("Resources", {})))
+            for n in ray.nodes() if n.get("Alive")]
+
+
+# ---------------------------------------------------------------------------------------------- resources
+def _fits(node: Node, resource: str, per_node: int, cpus: int) -> bool:
+    return node.resources.get(resource, 0) >= per_node and node.resources.get("CPU", 0) >= cpus
+
+
+def resource_shortage(cfg: Any, platform: Platform, nodes: Sequence[Node]) -> Optional[str]:
+    """None when enough nodes offer the run's devices; else what is missing, with the numbers."""
+    need_nodes, per_node = int(cfg.hw.nodes), int(cfg.hw.devices_per_node)
+    resource = platform.ray_resource
+    cpus = per_node  # one CPU per worker process (on CPU, the worker's device is that CPU)
+    fitting = [n for n in nodes if _fits(n, resource, per_node, cpus)]
+    if len(fitting) >= need_nodes:
+        return None
+    total = sum(n.resources.get(resource, 0) for n in nodes)
+    want = f"{per_node} {resource}" + (f" + {cpus} CPU" if resource != "CPU" else "")
+    per = ", ".join(f"{n.address}: {n.resources.get(resource, 0):g} {resource}"
+                    + (f", {n.resources.get('CPU', 0):g} CPU" if resource != "CPU" else "") for n in nodes)
+    return (f"needs {want} on each of {need_nodes} node(s) (hw.nodes x hw.devices_per_node), cluster has "
+            f"{total:g} {resource} on {len(nodes)} node(s), {len(fitting)} of them enough"
+            + (f" [{per}]" if nodes else ""))
+
+
+def wait_for_resources(cfg: Any, platform: Platform, timeout_s: float,
+                       nodes_fn: Callable[[], List[Node]] = live_nodes) -> List[Node]:
+    """The nodes that can host workers, once `hw.nodes` of them exist; PreflightError after `timeout_s`."""
+    deadline = time.monotonic() + max(timeout_s, 0.0)
+    while True:
+        nodes = nodes_fn()
+        shortage = resource_shortage(cfg, platform, nodes)
+        if shortage is None:
+            per_node = int(cfg.hw.devices_per_node)
+            return [n for n in nodes if _fits(n, platform.ray_resource, per_node, per_node)]
+        if time.monotonic() >= deadline:
+            waited = f" after waiting {timeout_s:g} s (trainer.placement_timeout_s)" if timeout_s > 0 else ""
+            raise PreflightError([Problem(
+                "cluster_lacks_devices", "hw", shortage + waited,
+                f"check `ray status`; match hw.nodes / hw.devices_per_node / hw.ray_resource to the cluster "
+                f"(hw={cfg.hw.name} asks for {platform.ray_resource}; Ascend nodes join with "
+                f"ray start --resources='{{\"NPU\": N}}')")])
+        time.sleep(POLL_S)
+
+
+# --------------------------------------------------------------------------------------------- node probe
+def probe_node(device_type: str) -> Dict[str, Any]:
+    """Runs on a node (as a Ray task holding one device): host, device memory and the installed stack."""
+    from qwen35rl.runtime.provenance import package_versions
+
+    info: Dict[str, Any] = {"hostname": socket.gethostname(), "packages": package_versions()}
+    try:
+        import ray
+
+        info["address"] = ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray (tests)
+        info["address"] = "127.0.0.1"
+    if device_type == "cpu":
+        info["device_name"] = "cpu"
+        info["host_memory_gb"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+        return info
+    from qwen35rl.runtime.platform import device_module
+
+    mod = device_module(device_type)
+    props = mod.get_device_properties(0)
+    info["device_name"] = str(props.name)
+    info["device_memory_gb"] = props.total_memory / 1e9
+    info["visible_devices"] = int(mod.device_count())
+    return info
+
+
+def probe_nodes(platform: Platform, nodes: Sequence[Node], timeout_s: float) -> List[Dict[str, Any]]:
+    """`probe_node` on each node, in a fresh process holding one device there (released when it returns)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    resources = {k: v for k, v in platform.bundle().items() if k not in ("CPU", "GPU")}
+    task = ray.remote(max_calls=1)(probe_node)  # max_calls=1: the process (and its device) goes away after
+    refs = [task.options(num_cpus=1, num_gpus=platform.bundle().get("GPU", 0), resources=resources,
+                         runtime_env={"env_vars": platform.worker_env},
+                         scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False))
+            .remote(platform.device_type) for n in nodes]
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=max(timeout_s, 30.0))
+    if pending:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        late = [nodes[refs.index(r)].address for r in pending]
+        raise PreflightError([Problem("node_probe_timeout", "hw", f"no answer from the probe on node(s) {late}",
+                                      "check those nodes' Ray logs (/tmp/ray/session_latest/logs)")])
+    return ray.get(refs)
+
+
+# ----------------------------------------------------------------------------------------------- memory
+def memory_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
+    want = float(cfg.hw.memory_gb)
+    out: List[Problem] = []
+    for p in probes:
+        where = f"{p.get('hostname')} ({p.get('address')})"
+        if "device_memory_gb" in p:
+            have = float(p["device_memory_gb"])
+            if have < want * MEMORY_SHORT:
+                out.append(Problem("device_memory_short", "hw.memory_gb",
+                                   f"devices on {where} ({p.get('device_name')}) have {have:.1f} GB, the plan "
+                                   f"assumes hw.memory_gb={want:g}", f"pick the hw config of these devices, or set "
+                                   f"hw.memory_gb={int(have)} and re-plan", ERROR))
+            elif have > want * MEMORY_SLACK:
+                out.append(Problem("device_memory_unused", "hw.memory_gb",
+                                   f"devices on {where} ({p.get('device_name')}) have {have:.1f} GB, the plan "
+                                   f"uses hw.memory_gb={want:g}", f"set hw.memory_gb={int(have)} to plan with "
+                                   f"all of it", WARNING))
+        elif "host_memory_gb" in p:  # CPU workers share the host's memory
+            need = want * int(cfg.hw.devices_per_node)
+            if float(p["host_memory_gb"]) < need:
+                out.append(Problem("host_memory_short", "hw.memory_gb",
+                                   f"{where} has {p['host_memory_gb']:.1f} GB of memory for "
+                                   f"{cfg.hw.devices_per_node} CPU workers of hw.memory_gb={want:g}",
+                                   "lower hw.memory_gb or hw.devices_per_node", WARNING))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- versions
+def relevant_versions(cfg: Any) -> Dict[str, str]:
+    """package -> config key of the version facts this run depends on."""
+    out = {}
+    if str(cfg.rollout.engine) == "vllm":
+        out["vllm"] = VERSION_KEYS["vllm"]
+    if str(cfg.backend.name) == "megatron":
+        out["megatron-core"] = VERSION_KEYS["megatron-core"]
+    return out
+
+
+def version_facts(cfg: Any) -> Tuple[frozenset, Dict[str, Any]]:
+    """What the config layer derives from the configured versions: the rules' findings (code, severity) and the
+    vLLM engine kwargs after platform quirks."""
+    from qwen35rl.config import rules
+    from qwen35rl.config.layout import derive_layout
+    from qwen35rl.config.quirks import effective_engine_kwargs
+
+    findings = frozenset((p.code, p.severity) for p in rules.check_all(cfg, derive_layout(cfg)))
+    return findings, effective_engine_kwargs(cfg)
+
+
+def changed_facts(cfg: Any, key: str, installed: str) -> List[str]:
+    """How the derived facts change when `key` holds the installed version instead of the configured one."""
+    plain = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
+    other = OmegaConf.create(plain)
+    OmegaConf.update(other, key, installed)
+    (found_a, kw_a), (found_b, kw_b) = version_facts(OmegaConf.create(plain)), version_facts(other)
+    out = [f"rule {code} ({sev}) {'appears' if (code, sev) in found_b else 'goes away'}"
+           for code, sev in sorted(found_a ^ found_b)]
+    out += [f"vLLM engine arg {k}: {kw_a.get(k, '<unset>')!r} -> {kw_b.get(k, '<unset>')!r}"
+            for k in sorted(set(kw_a) | set(kw_b)) if kw_a.get(k) != kw_b.get(k)]
+    return out
+
+
+def version_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
+    from qwen35rl.config.quirks import version_tuple
+
+    out: List[Problem] = []
+    for package, key in relevant_versions(cfg).items():
+        configured = str(OmegaConf.select(cfg, key))
+        seen: Dict[Optional[str], List[str]] = {}
+        for p in probes:
+            seen.setdefault(p["packages"].get(package), []).append(str(p.get("hostname")))
+        for installed, hosts in seen.items():
+            where = ", ".join(hosts)
+            if installed is None:
+                out.append(Problem(f"{package}_missing_on_node", key, f"{package} is not installed on {where}",
+                                   "install the cluster stack on every node (pip install 'qwen35rl[gpu]')"))
+                continue
+            if version_tuple(installed) == version_tuple(configured):
+                continue
+            changes = changed_facts(cfg, key, installed)
+            message = f"{key}={configured} but {where} has {package} {installed}"
+            if changes:
+                out.append(Problem(f"{package}_version_changes_facts", key,
+                                   f"{message}, which changes: {'; '.join(changes)}", f"set {key}={installed}"))
+            else:
+                out.append(Problem(f"{package}_version_differs", key, f"{message} (no version fact differs)",
+                                   f"set {key}={installed} to record it", WARNING))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- entry
+def run_preflight(cfg: Any, platform: Platform, *, wait_s: float) -> Dict[str, Any]:
+    """All checks against the connected Ray cluster. Warnings are logged; errors raise PreflightError (with
+    every problem found). Returns what was seen, for the run's provenance."""
+    t0 = time.monotonic()
+    nodes = wait_for_resources(cfg, platform, wait_s)
+    probes = probe_nodes(platform, nodes, float(cfg.trainer.placement_timeout_s))
+    problems = memory_problems(cfg, probes) + version_problems(cfg, probes)
+    for p in problems:
+        if p.severity != ERROR:
+            log.warning("preflight: %s", p.render())
+    errors = [p for p in problems if p.severity == ERROR]
+    if errors:
+        raise PreflightError(errors)
+    log.info("preflight passed in %.1f s: %d node(s) can host the run", time.monotonic() - t0, len(nodes))
+    return {"nodes": [{"node_id": n.node_id, "address": n.address, "resources": n.resources} for n in nodes],
+            "probes": list(probes), "warnings": [p.to_dict() for p in problems]}

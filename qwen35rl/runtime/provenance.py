@@ -1,0 +1,116 @@
+"""What a run directory keeps about each start of the run, so any run can be reproduced and compared:
+
+    provenance/start-<NNN>/
+      config.yaml     the resolved config (every interpolation filled in)
+      run.json        package versions, git revision of the code (and whether the tree was dirty), the command
+                      line, working directory, hostname, start time, the checkpoint it resumed from
+      git_diff.patch  uncommitted changes of tracked files (only when the tree was dirty)
+      cluster.json    what preflight found on the cluster (nodes, devices, their package versions)
+
+Each start (the first, every resume) gets the next number; earlier starts are kept.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+from omegaconf import OmegaConf
+
+PROVENANCE_DIR = "provenance"
+CONFIG_FILE = "config.yaml"
+RUN_FILE = "run.json"
+DIFF_FILE = "git_diff.patch"
+CLUSTER_FILE = "cluster.json"
+
+STACK = ("torch", "transformers", "ray", "vllm", "megatron-core", "hydra-core", "omegaconf", "qwen35rl")
+"""Packages whose versions every start records (None when not installed)."""
+OPTIONAL_STACK = ("vllm-ascend", "torch-npu", "mindspeed", "transformer-engine", "flash-linear-attention",
+                  "causal-conv1d", "safetensors", "numpy")
+"""Recorded only when installed."""
+_GIT_TIMEOUT_S = 10
+
+
+def package_versions(names: Sequence[str] = STACK, optional: Sequence[str] = OPTIONAL_STACK) -> Dict[str, Optional[str]]:
+    """Installed versions of `names` (None when missing) and of the `optional` packages that are installed, plus
+    the Python version under `python`."""
+    out: Dict[str, Optional[str]] = {"python": platform.python_version()}
+    for name in list(names) + list(optional):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            if name in names:
+                out[name] = None
+    return out
+
+
+def code_root() -> Path:
+    """The directory holding the qwen35rl package (a git checkout in development, site-packages when installed)."""
+    import qwen35rl
+
+    return Path(qwen35rl.__file__).resolve().parent.parent
+
+
+def git_state(path: Path) -> Optional[Dict[str, Any]]:
+    """{"revision", "dirty", "diff"} of the git work tree containing `path`; None outside a work tree or without
+    git. `dirty` covers tracked files only (runs write untracked outputs all the time)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True, check=True,
+                              timeout=_GIT_TIMEOUT_S).stdout
+
+    try:
+        revision = git("rev-parse", "HEAD").strip()
+        diff = git("diff", "HEAD")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"revision": revision, "dirty": bool(diff.strip()), "diff": diff}
+
+
+def _next_start_dir(root: Path) -> Path:
+    numbers = [int(p.name.split("-", 1)[1]) for p in root.glob("start-*") if p.name.split("-", 1)[1].isdigit()]
+    return root / f"start-{max(numbers, default=0) + 1:03d}"
+
+
+def record_start(run_dir: Path, cfg: Any, *, start_step: int = 0, resume_from: Optional[Path] = None,
+                 argv: Optional[Sequence[str]] = None) -> Path:
+    """Write this start's provenance into the run directory; returns its `provenance/start-<NNN>` directory."""
+    root = Path(run_dir) / PROVENANCE_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    while True:  # two processes starting in the same run dir each get their own number
+        start = _next_start_dir(root)
+        try:
+            start.mkdir()
+            break
+        except FileExistsError:
+            continue
+    (start / CONFIG_FILE).write_text(OmegaConf.to_yaml(cfg, resolve=True) if OmegaConf.is_config(cfg)
+                                     else OmegaConf.to_yaml(OmegaConf.create(cfg)))
+    git = git_state(code_root())
+    if git and git["dirty"]:
+        (start / DIFF_FILE).write_text(git["diff"])
+    info = {
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "hostname": socket.gethostname(),
+        "command": list(sys.argv if argv is None else argv),
+        "executable": sys.executable,
+        "cwd": os.getcwd(),
+        "packages": package_versions(),
+        "git": None if git is None else {"revision": git["revision"], "dirty": git["dirty"],
+                                         "root": str(code_root())},
+        "start_step": int(start_step),
+        "resume_from": str(resume_from) if resume_from else None,
+    }
+    (start / RUN_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    return start
+
+
+def record_cluster(start_dir: Path, report: Dict[str, Any]) -> None:
+    """What preflight saw on the cluster, next to the start's config."""
+    (Path(start_dir) / CLUSTER_FILE).write_text(json.dumps(report, indent=2, default=str) + "\n")
