@@ -4,7 +4,9 @@ A reward function that raises, returns a non-number or runs past `timeout_s` sco
 on. Time limits are enforced by killing the worker process (a hung call in a thread could never be stopped), so
 the caller is never blocked longer than the limit per call, and reward code needs no signal handling.
 Workers persist across calls (forked from a forkserver that preloads the built-in rewards), so a step pays no
-process start-up.
+process start-up. Starting a worker and loading a task (which imports the reward's module) is not part of the
+limit: under load that alone can take longer than a call, and would time out every call of a fresh worker. A
+worker acknowledges each task once loaded; the limit runs from there (start-up has its own, generous limit).
 """
 from __future__ import annotations
 
@@ -25,6 +27,11 @@ logger = logging.getLogger(__name__)
 
 Item = Tuple[int, str, str]  # (response position, response text, answer)
 _PRELOAD = ["qwen35rl.rewards.builtin", "math_verify"]
+STARTUP_TIMEOUT_S = 120.0
+"""Time a worker may take to start or to load a task (unpickling imports the reward's module) before it is
+given up on; the per-call limit starts once it has the task."""
+_STARTED = "started"  # worker -> pool: task loaded, scoring begins
+_PING = "ping"  # pool -> worker -> pool: alive and ready
 
 
 def _worker_main(conn: Connection) -> None:
@@ -37,7 +44,11 @@ def _worker_main(conn: Connection) -> None:
             return
         if task is None:
             return
+        if task == _PING:
+            conn.send(_PING)
+            continue
         fn, example, items = task
+        conn.send(_STARTED)
         for position, response, answer in items:
             try:
                 value = float(fn(response, answer, example))
@@ -56,6 +67,8 @@ class _Worker:
         child.close()
         self.items: Deque[Item] = deque()
         self.deadline = math.inf
+        self.started = False
+        """Whether the current task is loaded (its per-call limit runs)."""
 
     def kill(self) -> None:
         self.process.kill()
@@ -72,6 +85,22 @@ class RewardPool:
         self._ctx.set_forkserver_preload(_PRELOAD)
         self._idle: List[_Worker] = []
         self._lock = threading.Lock()
+
+    def warm(self) -> None:
+        """Start every worker and wait until each answers, so the first scoring call pays no start-up."""
+        with self._lock:
+            while len(self._idle) < self.num_workers:
+                self._idle.append(_Worker(self._ctx))
+            for worker in list(self._idle):
+                try:
+                    worker.conn.send(_PING)
+                    ok = worker.conn.poll(STARTUP_TIMEOUT_S) and worker.conn.recv() == _PING
+                except (OSError, EOFError):
+                    ok = False
+                if not ok:
+                    logger.warning("reward worker did not start within %g s", STARTUP_TIMEOUT_S)
+                    self._idle.remove(worker)
+                    worker.kill()
 
     def score(self, fn: Callable, responses: Sequence[str], answers: Sequence[str], examples: Sequence[Any],
               timeout_s: Optional[float]) -> Tuple[List[float], Dict[str, int]]:
@@ -112,7 +141,8 @@ class RewardPool:
                     worker.kill()
                     pending.appendleft((example, items))
                     continue
-                worker.items, worker.deadline = deque(items), time.monotonic() + limit
+                worker.items, worker.started = deque(items), False
+                worker.deadline = time.monotonic() + STARTUP_TIMEOUT_S
                 busy.append(worker)
             next_deadline = min(w.deadline for w in busy)
             wait_s = None if math.isinf(next_deadline) else max(0.0, next_deadline - time.monotonic())
@@ -124,7 +154,8 @@ class RewardPool:
                 if worker.conn.poll():  # answered just in time
                     self._drain(worker, scores, stats, errors, limit, fail)
                 if worker in busy and worker.deadline <= now:
-                    fail(worker, "reward/timeout", f"no result within {limit:g} s")
+                    fail(worker, "reward/timeout", f"no result within {limit:g} s" if worker.started
+                         else f"worker did not load the task within {STARTUP_TIMEOUT_S:g} s")
             for worker in [w for w in busy if not w.items]:
                 busy.remove(worker)
                 self._idle.append(worker)
@@ -138,10 +169,14 @@ class RewardPool:
         """Collect every answer the worker has sent so far."""
         while worker.items and worker.conn.poll():
             try:
-                position, ok, value = worker.conn.recv()
+                message = worker.conn.recv()
             except (EOFError, OSError):
                 fail(worker, "reward/failed", f"worker process died (exit code {worker.process.exitcode})")
                 return
+            if message == _STARTED:
+                worker.started, worker.deadline = True, time.monotonic() + limit
+                continue
+            position, ok, value = message
             worker.items.popleft()
             if ok:
                 scores[position] = value
@@ -185,6 +220,11 @@ def _shared_pool() -> RewardPool:
             _POOL = RewardPool()
             atexit.register(_POOL.close)
         return _POOL
+
+
+def warm_pool() -> None:
+    """Start the shared pool's workers now (before the first step), outside any scoring time limit."""
+    _shared_pool().warm()
 
 
 def score_responses(fn: Callable, responses: Sequence[str], answers: Sequence[str], examples: Sequence[Any],

@@ -72,6 +72,9 @@ def run_training(cfg: DictConfig, run_dir: Path) -> int:
     if resume_from:
         log.warning("resuming from %s (step %d of %d)", resume_from, start_step, total_steps)
 
+    from qwen35rl.rewards.scoring import warm_pool
+
+    warm_pool()  # reward worker start-up stays out of every scoring time limit
     try:
         with ray_session(cfg, platform, layout.world) as started_local, StopRequest() as stop:
             # a cluster still being assembled gets time to reach its size; a local one is what it is

@@ -18,3 +18,10 @@ def length_or_hang(response, answer, example):
 
 def prompt_index(response, answer, example):
     return float(example.index)
+
+
+def digit_or_hang(response, answer, example):
+    """1.0 for the right digit; hangs on anything that is not a digit."""
+    if not response.strip().isdigit():
+        time.sleep(3600)
+    return float(response.strip() == answer)

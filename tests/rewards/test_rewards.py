@@ -128,3 +128,31 @@ def test_unpicklable_function_is_rejected(pool):
         pool.score(lambda r, a, e: 1.0, ["x"], ["x"], [ex()], 1)
     with pytest.raises(ValueError, match="1 responses, 2 answers"):
         pool.score(exact_match, ["x"], ["x", "y"], [ex()], 1)
+
+
+def test_worker_start_and_task_load_are_outside_the_time_limit():
+    import slow_import_reward
+
+    p = RewardPool(num_workers=2)
+    try:
+        start = time.monotonic()
+        scores, stats = p.score(slow_import_reward.constant, ["a"] * 4, [""] * 4, [ex(i) for i in range(4)],
+                                timeout_s=slow_import_reward.IMPORT_S / 3)
+        assert stats == {"reward/failed": 0, "reward/timeout": 0} and scores == [1.0] * 4
+        assert time.monotonic() - start < 30
+    finally:
+        p.close()
+
+
+def test_warm_starts_every_worker_before_scoring():
+    p = RewardPool(num_workers=2)
+    try:
+        p.warm()
+        assert len(p._idle) == 2 and all(w.process.is_alive() for w in p._idle)
+        pids = {w.process.pid for w in p._idle}
+        scores, stats = p.score(reward_helpers.length_or_hang, ["ab", "hang", "abc"], [""] * 3,
+                                [ex(0), ex(1), ex(2)], timeout_s=0.5)
+        assert scores == [2.0, 0.0, 3.0] and stats["reward/timeout"] == 1
+        assert len(pids & {w.process.pid for w in p._idle}) >= 1  # warmed workers did the scoring
+    finally:
+        p.close()

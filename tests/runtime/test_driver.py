@@ -241,3 +241,21 @@ def test_single_on_policy_update_skips_the_old_log_prob_pass(tmp_path):
     two.step = 1
     two.train_step()
     assert all(s.old_log_probs == [[-0.5] * len(r) for r in s.response_ids] for _, s, _ in workers.log["update"])
+
+
+def test_hanging_reward_is_cut_off_and_the_step_goes_on(tmp_path):
+    """Fake workers answer "xy" to one of the two samples of each odd prompt; the reward hangs on it. Each hang
+    is cut off at the time limit, scores 0 and is counted; the step completes."""
+    import time
+
+    trainer, _ = make_trainer(tmp_path, ["data.train_batch_size=8", "rollout.n=2", "algorithm.mini_batch_size=8",
+                                         "data.reward=tests.rewards.reward_helpers:digit_or_hang",
+                                         "data.reward_timeout_s=0.5"])
+    trainer.step = 1
+    t0 = time.monotonic()
+    batch, stats = trainer.collect_rollouts(Timer())
+    assert time.monotonic() - t0 < 60
+    odd = sum(int(ex.answer) % 2 for ex in batch.examples)
+    assert odd >= 1 and stats == {"reward/failed": 0, "reward/timeout": odd}
+    assert [s for s, r in zip(batch.scores, batch.response_ids) if len(r) == 2] == [0.0] * odd
+    assert all(s == 1.0 for s, r in zip(batch.scores, batch.response_ids) if len(r) == 1)
