@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import socket
 from typing import Any, Dict, List, Optional, Sequence
 
 from omegaconf import OmegaConf
@@ -21,8 +23,56 @@ log = logging.getLogger(__name__)
 CPU_OBJECT_STORE_BYTES = 256 * 1024 ** 2
 
 
+EXIT_WORKER_FAILURE = 4
+"""Exit code of a run stopped because a worker died or raised."""
+_CAUSE_CHARS = 600
+
+
 class ClusterError(RuntimeError):
     pass
+
+
+class WorkerFailure(RuntimeError):
+    """A worker call failed: which worker (rank, node, process), in which call, and why."""
+
+    def __init__(self, rank: int, where: Dict[str, Any], method: str, cause: str, detail: str = ""):
+        self.rank, self.where, self.method, self.cause, self.detail = rank, where, method, cause, detail
+        place = f"node {where.get('ip', '?')}" + (f" ({where['hostname']})" if where.get("hostname") else "")
+        super().__init__(f"worker rank {rank} on {place}, pid {where.get('pid', '?')}, failed in {method}: {cause}")
+
+
+def _whereabouts(_worker: Any) -> Dict[str, Any]:
+    """Runs inside a worker actor (through `__ray_call__`): where it lives."""
+    import ray
+
+    return {"hostname": socket.gethostname(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id()}
+
+
+def failure_cause(err: BaseException) -> str:
+    """One line on why a worker call failed: the exception raised inside it, or how its process ended."""
+    import ray.exceptions as rex
+
+    text = str(err)
+    if isinstance(err, rex.RayTaskError) and getattr(err, "cause", None) is not None:
+        cause = err.cause
+        line = f"{type(cause).__name__}: {cause}"
+        if "OutOfMemory" in type(cause).__name__ or "out of memory" in str(cause).lower():
+            line = f"out of device memory ({line})"
+    elif isinstance(err, rex.OutOfMemoryError):
+        line = "killed by Ray's memory monitor: the node ran out of host memory"
+    elif isinstance(err, rex.RayActorError) and getattr(err, "_actor_init_failed", False):
+        last = [ln for ln in text.splitlines() if ln.strip()][-1:]
+        line = f"failed to start ({last[0].strip() if last else 'see the worker log'})"
+    elif isinstance(err, rex.RayActorError):
+        m = re.search(r"Worker exit type: (\S+) Worker exit detail: (.*?\.)", text)
+        how = f" ({m.group(1)}: {m.group(2)})" if m else ""
+        line = (f"its process died{how}; killed by a signal, by the kernel's OOM killer (see dmesg on that node), "
+                f"or crashed")
+    else:
+        line = f"{type(err).__name__}: {text}"
+    line = " ".join(line.split())
+    return line if len(line) <= _CAUSE_CHARS else line[:_CAUSE_CHARS] + " ..."
 
 
 def ray_address(cfg: Any) -> Optional[str]:
@@ -94,6 +144,8 @@ class WorkerGroup:
 
     def __init__(self, actors: List[Any], groups: List[Any]):
         self.actors, self.groups = actors, groups
+        self.where: List[Dict[str, Any]] = [{} for _ in actors]
+        """Host, node address and pid of each rank (known once the workers answered)."""
 
     @property
     def world(self) -> int:
@@ -127,29 +179,51 @@ class WorkerGroup:
                     name=f"qwen35rl-worker-{rank}-{os.getpid()}",
                 ).remote(plain_cfg, rank=rank, world_size=world, local_rank=local_rank, **worker_kwargs))
         wg = cls(actors, groups)
-        master_addr, master_port = wg.call_rank(0, "rendezvous_address")
-        wg.run("init_distributed", master_addr, master_port)
+        try:
+            wg.where = wg._gather([a.__ray_call__.remote(_whereabouts) for a in actors], "start-up")
+            master_addr, master_port = wg.call_rank(0, "rendezvous_address")
+            wg.run("init_distributed", master_addr, master_port)
+        except BaseException:
+            wg.shutdown()
+            raise
         return wg
 
     # ------------------------------------------------------------------------------------------------- calls
     def run(self, method: str, *args: Any, **kwargs: Any) -> List[Any]:
         """The same call on every worker; results in rank order."""
-        import ray
-
-        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+        return self._gather([getattr(a, method).remote(*args, **kwargs) for a in self.actors], method)
 
     def run_each(self, method: str, per_rank: Sequence[Sequence[Any]], **kwargs: Any) -> List[Any]:
         """Worker r gets the positional arguments per_rank[r] (and the same kwargs as the others)."""
-        import ray
-
         if len(per_rank) != self.world:
             raise ValueError(f"{method}: {len(per_rank)} shares for {self.world} workers")
-        return ray.get([getattr(a, method).remote(*args, **kwargs) for a, args in zip(self.actors, per_rank)])
+        return self._gather([getattr(a, method).remote(*args, **kwargs) for a, args in zip(self.actors, per_rank)],
+                            method)
 
     def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        ref = getattr(self.actors[rank], method).remote(*args, **kwargs)
+        return self._gather([ref], method, ranks=[rank])[0]
+
+    def _gather(self, refs: List[Any], method: str, ranks: Optional[List[int]] = None) -> List[Any]:
+        """Results in order, failing at the first worker that fails. Waiting for all of them instead would hang:
+        the other ranks of a collective call wait for the failed one until the collective times out."""
         import ray
 
-        return ray.get(getattr(self.actors[rank], method).remote(*args, **kwargs))
+        ranks = list(range(len(refs))) if ranks is None else ranks
+        position = {ref: i for i, ref in enumerate(refs)}
+        results: List[Any] = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            for ref in ready:
+                i = position[ref]
+                try:
+                    results[i] = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    rank = ranks[i]
+                    raise WorkerFailure(rank, self.where[rank] or _where_from(str(e)), method, failure_cause(e),
+                                        str(e)) from None
+        return results
 
     def shutdown(self) -> None:
         import ray
@@ -166,3 +240,13 @@ class WorkerGroup:
                 ray.util.remove_placement_group(g)
             except Exception:
                 pass
+
+
+def _where_from(text: str) -> Dict[str, Any]:
+    """pid and node address as Ray prints them in an error (for a worker that failed before answering)."""
+    out: Dict[str, Any] = {}
+    for key, pattern in (("pid", r"pid[=:]\s*(\d+)"), ("ip", r"ip[=:]\s*([0-9a-fA-F.:]+[0-9a-fA-F])")):
+        m = re.search(pattern, text)
+        if m:
+            out[key] = int(m.group(1)) if key == "pid" else m.group(1)
+    return out

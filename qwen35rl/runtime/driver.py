@@ -28,7 +28,7 @@ from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST
 from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.runtime.batching import Sequences, split_even, split_sequences
 from qwen35rl.runtime import provenance
-from qwen35rl.runtime.cluster import ClusterError, WorkerGroup, ray_session
+from qwen35rl.runtime.cluster import EXIT_WORKER_FAILURE, ClusterError, WorkerFailure, WorkerGroup, ray_session
 from qwen35rl.runtime.flops import mfu, train_flops
 from qwen35rl.runtime.platform import require_stack, resolve_platform
 from qwen35rl.runtime.preflight import EXIT_PREFLIGHT, PreflightError, run_preflight
@@ -98,6 +98,9 @@ def run_training(cfg: DictConfig, run_dir: Path) -> int:
     except (PreflightError, ClusterError) as e:
         log.error("%s", e)
         return EXIT_PREFLIGHT
+    except WorkerFailure as e:  # every worker was killed on the way out, and a local Ray stopped
+        log.error("%s\nstopped the run. Ray's report:\n%s", e, e.detail)
+        return EXIT_WORKER_FAILURE
     finally:
         tracking.close()
         rows = read_metrics(run_dir / METRICS_FILE)

@@ -1,7 +1,19 @@
-"""Which Ray cluster the driver uses: ray_address, else RAY_ADDRESS, else a local one."""
+"""Which Ray cluster the driver uses, and a worker group failing fast, naming the worker, when one worker raises
+or dies while the others wait for it (as in a collective)."""
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import signal
+import time
+
+import pytest
 from omegaconf import OmegaConf
 
-from qwen35rl.runtime.cluster import ray_address
+from qwen35rl.config.compose import compose
+from qwen35rl.runtime.cluster import WorkerFailure, WorkerGroup, ray_address
+from qwen35rl.runtime.platform import resolve_platform
 
 
 def test_ray_address_precedence(monkeypatch):
@@ -10,3 +22,82 @@ def test_ray_address_precedence(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     assert ray_address(OmegaConf.create({"ray_address": None})) == "10.0.0.1:6379"
     assert ray_address(OmegaConf.create({"ray_address": "auto"})) == "auto"
+
+
+class FlakyWorker:
+    """Rank `fail_rank` fails in `step` the way it is told; the others block, like ranks waiting in a collective
+    for the failed one."""
+
+    def __init__(self, cfg, *, rank, world_size, local_rank, fail_init=False):
+        if fail_init and rank == 1:
+            raise ValueError("no such checkpoint")
+        self.rank = rank
+
+    def rendezvous_address(self):
+        return "127.0.0.1", 0
+
+    def init_distributed(self, addr, port):
+        pass
+
+    def pid(self):
+        return os.getpid()
+
+    def step(self, fail_rank, how):
+        if self.rank == fail_rank:
+            if how == "raise":
+                raise RuntimeError("NaN in the engine")
+            if how == "oom":
+                import torch
+
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(3600)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import sys
+
+    import ray
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import a test module
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how, cause", [
+    ("raise", "RuntimeError: NaN in the engine"),
+    ("oom", "out of device memory (OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB)"),
+    ("kill", "its process died"),
+])
+def test_a_failing_worker_is_named_at_once(ray_cluster, how, cause):
+    cfg = compose(["hw.devices_per_node=3", "trainer.placement_timeout_s=60"])
+    wg = WorkerGroup.create(cfg, resolve_platform(cfg), FlakyWorker, 3)
+    try:
+        pids = wg.run("pid")
+        assert [w["pid"] for w in wg.where] == pids
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailure) as e:
+            wg.run("step", 1, how)
+        assert time.monotonic() - t0 < 20          # ranks 0 and 2 would sleep for an hour
+        assert e.value.rank == 1 and e.value.method == "step"
+        assert str(e.value).startswith(f"worker rank 1 on node {wg.where[1]['ip']} ({wg.where[1]['hostname']}), "
+                                       f"pid {pids[1]}, failed in step: {cause}")
+    finally:
+        wg.shutdown()
+
+
+@pytest.mark.slow
+def test_a_worker_that_fails_to_start_is_named(ray_cluster):
+    import ray
+
+    cfg = compose(["hw.devices_per_node=3", "trainer.placement_timeout_s=60"])
+    with pytest.raises(WorkerFailure) as e:
+        WorkerGroup.create(cfg, resolve_platform(cfg), FlakyWorker, 3, fail_init=True)
+    assert e.value.rank == 1 and "failed to start (ValueError: no such checkpoint)" in str(e.value)
+    assert ray.util.placement_group_table() and all(
+        g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())

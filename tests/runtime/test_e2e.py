@@ -154,3 +154,98 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_exits(tmp_path):
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert names == [f"step_{last}"], names          # the interrupted step's checkpoint, nothing half-written
     assert not (run / "final").exists()
+
+
+# ------------------------------------------------------------------------------------------------- failures
+def _session_pids(sid):
+    """Processes of the session a run was started in (driver, local Ray, workers, reward workers)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    out.append(int(entry))
+            except (ProcessLookupError, PermissionError):
+                pass
+    return out
+
+
+def _cmdline(pid):
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _start_and_wait_for_a_step(run_dir, err_path, *overrides):
+    """A long run in its own session (stderr to a file: a full pipe would block it), once step 1 is logged."""
+    proc = subprocess.Popen([*TRAIN, f"hydra.run.dir={run_dir}", *SMALL, "trainer.total_steps=100",
+                             "trainer.test_freq=-1", *overrides], stdout=subprocess.DEVNULL,
+                            stderr=open(err_path, "w"), start_new_session=True, env=dict(os.environ))
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert proc.poll() is None, err_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, "no step logged"
+        time.sleep(0.05)
+    return proc
+
+
+def _assert_nothing_left(sid, grace_s=15):
+    deadline = time.monotonic() + grace_s
+    while (left := _session_pids(sid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = {pid: _cmdline(pid) for pid in _session_pids(sid)}
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, f"processes left behind: {left}"
+
+
+def test_killed_worker_stops_the_run_naming_it(tmp_path):
+    import re
+
+    from qwen35rl.runtime.cluster import EXIT_WORKER_FAILURE
+
+    run, err = tmp_path / "run", tmp_path / "stderr.txt"
+    proc = _start_and_wait_for_a_step(run, err)
+    try:
+        workers = [p for p in _session_pids(proc.pid) if re.match(r"ray::.*PolicyWorker", _cmdline(p))]
+        assert len(workers) == 2, {p: _cmdline(p) for p in _session_pids(proc.pid)}
+        victim = max(workers)
+        os.kill(victim, signal.SIGKILL)                  # mid-step: a step takes a few seconds, logging none
+        t0 = time.monotonic()
+        proc.wait(timeout=60)
+        assert time.monotonic() - t0 < 60
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = err.read_text()
+    assert proc.returncode == EXIT_WORKER_FAILURE, text[-3000:]
+    assert re.search(rf"worker rank [01] on node \S+ \(\S+\), pid {victim}, failed in \w+: its process died", text), \
+        text[-3000:]
+    _assert_nothing_left(proc.pid)
+
+
+def test_sigterm_to_the_driver_checkpoints_and_exits(tmp_path):
+    """How a scheduler preempts (kill <pid>, a container's stop): the step finishes, a checkpoint is written and
+    the run exits 128 + SIGTERM; the same command resumes from it."""
+    run, err = tmp_path / "run", tmp_path / "stderr.txt"
+    proc = _start_and_wait_for_a_step(run, err)
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err.read_text()[-3000:]
+    assert "SIGTERM received" in err.read_text()
+    last = read_metrics(run / "metrics.jsonl")[-1]["step"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step_{last}"]
+    assert json.loads((run / "checkpoints" / f"step_{last}" / "meta.json").read_text())["step"] == last
+    assert not (run / "final").exists()
+    _assert_nothing_left(proc.pid)
