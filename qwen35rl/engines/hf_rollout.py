@@ -5,11 +5,16 @@ full-attention layers, in-place conv / recurrent states for the Gated DeltaNet l
 shapes and tensor addresses, so on CUDA one step is captured once as a CUDA graph and replayed (a 0.8B decode step
 is otherwise dominated by launching ~1000 small kernels from Python). Only the last position's logits are ever
 computed, and the sampled token's log-prob is taken per step, so nothing of size [steps, rows, vocab] is kept.
+
+The CUDA graph is opt-in (`cuda_graphs=True`, or QWEN35RL_DECODE_CUDA_GRAPH=1 in the worker environment, e.g. through
+`backend.env`) until a capture is seen to work next to FSDP2 over NCCL in the same process: the one H200 run with it
+was cut by its time limit during its first generation, with no sign of whether the capture worked (see
+bench/results/h200.md). Without it the same static-cache loop runs eagerly.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -23,6 +28,8 @@ log = logging.getLogger(__name__)
 EAGER_STEPS_BEFORE_CAPTURE = 2
 """Decode steps run eagerly (on a side stream) before capturing: Triton autotuning and lazy initialisation must not
 happen inside the capture."""
+CUDA_GRAPH_ENV = "QWEN35RL_DECODE_CUDA_GRAPH"
+"""1: capture the decode step as a CUDA graph (default off, see the module docstring)."""
 FINISHED_CHECK_EVERY = 16
 """Steps between checks whether every row has stopped (each check waits for the device)."""
 
@@ -39,12 +46,15 @@ class DecodeStats:
 
 class HfRolloutEngine(RolloutEngine):
     def __init__(self, model: Any, tokenizer: Any, *, device: Any, pad_token_id: int,
-                 eos_token_id: Union[int, Sequence[int]], processor: Optional[Any] = None, cuda_graphs: bool = True):
+                 eos_token_id: Union[int, Sequence[int]], processor: Optional[Any] = None,
+                 cuda_graphs: Optional[bool] = None):
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.tokenizer, self.processor = tokenizer, processor
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
+        if cuda_graphs is None:
+            cuda_graphs = os.environ.get(CUDA_GRAPH_ENV, "0") == "1"
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.stats = DecodeStats()
 
@@ -142,7 +152,6 @@ class HfRolloutEngine(RolloutEngine):
             if (t + 1) % FINISHED_CHECK_EVERY == 0 and bool(finished.all()):
                 break
         self.stats = DecodeStats(rows=n_rows, steps=steps, cuda_graph=runner.captured, graph_error=runner.error)
-        del runner, cache
         return tokens.cpu(), log_probs.cpu()
 
     # ------------------------------------------------------------------------------------------ weights
@@ -230,7 +239,9 @@ class StepRunner:
             return out
         try:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            torch.cuda.synchronize()
+            # thread-local: CUDA calls of other threads (NCCL watchdog, Ray) neither fail nor wait during the capture
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 out = self.step()
         except Exception as e:  # noqa: BLE001 - any capture problem: decode eagerly instead
             # a capture only records kernels, so the cache is as before the step: run it eagerly

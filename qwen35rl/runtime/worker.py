@@ -93,10 +93,17 @@ class PolicyWorker:
         # reference policy); per-step randomness comes from explicit seeds and the restored RNG state.
         torch.manual_seed(int(cfg.trainer.seed))
         self.tokenizer = build_tokenizer(cfg.model)
-        self.actor = self._train_engine(reference=False)
-        if needs_reference(cfg):
-            self.ref = self._train_engine(reference=True)
-        self.rollout = self._rollout_engine()
+        threads = torch.get_num_threads()
+        if self.platform.is_accelerator:
+            # Ray gives each worker one CPU (one torch thread); the CPU-side model init may use the node's share
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(int(cfg.hw.devices_per_node), 1)))
+        try:
+            self.actor = self._train_engine(reference=False)
+            if needs_reference(cfg):
+                self.ref = self._train_engine(reference=True)
+            self.rollout = self._rollout_engine()
+        finally:
+            torch.set_num_threads(threads)
 
     def _train_engine(self, reference: bool) -> TrainEngine:
         backend = str(self.cfg.backend.name)
@@ -119,17 +126,25 @@ class PolicyWorker:
                 "rollout_group": self.rank // rollout_tp, "rollout_groups": self.world_size // rollout_tp}
 
     def _rollout_engine(self) -> RolloutEngine:
-        """The rollout engine starts from the initial weights; the driver syncs the policy's weights into it
-        before every generation anyway (fresh or resumed)."""
+        """The driver syncs the policy's weights into the rollout engine before every generation (fresh or
+        resumed), so with a random init the hf engine's model is only allocated, not initialised."""
         engine = str(self.cfg.rollout.engine)
         if engine == "hf":
             from qwen35rl.engines.hf_rollout import HfRolloutEngine
-            from qwen35rl.models.build import build_model
+            from qwen35rl.models.build import build_model, generation_config, init_rotary_buffers
 
-            model = build_model(self.cfg.model, dtype=self.cfg.model.dtype, device=self.device,
-                                seed=int(self.cfg.trainer.seed))
+            if self.cfg.model.init == "random":  # a second random init would be overwritten by the first sync
+                model = build_model(self.cfg.model, dtype=self.cfg.model.dtype, device="meta")
+                model.to_empty(device=self.device)
+                model.tie_weights()
+                init_rotary_buffers(model)
+                eos = generation_config(self.cfg.model).eos_token_id
+            else:
+                model = build_model(self.cfg.model, dtype=self.cfg.model.dtype, device=self.device,
+                                    seed=int(self.cfg.trainer.seed))
+                eos = model.generation_config.eos_token_id
             return HfRolloutEngine(model, self.tokenizer, device=self.device, pad_token_id=self.pad_token_id,
-                                   eos_token_id=model.generation_config.eos_token_id)
+                                   eos_token_id=eos)
         if engine == "vllm":
             from qwen35rl.engines.vllm_rollout import VllmRolloutEngine
 

@@ -97,3 +97,15 @@ def test_load_weights_checks_names_and_shapes():
     emb = torch.randn(320, 128)
     eng.load_weights(iter([[("model.embed_tokens.weight", emb)]]))
     assert torch.equal(eng.model.lm_head.weight, emb)
+
+
+@pytest.mark.parametrize("top", [dict(top_k=1), dict(top_p=1e-6)])
+def test_top_k_1_and_tiny_top_p_sample_the_greedy_tokens(top):
+    """Sampling restricted to the most likely token is greedy decoding; the log-probs stay those of the full
+    tempered distribution (what the trainer recomputes)."""
+    eng = _rollout(_cfg())
+    prompts = _prompts(eng.tokenizer)
+    greedy = eng.generate(RolloutRequest(prompt_ids=prompts, n=1, temperature=0.0, max_new_tokens=6))
+    sampled = eng.generate(RolloutRequest(prompt_ids=prompts, n=1, temperature=1.0, max_new_tokens=6, seed=3, **top))
+    assert sampled.response_ids == greedy.response_ids
+    assert all(lp < 0 for row in sampled.log_probs for lp in row)

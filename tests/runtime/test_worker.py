@@ -10,10 +10,12 @@ import torch
 from omegaconf import OmegaConf
 
 from qwen35rl.config.compose import compose
+from qwen35rl.models.special_tokens import BYTE_SPECIAL_IDS
 from qwen35rl.runtime.batching import Sequences
 from qwen35rl.runtime.worker import PolicyWorker
 
 PROMPTS = [[ord(c) for c in "7 3 9 ="], [ord(c) for c in "1 2 ="]]
+IM_END, EOS = BYTE_SPECIAL_IDS["im_end"], BYTE_SPECIAL_IDS["eos"]
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +67,18 @@ def test_rollout_log_probs_follow_weight_sync(worker):
     recomputed = worker.compute_log_probs(Sequences([p for p in PROMPTS for _ in range(2)], result.response_ids))
     for a, b in zip(result.log_probs, recomputed):
         assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_sync_fills_every_rollout_weight_from_the_policy(worker):
+    """With a random init the rollout model is only allocated; after a sync each of its tensors (the tied
+    lm_head too) equals the policy's, and the stop tokens are the model's."""
+    worker.sync_weights()
+    policy = _policy(worker)
+    model = worker.rollout.model
+    for name, p in model.named_parameters():
+        assert torch.equal(p, policy[name].to(p.dtype)), name
+    assert model.lm_head.weight is model.model.embed_tokens.weight or not worker.cfg.model.tie_word_embeddings
+    assert worker.rollout.eos_token_ids == [IM_END, EOS]
 
 
 def test_checkpoint_round_trip_restores_policy_optimizer_and_rng(worker, tmp_path):
