@@ -249,3 +249,39 @@ def test_sigterm_to_the_driver_checkpoints_and_exits(tmp_path):
     assert json.loads((run / "checkpoints" / f"step_{last}" / "meta.json").read_text())["step"] == last
     assert not (run / "final").exists()
     _assert_nothing_left(proc.pid)
+
+
+def test_dapo_end_to_end(tmp_path):
+    """algorithm=dapo: no reference (no KL), clip higher, dynamic sampling (groups of two samples often score the
+    same and are dropped, more prompts are drawn, within the bound on rounds), overlong shaping (responses over
+    max_response_length - buffer_len are penalised)."""
+    run = tmp_path / "dapo"
+    max_rounds, batch = 3, 4
+    _ok(train(run, "algorithm=dapo", "rollout.n=2", "backend.micro_batch_size_per_device=2", f"algorithm.dynamic_sampling.max_rounds={max_rounds}",
+              "algorithm.overlong_shaping.buffer_len=4", "trainer.total_steps=3", "trainer.test_freq=-1",
+              "trainer.save_freq=-1", "trainer.export_hf=false"))
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        rounds, dropped, filled = (r[f"dynamic_sampling/{k}"] for k in ("rounds", "groups_dropped", "groups_filled"))
+        assert 1 <= rounds <= 1 + max_rounds and rounds == int(rounds)
+        kept = rounds * batch - dropped                      # groups with signal among all those generated
+        if filled:
+            assert rounds == 1 + max_rounds and kept == batch - filled
+        else:
+            assert kept >= batch
+        assert r["actor/kl_loss"] == 0 and "timing_s/ref" not in r
+        # overlong shaping: a response longer than 8 - 4 tokens loses reward
+        if r["response_length/max"] > 4:
+            assert r["critic/rewards/mean"] < r["critic/score/mean"]
+        else:
+            assert r["critic/rewards/mean"] == pytest.approx(r["critic/score/mean"])
+    assert sum(r["dynamic_sampling/groups_dropped"] for r in rows) > 0  # the filter did something
+    cfg = yaml_config(run)
+    assert cfg["algorithm"]["clip_ratio_high"] == 0.28 and cfg["algorithm"]["loss_agg_mode"] == "token-mean"
+
+
+def yaml_config(run):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.load(run / "provenance" / "start-001" / "config.yaml"))
