@@ -32,7 +32,7 @@ from qwen35rl.runtime.cluster import EXIT_WORKER_FAILURE, ClusterError, WorkerFa
 from qwen35rl.runtime.flops import mfu, train_flops
 from qwen35rl.runtime.platform import require_stack, resolve_platform
 from qwen35rl.runtime.preflight import EXIT_PREFLIGHT, PreflightError, run_preflight
-from qwen35rl.runtime.rollouts import RolloutBatch, data_metrics
+from qwen35rl.runtime.rollouts import RolloutBatch, data_metrics, logprob_diff_metrics
 from qwen35rl.runtime.signals import StopRequest
 from qwen35rl.runtime.tracking import CURVES_FILE, METRICS_FILE, Tracking, plot_curves, read_metrics
 from qwen35rl.runtime.worker import PolicyWorker, needs_reference
@@ -199,6 +199,7 @@ class GRPOTrainer:
                     seqs.old_log_probs = batch.rollout_log_probs
                 elif not self.single_on_policy_update:
                     seqs.old_log_probs = self.log_probs(seqs)
+                    metrics.update(logprob_diff_metrics(batch.rollout_log_probs, seqs.old_log_probs))
             if self.use_ref:
                 with timer("ref"):
                     seqs.ref_log_probs = self.log_probs(seqs, reference=True)

@@ -92,3 +92,12 @@ def data_metrics(batch: RolloutBatch, rewards: torch.Tensor, advantages: torch.T
         / max(len(batch), 1))
     metrics.update(_stats("prompt_length", torch.tensor([len(p) for p in batch.prompt_ids], dtype=torch.float32)))
     return metrics
+
+
+def logprob_diff_metrics(rollout: Sequence[Sequence[float]], trainer: Sequence[Sequence[float]]) -> Dict[str, float]:
+    """|rollout engine log-prob - trainer log-prob| per response token, mean and max over the batch: near zero
+    when the rollout engine samples from the policy being trained (a failed weight sync shows up here first)."""
+    diffs = [abs(a - b) for ra, rb in zip(rollout, trainer) for a, b in zip(ra, rb)]
+    if not diffs:
+        return {}
+    return {"rollout/logprob_diff_mean": float(sum(diffs) / len(diffs)), "rollout/logprob_diff_max": float(max(diffs))}

@@ -259,3 +259,18 @@ def test_hanging_reward_is_cut_off_and_the_step_goes_on(tmp_path):
     assert odd >= 1 and stats == {"reward/failed": 0, "reward/timeout": odd}
     assert [s for s, r in zip(batch.scores, batch.response_ids) if len(r) == 2] == [0.0] * odd
     assert all(s == 1.0 for s, r in zip(batch.scores, batch.response_ids) if len(r) == 1)
+
+
+def test_rollout_vs_trainer_logprob_difference_is_logged(tmp_path):
+    """Fake rollouts report -1.0 per token, the fake trainer -0.5: the difference is 0.5 everywhere."""
+    trainer, workers = make_trainer(tmp_path, ["data.train_batch_size=4", "rollout.n=2", "algorithm.mini_batch_size=2"])
+    for w in workers.workers[:1]:
+        w.compute_log_probs = lambda seqs, reference=False: [[-0.5] * (len(r) - 1) + [-3.0] for r in seqs.response_ids]
+    trainer.step = 1
+    metrics = trainer.train_step()
+    assert metrics["rollout/logprob_diff_max"] == pytest.approx(2.0)
+    assert 0.5 < metrics["rollout/logprob_diff_mean"] < 2.0
+    # one on-policy update computes no separate old log-probs: nothing to compare
+    single, _ = make_trainer(tmp_path / "b", ["data.train_batch_size=4", "rollout.n=2", "algorithm.mini_batch_size=4"])
+    single.step = 1
+    assert "rollout/logprob_diff_mean" not in single.train_step()

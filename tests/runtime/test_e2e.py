@@ -54,6 +54,8 @@ def test_train_end_to_end(tmp_path):
         missing = [k for k in STEP_METRICS + ["timing_s/ref"] if k not in r]
         assert not missing, missing
         assert 0.0 <= r["critic/score/mean"] <= 1.0 and r["actor/skipped_steps"] == 0
+        # the rollout engine samples from the synced policy: its log-probs are the trainer's
+        assert r["rollout/logprob_diff_max"] < 1e-3 and r["rollout/logprob_diff_mean"] < 1e-4
     assert "val/score/mean" in rows[2] and "val/score/mean" not in rows[0]
 
     ckpts = run / "checkpoints"
