@@ -66,6 +66,12 @@ def build_model(
     return model
 
 
+def trains_vision(model_cfg: Any, data_cfg: Any) -> bool:
+    """Whether the policy includes the vision tower: a vision model on image data. Otherwise a VL checkpoint trains
+    as its text model, and its vision tower is carried over unchanged into the export."""
+    return model_cfg.vision is not None and bool(data_cfg.has_images)
+
+
 def _config_for(model_cfg: Any, text_only: bool):
     config = to_hf_config(model_cfg, text_only=text_only)
     config._attn_implementation = "sdpa"

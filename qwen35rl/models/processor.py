@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from transformers import Qwen3VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -69,3 +69,20 @@ def build_processor(model_cfg: Any, tokenizer: Any, *, max_pixels: Optional[int]
     else:
         lo, hi = unit, unit * SMALL_MAX_TOKENS
     return _with_tokenizer(image_processor(v, min_pixels=lo, max_pixels=max_pixels or hi), tokenizer)
+
+
+def prompt_ids(processor: Any, messages: List[Dict[str, Any]], images: Optional[Sequence[Any]]) -> List[int]:
+    """Token ids of a chat prompt with images: the chat template applied (generation prompt added), each image
+    part expanded to as many image tokens as the image processor makes of that image."""
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    enc = processor(text=[text], images=list(images) if images else None, return_tensors="pt")
+    return enc["input_ids"][0].tolist()
+
+
+def vision_inputs(image_processor: Any, images: Sequence[Any]) -> Dict[str, Any]:
+    """`pixel_values` (patches of all images, concatenated) and `image_grid_thw` (one row per image) in the
+    order given, which must be the order of the images' tokens in the batch; {} without images."""
+    if not images:
+        return {}
+    enc = image_processor(images=list(images), return_tensors="pt")
+    return {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"]}

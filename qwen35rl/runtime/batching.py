@@ -27,6 +27,8 @@ class Sequences:
     ref_log_probs: Optional[List[List[float]]] = None
     advantages: Optional[List[float]] = None
     """One advantage per response, broadcast over its tokens."""
+    images: Optional[List[Optional[List[Any]]]] = None
+    """Per response, the PIL images of its prompt (image data; the prompt ids hold their image tokens)."""
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -37,14 +39,14 @@ class Sequences:
             return None if x is None else x[start:stop]
 
         return Sequences(self.prompt_ids[start:stop], self.response_ids[start:stop], cut(self.old_log_probs),
-                         cut(self.ref_log_probs), cut(self.advantages))
+                         cut(self.ref_log_probs), cut(self.advantages), cut(self.images))
 
     def take(self, indices: Sequence[int]) -> "Sequences":
         def pick(x):
             return None if x is None else [x[i] for i in indices]
 
         return Sequences(pick(self.prompt_ids), pick(self.response_ids), pick(self.old_log_probs),
-                         pick(self.ref_log_probs), pick(self.advantages))
+                         pick(self.ref_log_probs), pick(self.advantages), pick(self.images))
 
     def token_count(self) -> int:
         return sum(len(r) for r in self.response_ids)
@@ -73,8 +75,9 @@ def split_sequences(seqs: Sequences, parts: int) -> List[Sequences]:
     return [seqs.select(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def build_batch(seqs: Sequences, pad_token_id: int, device: Any = "cpu") -> Batch:
-    """Pad one micro batch into the engine's `Batch`."""
+def build_batch(seqs: Sequences, pad_token_id: int, device: Any = "cpu", image_processor: Any = None) -> Batch:
+    """Pad one micro batch into the engine's `Batch`; with images, their vision inputs (`image_processor` of the
+    model's processor) in row order, as the image tokens appear in the batch."""
     n = len(seqs)
     p_len = max((len(p) for p in seqs.prompt_ids), default=0)
     r_len = max(max((len(r) for r in seqs.response_ids), default=0), 1)
@@ -107,7 +110,18 @@ def build_batch(seqs: Sequences, pad_token_id: int, device: Any = "cpu") -> Batc
         old_log_probs=per_token["old_log_probs"].to(device) if "old_log_probs" in per_token else None,
         ref_log_probs=per_token["ref_log_probs"].to(device) if "ref_log_probs" in per_token else None,
         advantages=advantages.to(device) if advantages is not None else None,
+        multimodal=_vision_inputs(seqs, image_processor),
     )
+
+
+def _vision_inputs(seqs: Sequences, image_processor: Any) -> Dict[str, torch.Tensor]:
+    if not seqs.images or not any(seqs.images):
+        return {}
+    if image_processor is None:
+        raise ValueError("responses to image prompts need the model's image processor")
+    from qwen35rl.models.processor import vision_inputs
+
+    return vision_inputs(image_processor, [img for row in seqs.images if row for img in row])
 
 
 def response_values(values: torch.Tensor, batch: Batch) -> List[List[float]]:

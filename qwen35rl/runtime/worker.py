@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from qwen35rl.config.layout import derive_layout
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult, TrainEngine
+from qwen35rl.models.build import trains_vision
 from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.runtime.batching import Sequences, build_batch, chunk, response_values
 from qwen35rl.runtime.platform import device_module, require_stack, resolve_platform
@@ -52,6 +53,9 @@ class PolicyWorker:
         self.ref: Optional[TrainEngine] = None
         self.rollout: Optional[RolloutEngine] = None
         self.tokenizer = None
+        self.text_only = not trains_vision(self.cfg.model, self.cfg.data)
+        self.processor = None
+        """The model's processor when the policy sees images (its image processor builds the vision inputs)."""
 
     def _accelerator_ids(self) -> List[str]:
         try:
@@ -93,6 +97,10 @@ class PolicyWorker:
         # reference policy); per-step randomness comes from explicit seeds and the restored RNG state.
         torch.manual_seed(int(cfg.trainer.seed))
         self.tokenizer = build_tokenizer(cfg.model)
+        if not self.text_only:
+            from qwen35rl.models.processor import build_processor
+
+            self.processor = build_processor(cfg.model, self.tokenizer)
         threads = torch.get_num_threads()
         if self.platform.is_accelerator:
             # Ray gives each worker one CPU (one torch thread); the CPU-side model init may use the node's share
@@ -134,17 +142,17 @@ class PolicyWorker:
             from qwen35rl.models.build import build_model, generation_config, init_rotary_buffers
 
             if self.cfg.model.init == "random":  # a second random init would be overwritten by the first sync
-                model = build_model(self.cfg.model, dtype=self.cfg.model.dtype, device="meta")
+                model = build_model(self.cfg.model, dtype=self.cfg.model.dtype, device="meta", text_only=self.text_only)
                 model.to_empty(device=self.device)
                 model.tie_weights()
                 init_rotary_buffers(model)
                 eos = generation_config(self.cfg.model).eos_token_id
             else:
                 model = build_model(self.cfg.model, dtype=self.cfg.model.dtype, device=self.device,
-                                    seed=int(self.cfg.trainer.seed))
+                                    seed=int(self.cfg.trainer.seed), text_only=self.text_only)
                 eos = model.generation_config.eos_token_id
             return HfRolloutEngine(model, self.tokenizer, device=self.device, pad_token_id=self.pad_token_id,
-                                   eos_token_id=eos)
+                                   eos_token_id=eos, processor=self.processor)
         if engine == "vllm":
             from qwen35rl.engines.vllm_rollout import VllmRolloutEngine
 
@@ -189,15 +197,20 @@ class PolicyWorker:
         computed = []
         with torch.no_grad():
             for micro in chunk(seqs, self._micro_size()):
-                batch = build_batch(micro, self.pad_token_id, self.device)
+                batch = build_batch(micro, self.pad_token_id, self.device, self._image_processor)
                 computed.append((engine.compute_log_probs(batch)[0], batch))
         # read back once at the end: a read per micro batch would idle the device while the next one is launched
         return [row for log_probs, batch in computed for row in response_values(log_probs, batch)]
 
     def update_actor(self, seqs: Sequences, global_scale: Dict[str, float]) -> Dict[str, float]:
         """Collective: one optimizer step over this rank's share of a mini batch, in micro batches."""
-        micro_batches = [build_batch(m, self.pad_token_id, self.device) for m in chunk(seqs, self._micro_size())]
+        micro_batches = [build_batch(m, self.pad_token_id, self.device, self._image_processor)
+                         for m in chunk(seqs, self._micro_size())]
         return self.actor.train_mini_batch(micro_batches, dict(global_scale))
+
+    @property
+    def _image_processor(self) -> Any:
+        return None if self.processor is None else self.processor.image_processor
 
     def _micro_size(self) -> int:
         return max(int(self.cfg.backend.micro_batch_size_per_device), 1)
