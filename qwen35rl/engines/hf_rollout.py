@@ -61,8 +61,6 @@ class HfRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------------------------------ generate
     @torch.no_grad()
     def generate(self, request: RolloutRequest) -> RolloutResult:
-        if request.images is not None and any(request.images):
-            raise NotImplementedError("HfRolloutEngine generates from text prompts; images need the vLLM engine")
         if not request.prompt_ids:
             return RolloutResult([], [], [])
         rows = [p for p in request.prompt_ids for _ in range(request.n)]  # prompt-major: row i*n + j
@@ -74,7 +72,12 @@ class HfRolloutEngine(RolloutEngine):
                           None if greedy else float(request.top_p),
                           None if greedy or request.top_k is None or request.top_k <= 0 else int(request.top_k),
                           self._generator(request.seed))
-        tokens, log_probs = self._decode(rows, int(request.max_new_tokens), sampler)
+        images = None
+        if request.images is not None and any(request.images):
+            if self.processor is None:
+                raise ValueError("prompts with images need the model's processor (HfRolloutEngine(processor=...))")
+            images = ImagePrompts(self.processor.image_processor, request.images, request.n)
+        tokens, log_probs = self._decode(rows, int(request.max_new_tokens), sampler, images)
 
         response_ids, out_logp, finish = [], [], []
         for i in range(len(rows)):
@@ -93,7 +96,8 @@ class HfRolloutEngine(RolloutEngine):
         gen.manual_seed(int(seed))
         return gen
 
-    def _decode(self, rows: List[List[int]], max_new: int, sampler: "Sampler") -> Tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, rows: List[List[int]], max_new: int, sampler: "Sampler",
+                images: Optional["ImagePrompts"] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Tokens [B, max_new] (pad after a row's stop token) and their log-probs [B, max_new], on the CPU."""
         dev, n_rows = self.device, len(rows)
         width = max(len(p) for p in rows)
@@ -116,7 +120,11 @@ class HfRolloutEngine(RolloutEngine):
         prefill_mask |= torch.eye(width, dtype=torch.bool, device=dev)  # a left pad sees itself: no empty softmax row
         prefill_mask = torch.nn.functional.pad(prefill_mask, (0, max_new), value=False)
         linear_mask = None if bool(prompt_mask.all()) else prompt_mask.long()
-        hidden = decoder(input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True,
+        embeds = None
+        if images is not None:  # image features at the image tokens, 3-D (mrope) positions
+            embeds, positions = images.prefill_inputs(self.model, input_ids, prompt_mask)
+        hidden = decoder(input_ids=None if embeds is not None else input_ids, inputs_embeds=embeds,
+                         position_ids=positions, past_key_values=cache, use_cache=True,
                          attention_mask={"full_attention": prefill_mask, "linear_attention": linear_mask}
                          ).last_hidden_state[:, -1:]
         logits = lm_head(hidden)[:, -1]
@@ -124,7 +132,8 @@ class HfRolloutEngine(RolloutEngine):
 
         # static inputs of one decode step: the token fed, its position, the visible key columns
         step_ids = torch.zeros((n_rows, 1), dtype=torch.long, device=dev)
-        step_pos = positions[:, -1:].clone()
+        # generated tokens are text: one position, next after the prompt's last (the largest of its 3-D ones)
+        step_pos = (positions if positions.dim() == 2 else positions.amax(0))[:, -1:].clone()
 
         def step() -> torch.Tensor:
             h = decoder(input_ids=step_ids, position_ids=step_pos, past_key_values=cache, use_cache=True,
@@ -176,6 +185,50 @@ class HfRolloutEngine(RolloutEngine):
 
     def wake_up(self) -> None:
         self.model.to(self.device)
+
+
+class ImagePrompts:
+    """The images of one generation call (per prompt, a list of PIL images). The vision tower runs once per prompt;
+    its features fill the image tokens of all n rows of that prompt."""
+
+    def __init__(self, image_processor: Any, images: Sequence[Optional[Sequence[Any]]], n: int):
+        self.image_processor, self.n = image_processor, n
+        self.counts = [len(imgs or []) for imgs in images]
+        self.flat = [img for imgs in images for img in (imgs or [])]
+
+    def prefill_inputs(self, model: Any, input_ids: torch.Tensor, prompt_mask: torch.Tensor
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Input embeddings [B, P, H] and 3-D positions [3, B, P] of the left-padded prompt rows."""
+        from qwen35rl.models.processor import vision_inputs
+
+        core, config = model.model, model.config
+        embeds = core.get_input_embeddings()(input_ids)
+        is_image = input_ids == config.image_token_id
+        grids = None
+        vision = vision_inputs(self.image_processor, self.flat)
+        if vision:
+            grid = vision["image_grid_thw"].to(input_ids.device)
+            feats = core.get_image_features(vision["pixel_values"].to(input_ids.device), grid,
+                                            return_dict=True).pooler_output  # one tensor per image
+            per_prompt = _split(list(feats), self.counts)
+            row_feats = torch.cat([f for p in per_prompt for _ in range(self.n) for f in p])
+            if row_feats.shape[0] != int(is_image.sum()):
+                raise ValueError(f"{int(is_image.sum())} image tokens in the prompts for {row_feats.shape[0]} image "
+                                 f"features: prompt ids and images do not belong together")
+            embeds = embeds.masked_scatter(is_image[..., None], row_feats.to(embeds.dtype))
+            grids = torch.cat([g for p in _split(list(grid), self.counts) for _ in range(self.n) for g in p]).view(-1, 3)
+        types = is_image.long() + 2 * (input_ids == config.video_token_id).long()
+        positions, _ = core.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=grids,
+                                           attention_mask=prompt_mask.long())
+        return embeds, positions
+
+
+def _split(items: List[Any], counts: Sequence[int]) -> List[List[Any]]:
+    out, start = [], 0
+    for c in counts:
+        out.append(items[start:start + c])
+        start += c
+    return out
 
 
 class Sampler:
