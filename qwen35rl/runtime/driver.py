@@ -57,10 +57,18 @@ def run_training(cfg: DictConfig, run_dir: Path) -> int:
     from qwen35rl.rewards import get_reward_fn
 
     tokenizer = build_tokenizer(cfg.model)
-    loader = PromptLoader(build_dataset(cfg.data, tokenizer, "train"), int(cfg.data.train_batch_size),
-                          seed=int(cfg.trainer.seed))
+
+    def prompts(split: str) -> List[Any]:
+        examples = build_dataset(cfg.data, tokenizer, split)
+        if str(cfg.data.kind) == "multimodal":
+            from qwen35rl.runtime.image_prompts import tokenize_image_prompts
+
+            examples = tokenize_image_prompts(examples, cfg.model, cfg.data, tokenizer)
+        return examples
+
+    loader = PromptLoader(prompts("train"), int(cfg.data.train_batch_size), seed=int(cfg.trainer.seed))
     validating = int(cfg.trainer.test_freq) > 0 or bool(cfg.trainer.val_before_train)
-    val_set = build_dataset(cfg.data, tokenizer, "val") if validating else []
+    val_set = prompts("val") if validating else []
     total_steps = int(cfg.trainer.total_steps or int(cfg.trainer.total_epochs) * loader.batches_per_epoch)
 
     checkpoints = ckpt.CheckpointManager(run_dir / "checkpoints", int(cfg.trainer.max_keep_checkpoints))
@@ -133,6 +141,13 @@ def step_seed(*parts: int) -> int:
     """A sampling seed from (run seed, step, round, rank, ...): the same numbers give the same samples, which
     makes a resumed run repeat exactly what an uninterrupted one does."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def _images_of(examples: Sequence[Any]) -> Dict[str, Any]:
+    """The `images` argument of a generation request: per prompt its images; none for text prompts."""
+    if not any(ex.images for ex in examples):
+        return {}
+    return {"images": [list(ex.images or []) for ex in examples]}
 
 
 class GRPOTrainer:
@@ -265,7 +280,7 @@ class GRPOTrainer:
         params = dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
                       max_new_tokens=int(self.data.max_response_length))
         results = self.scatter("generate", self.rollout_group, [
-            ([ex.prompt_ids for ex in share], dict(params, seed=step_seed(seed, group)))
+            ([ex.prompt_ids for ex in share], dict(params, seed=step_seed(seed, group), **_images_of(share)))
             for group, share in enumerate(shares)])
         batch = RolloutBatch(n=n, examples=list(examples), prompt_ids=[], response_ids=[], rollout_log_probs=[],
                              finish_reasons=[])

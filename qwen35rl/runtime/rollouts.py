@@ -64,7 +64,10 @@ class RolloutBatch:
 
     # ------------------------------------------------------------------------------------------------- views
     def sequences(self) -> Sequences:
-        return Sequences(prompt_ids=self.prompt_ids, response_ids=self.response_ids)
+        images = None
+        if any(ex.images for ex in self.examples):
+            images = [list(ex.images or []) for ex in self.response_examples()]
+        return Sequences(prompt_ids=self.prompt_ids, response_ids=self.response_ids, images=images)
 
     def response_lengths(self) -> torch.Tensor:
         return torch.tensor([len(r) for r in self.response_ids], dtype=torch.float32)
