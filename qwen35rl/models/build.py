@@ -41,7 +41,7 @@ def build_model(
     """The model of `model_cfg`: `*ForCausalLM` when `text_only` (or the model has no vision tower), else
     `*ForConditionalGeneration`.
 
-    `model.init=random`: fresh weights, identical for the same seed and dtype whatever `device` is (initialised on
+    `model.init=random`: fresh weights, identical for the same seed whatever `device` and `dtype` are (up to the cast) (initialised on
     CPU, then moved). `device="meta"` builds the structure without memory (FSDP fills the shards later).
     `model.init=pretrained`: weights from `model.path` (a VL checkpoint also loads as text-only).
     """
@@ -51,9 +51,11 @@ def build_model(
         with torch.device("meta"):
             model = cls._from_config(_config_for(model_cfg, text_only), dtype=dtype)
     elif model_cfg.init == "random":
+        # Always draw in fp32, then cast: initialisers draw different numbers per dtype, and a bf16 reference
+        # policy must start from the same weights as the fp32 policy.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = cls._from_config(_config_for(model_cfg, text_only), dtype=dtype)
+            model = cls._from_config(_config_for(model_cfg, text_only), dtype=torch.float32).to(dtype)
         model.generation_config = generation_config(model_cfg)
         model.to(device)
     elif model_cfg.init == "pretrained":
@@ -73,7 +75,15 @@ def trains_vision(model_cfg: Any, data_cfg: Any) -> bool:
 
 
 def _config_for(model_cfg: Any, text_only: bool):
-    config = to_hf_config(model_cfg, text_only=text_only)
+    """The transformers config: a pretrained checkpoint's own (its token ids and fields beyond ours), else ours."""
+    if model_cfg.init == "pretrained" and model_cfg.path and os.path.isfile(os.path.join(model_cfg.path, "config.json")):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_cfg.path)
+        if text_only:
+            config = config.get_text_config()
+    else:
+        config = to_hf_config(model_cfg, text_only=text_only)
     config._attn_implementation = "sdpa"
     return config
 

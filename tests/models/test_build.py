@@ -29,6 +29,14 @@ def test_random_init_is_deterministic_per_seed(tiny):
     assert type(a).__name__ == "Qwen3_5ForCausalLM" and a.dtype == torch.float32
 
 
+def test_random_init_is_the_same_weights_in_every_dtype(tiny):
+    """A bf16 reference policy must start where the fp32 policy starts (else KL is large from step 1)."""
+    fp32 = build_model(tiny, dtype=torch.float32, seed=3)
+    bf16 = build_model(tiny, dtype=torch.bfloat16, seed=3)
+    assert bf16.dtype == torch.bfloat16
+    assert _same(fp32.to(torch.bfloat16), bf16)
+
+
 def test_meta_build_has_no_storage(tiny):
     m = build_model(tiny, dtype=torch.bfloat16, device="meta")
     assert all(p.is_meta for p in m.parameters())
