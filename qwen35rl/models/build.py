@@ -41,8 +41,8 @@ def build_model(
     """The model of `model_cfg`: `*ForCausalLM` when `text_only` (or the model has no vision tower), else
     `*ForConditionalGeneration`.
 
-    `model.init=random`: fresh weights, identical for the same seed whatever `device` and `dtype` are (up to the cast) (initialised on
-    CPU, then moved). `device="meta"` builds the structure without memory (FSDP fills the shards later).
+    `model.init=random`: fresh weights, the same for the same seed whatever `device` and `dtype` are (drawn in fp32
+    on CPU, then cast and moved). `device="meta"` builds the structure without memory (FSDP fills the shards later).
     `model.init=pretrained`: weights from `model.path` (a VL checkpoint also loads as text-only).
     """
     dtype = torch_dtype(dtype)
