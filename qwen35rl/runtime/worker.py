@@ -238,23 +238,32 @@ class PolicyWorker:
         return device_module(self.platform.device_type) if self.platform.is_accelerator else None
 
     def export_hf(self, path: str) -> None:
-        """Collective: gather the full policy; rank 0 writes it in Hugging Face format (safetensors, config,
-        generation config, tokenizer)."""
+        """Collective: gather the full policy; rank 0 writes it in Hugging Face format. From a pretrained checkpoint
+        the policy is written over a copy of it (`models.export`), so it loads as that checkpoint's type with what
+        training did not hold (a VL vision tower, `mtp.*`, tokenizer, processor, chat template); from a random init,
+        the policy's own model with the tokenizer (and processor)."""
         from qwen35rl.models.build import build_model, generation_config, save_hf
+        from qwen35rl.models.export import export_over_source, source_weight_files
 
         state: Dict[str, torch.Tensor] = {}
         for bucket in self.actor.export_weights(int(self.cfg.rollout.weight_sync_bucket_mb)):
             if self.rank == 0:
                 state.update({name: t.detach().to("cpu", copy=True) for name, t in bucket})
         if self.rank == 0:
-            model = build_model(self.cfg.model, dtype=self.cfg.model.dtype, device="meta")
-            missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-            model.tie_weights()
-            still_meta = [n for n, p in model.named_parameters() if p.is_meta]
-            if still_meta or unexpected:
-                raise RuntimeError(f"HF export: no weights for {still_meta[:5]}, unknown {unexpected[:5]}")
-            model.generation_config = generation_config(self.cfg.model)
-            save_hf(model, self.tokenizer, path)
+            model = build_model(self.cfg.model, dtype=self.cfg.model.dtype, device="meta", text_only=self.text_only)
+            source = self.cfg.model.path if self.cfg.model.init == "pretrained" else None
+            if source and source_weight_files(str(source)):
+                export_over_source(state, model, str(source), path)
+                if str(self.cfg.model.tokenizer) != "checkpoint":  # the ids the policy learned are this tokenizer's
+                    (self.processor or self.tokenizer).save_pretrained(path)
+            else:
+                missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+                model.tie_weights()
+                still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+                if still_meta or unexpected:
+                    raise RuntimeError(f"HF export: no weights for {still_meta[:5]}, unknown {unexpected[:5]}")
+                model.generation_config = generation_config(self.cfg.model)
+                save_hf(model, self.tokenizer, path, self.processor)
         self._barrier()
 
     # ------------------------------------------------------------------------------------------------ stats

@@ -62,8 +62,7 @@ def test_geo3k_trains_on_the_tiny_vl_model(geo3k, tmp_path):
         [*TRAIN, f"hydra.run.dir={run}", "data=geo3k", "model=qwen3_5_tiny_vl", *_data(geo3k),
          "data.reward=copy_digit", "data.max_prompt_length=256", "hw.devices_per_node=2", "data.train_batch_size=4",
          "rollout.n=4", "algorithm.mini_batch_size=2", "backend.micro_batch_size_per_device=4",
-         "data.val_batch_size=4", "trainer.total_steps=2", "trainer.test_freq=2", "trainer.save_freq=-1",
-         "trainer.export_hf=false"],
+         "data.val_batch_size=4", "trainer.total_steps=2", "trainer.test_freq=2", "trainer.save_freq=-1"],
         capture_output=True, text=True, timeout=900, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_metrics(run / "metrics.jsonl")
@@ -73,3 +72,11 @@ def test_geo3k_trains_on_the_tiny_vl_model(geo3k, tmp_path):
         # rollout and trainer saw the same images: their log-probs agree
         assert r["rollout/logprob_diff_max"] < 1e-3
     assert "val/score/mean" in rows[1]
+    # the policy included the vision tower: the export is the VL model, with its processor
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(run / "final")
+    assert any(n.startswith("model.visual.") for n, _ in model.named_parameters())
+    assert Qwen2VLImageProcessorPil.from_pretrained(run / "final").merge_size == 2
