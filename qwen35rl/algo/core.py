@@ -5,7 +5,7 @@ Everything here is a pure function of tensors. Per-token tensors are [B, T] with
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -152,6 +152,51 @@ def agg_loss(
     denom = float(denom)
     # an all-padding mini batch has nothing to normalise: its (zero) loss stays zero instead of nan
     return local * (dp_size / denom) if denom > 0 else local * 0.0
+
+
+ACTOR_SUMS = ("pg", "kl", "entropy", "nonfinite", "clipfrac", "approx_kl", "clipfrac_lower", "tokens")
+"""What `actor_loss` returns per micro batch for the metrics, in this order (summed over micro batches and ranks)."""
+
+
+def actor_loss(log_probs: Tensor, entropy: Tensor, old_log_probs: Optional[Tensor], ref_log_probs: Optional[Tensor],
+               advantages: Tensor, mask: Tensor, algo: Any, agg: Dict[str, Any]) -> Tuple[Tensor, Tensor]:
+    """The actor loss of one micro batch, pg + kl_loss_coef * KL - entropy_coef * entropy, each term aggregated by
+    `agg_loss(**agg)`; and a float64 vector of ACTOR_SUMS for the metrics. Without old log-probs (one on-policy
+    update) the ratio is 1 and the clip never acts, as the definition gives."""
+    old = old_log_probs if old_log_probs is not None else log_probs.detach()
+    pg_mat, stats = policy_loss(log_probs, old, advantages, mask, algo.clip_ratio_low, algo.clip_ratio_high,
+                                algo.clip_ratio_c)
+    pg = agg_loss(pg_mat, mask, **agg)
+    loss = pg
+    kl = torch.zeros((), device=log_probs.device, dtype=pg.dtype)
+    if algo.use_kl_loss:
+        if ref_log_probs is None:
+            raise ValueError("algorithm.use_kl_loss needs ref_log_probs in every micro batch")
+        kl = agg_loss(kl_penalty(log_probs, ref_log_probs, algo.kl_loss_type), mask, **agg)
+        loss = loss + float(algo.kl_loss_coef) * kl
+    entropy_grad = float(algo.entropy_coef) != 0.0
+    ent = agg_loss(entropy if entropy_grad else entropy.detach(), mask, **agg)
+    if entropy_grad:
+        loss = loss - float(algo.entropy_coef) * ent
+    sums = torch.stack([pg.detach(), kl.detach(), ent.detach(), (~torch.isfinite(loss.detach())).to(pg.dtype),
+                        masked_sum(stats["clipfrac"], mask), masked_sum(stats["approx_kl"], mask),
+                        masked_sum(stats["clipfrac_lower"], mask), mask.sum().to(pg.dtype)]).detach()
+    return loss, sums.to(torch.float64)
+
+
+def actor_metrics(sums: Tensor, dp_size: int) -> Dict[str, float]:
+    """Metrics from ACTOR_SUMS reduced over micro batches and data-parallel ranks. The aggregated losses are
+    dp_size times each rank's share (agg_loss undoes the gradient average); the rest are token means."""
+    s = dict(zip(ACTOR_SUMS, (float(x) for x in sums)))
+    tokens = max(s["tokens"], 1.0)
+    return {
+        "actor/pg_loss": s["pg"] / dp_size,
+        "actor/kl_loss": s["kl"] / dp_size,
+        "actor/entropy": s["entropy"] / dp_size,
+        "actor/pg_clipfrac": s["clipfrac"] / tokens,
+        "actor/ppo_kl": s["approx_kl"] / tokens,
+        "actor/pg_clipfrac_lower": s["clipfrac_lower"] / tokens,
+    }
 
 
 def local_batch_counts(mask: Tensor) -> Tuple[float, float]:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qwen35rl.algo.core import agg_loss, kl_penalty, local_batch_counts, masked_sum, policy_loss
+from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics, local_batch_counts
 from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST, Batch, TrainEngine
 from qwen35rl.engines.logprob import chunked_logprobs_entropy
 from qwen35rl.models.build import build_model, init_rotary_buffers, torch_dtype
@@ -32,6 +32,10 @@ def packing_supported(device: torch.device) -> bool:
     causal-conv1d kernel (both take sequence boundaries); the torch fallbacks would leak state across documents."""
     return (device.type == "cuda" and importlib.util.find_spec("fla") is not None
             and importlib.util.find_spec("causal_conv1d") is not None)
+
+
+def _on(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    return None if t is None else t.to(device)
 
 
 def mixed_precision_dtype(setting: str, device: torch.device) -> torch.dtype:
@@ -259,42 +263,25 @@ class FsdpTrainEngine(TrainEngine):
             norm_const = algo.loss_scale_factor or self.cfg.data.max_response_length
         agg = dict(mode=algo.loss_agg_mode, global_tokens=tokens, global_seqs=seqs, dp_size=self.dp_size,
                    norm_const=float(norm_const))
-        need_entropy_grad = float(algo.entropy_coef) != 0.0
 
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         # sums over this rank: aggregated losses, then masked token sums and counts for the token-mean metrics
         # (kept on the device: reading them per micro batch would stall the launch queue)
-        sums = torch.zeros(8, dtype=torch.float64, device=self.device)
+        sums = torch.zeros(len(ACTOR_SUMS), dtype=torch.float64, device=self.device)
         for mb in micro_batches:
-            mask = mb.response_mask.to(self.device)
             logp, ent = self._forward(mb, with_entropy=True)
-            old = mb.old_log_probs.to(self.device) if mb.old_log_probs is not None else logp.detach()
-            pg_mat, stats = policy_loss(logp, old, mb.advantages.to(self.device), mask,
-                                        algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_c)
-            pg = agg_loss(pg_mat, mask, **agg)
-            loss = pg
-            kl = torch.zeros((), device=self.device)
-            if algo.use_kl_loss:
-                if mb.ref_log_probs is None:
-                    raise ValueError("algorithm.use_kl_loss needs ref_log_probs in every micro batch")
-                kl = agg_loss(kl_penalty(logp, mb.ref_log_probs.to(self.device), algo.kl_loss_type), mask, **agg)
-                loss = loss + float(algo.kl_loss_coef) * kl
-            ent_agg = agg_loss(ent if need_entropy_grad else ent.detach(), mask, **agg)
-            if need_entropy_grad:
-                loss = loss - float(algo.entropy_coef) * ent_agg
+            loss, mb_sums = actor_loss(logp, ent, _on(mb.old_log_probs, self.device), _on(mb.ref_log_probs, self.device),
+                                       mb.advantages.to(self.device), mb.response_mask.to(self.device), algo, agg)
             loss.backward()
-            sums += torch.stack([
-                pg.detach(), kl.detach(), ent_agg.detach(), (~torch.isfinite(loss.detach())).to(pg.dtype),
-                masked_sum(stats["clipfrac"], mask), masked_sum(stats["approx_kl"], mask),
-                masked_sum(stats["clipfrac_lower"], mask), mask.sum().to(pg.dtype),
-            ]).detach().to(torch.float64)
+            sums += mb_sums
         sums = self._all_reduce(sums)
         grad_norm = self._clip_grad_norm()
         lr = self.optimizer.param_groups[0]["lr"]
-        if sums[3] > 0 or not math.isfinite(grad_norm):
+        nonfinite_loss = sums[ACTOR_SUMS.index("nonfinite")] > 0
+        if nonfinite_loss or not math.isfinite(grad_norm):
             self.skipped_steps += 1
-            log.warning("skipping optimizer step: non-finite %s", "loss" if sums[3] > 0 else f"grad norm {grad_norm}")
+            log.warning("skipping optimizer step: non-finite %s", "loss" if nonfinite_loss else f"grad norm {grad_norm}")
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -302,15 +289,8 @@ class FsdpTrainEngine(TrainEngine):
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()
         self.module.eval()
-        n_tok = max(float(sums[7]), 1.0)
         return {
-            # the aggregated losses are dp_size times each rank's share (agg_loss undoes the gradient average)
-            "actor/pg_loss": float(sums[0]) / self.dp_size,
-            "actor/kl_loss": float(sums[1]) / self.dp_size,
-            "actor/entropy": float(sums[2]) / self.dp_size,
-            "actor/pg_clipfrac": float(sums[4]) / n_tok,
-            "actor/ppo_kl": float(sums[5]) / n_tok,
-            "actor/pg_clipfrac_lower": float(sums[6]) / n_tok,
+            **actor_metrics(sums, self.dp_size),
             "actor/grad_norm": grad_norm,
             "actor/lr": lr,
             "actor/skipped_steps": float(self.skipped_steps),

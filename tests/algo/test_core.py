@@ -230,3 +230,34 @@ def test_gradient_identical_across_dp_and_micro_batches(mode):
     for splits, micro in [([8], 1), ([8], 4), ([4, 4], 1), ([4, 4], 4), ([6, 2], 2)]:
         torch.testing.assert_close(_grad(mode, splits, micro), want, rtol=1e-5, atol=1e-6,
                                    msg=f"{mode} splits={splits} micro={micro}")
+
+
+def test_actor_loss_is_pg_plus_kl_minus_entropy_and_its_sums():
+    from types import SimpleNamespace
+
+    from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics
+
+    torch.manual_seed(0)
+    logp = torch.randn(2, 5, requires_grad=True)
+    old, ref, ent = torch.randn(2, 5), torch.randn(2, 5), torch.rand(2, 5, requires_grad=True)
+    adv = torch.tensor([[1.0] * 5, [-2.0] * 5])
+    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.float32)
+    algo = SimpleNamespace(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, use_kl_loss=True,
+                           kl_loss_coef=0.1, kl_loss_type="low_var_kl", entropy_coef=0.01)
+    agg = dict(mode="token-mean", global_tokens=6.0, global_seqs=2.0, dp_size=1, norm_const=None)
+    loss, sums = actor_loss(logp, ent, old, ref, adv, mask, algo, agg)
+    pg_mat, stats = policy_loss(logp, old, adv, mask, 0.2, 0.28, 3.0)
+    pg = (pg_mat * mask).sum() / 6
+    kl = (kl_penalty(logp, ref, "low_var_kl") * mask).sum() / 6
+    en = (ent * mask).sum() / 6
+    assert torch.allclose(loss, pg + 0.1 * kl - 0.01 * en)
+    named = dict(zip(ACTOR_SUMS, sums.tolist()))
+    assert named["tokens"] == 6 and named["nonfinite"] == 0
+    assert abs(named["clipfrac"] - float((stats["clipfrac"] * mask).sum())) < 1e-6
+    loss.backward()
+    assert ent.grad is not None and float(ent.grad.abs().sum()) > 0  # entropy_coef != 0 trains through entropy
+    m = actor_metrics(sums, dp_size=1)
+    assert abs(m["actor/kl_loss"] - float(kl)) < 1e-6 and abs(m["actor/pg_loss"] - float(pg)) < 1e-6
+    # no old log-probs: one on-policy update, ratio 1, nothing clipped
+    _, sums = actor_loss(logp, ent, None, ref, adv, mask, algo, agg)
+    assert dict(zip(ACTOR_SUMS, sums.tolist()))["clipfrac"] == 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from qwen35rl.algo.core import agg_loss, kl_penalty, local_batch_counts, masked_sum, policy_loss
+from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics, local_batch_counts
 from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST, Batch, TrainEngine
 from qwen35rl.engines.megatron import ascend, version
 from qwen35rl.engines.megatron import mapping as mp
@@ -31,7 +30,6 @@ log = logging.getLogger(__name__)
 
 TE_ONLY = ("moe_grouped_gemm", "moe_permute_fusion", "use_precision_aware_optimizer")
 """backend.* options that need Transformer Engine; without it they are turned off (with a warning)."""
-_METRICS = ("pg_loss", "kl_loss", "entropy", "nonfinite", "clipfrac", "ppo_kl", "clipfrac_lower", "tokens")
 
 
 # ------------------------------------------------------------------------------------------------ the layout
@@ -456,27 +454,8 @@ class MegatronTrainEngine(TrainEngine):
         return tokens, seqs
 
     def _train_loss(self, agg: Dict[str, Any], num_micro: int, b, logits):
-        algo = self.algo
-        need_entropy_grad = float(algo.entropy_coef) != 0.0
-        mask = b["loss_mask"]
         logp, ent = self._logprobs(b, logits, with_entropy=True)
-        old = b["old"] if b["old"] is not None else logp.detach()
-        pg_mat, stats = policy_loss(logp, old, b["advantages"], mask, algo.clip_ratio_low, algo.clip_ratio_high,
-                                    algo.clip_ratio_c)
-        pg = agg_loss(pg_mat, mask, **agg)
-        loss = pg
-        kl = torch.zeros((), device=logits.device)
-        if algo.use_kl_loss:
-            if b["ref"] is None:
-                raise ValueError("algorithm.use_kl_loss needs ref_log_probs in every micro batch")
-            kl = agg_loss(kl_penalty(logp, b["ref"], algo.kl_loss_type), mask, **agg)
-            loss = loss + float(algo.kl_loss_coef) * kl
-        ent_agg = agg_loss(ent if need_entropy_grad else ent.detach(), mask, **agg)
-        if need_entropy_grad:
-            loss = loss - float(algo.entropy_coef) * ent_agg
-        sums = torch.stack([pg.detach(), kl.detach(), ent_agg.detach(), (~torch.isfinite(loss.detach())).float(),
-                            masked_sum(stats["clipfrac"], mask), masked_sum(stats["approx_kl"], mask),
-                            masked_sum(stats["clipfrac_lower"], mask), mask.float().sum()]).double()
+        loss, sums = actor_loss(logp, ent, b["old"], b["ref"], b["advantages"], b["loss_mask"], self.algo, agg)
         # megatron's schedule divides the loss by the number of micro batches; agg_loss already normalises over
         # the global mini batch, so undo it
         return loss * num_micro, {"sums": sums}
@@ -507,7 +486,7 @@ class MegatronTrainEngine(TrainEngine):
         self.optimizer.zero_grad()
         out = self._run(prepared, partial(self._train_loss, agg), forward_only=False)
 
-        sums = torch.zeros(len(_METRICS), dtype=torch.float64, device=self.device)
+        sums = torch.zeros(len(ACTOR_SUMS), dtype=torch.float64, device=self.device)
         if self._is_last_stage():
             for o in out:
                 sums += o["sums"].to(self.device)
@@ -518,9 +497,10 @@ class MegatronTrainEngine(TrainEngine):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         grad_norm = float("nan")
-        if sums[3] > 0 or not self._grads_finite():
+        nonfinite_loss = sums[ACTOR_SUMS.index("nonfinite")] > 0
+        if nonfinite_loss or not self._grads_finite():
             self.skipped_steps += 1
-            log.warning("skipping optimizer step: non-finite %s", "loss" if sums[3] > 0 else "gradients")
+            log.warning("skipping optimizer step: non-finite %s", "loss" if nonfinite_loss else "gradients")
         else:
             ok, norm, _ = self.optimizer.step()
             grad_norm = float(norm) if norm is not None else float("nan")
@@ -531,14 +511,8 @@ class MegatronTrainEngine(TrainEngine):
         self.steps += 1
         for c in self.model:
             c.eval()
-        n_tok = max(float(sums[7]), 1.0)
         return {
-            "actor/pg_loss": float(sums[0]) / self.dp_size,
-            "actor/kl_loss": float(sums[1]) / self.dp_size,
-            "actor/entropy": float(sums[2]) / self.dp_size,
-            "actor/pg_clipfrac": float(sums[4]) / n_tok,
-            "actor/ppo_kl": float(sums[5]) / n_tok,
-            "actor/pg_clipfrac_lower": float(sums[6]) / n_tok,
+            **actor_metrics(sums, self.dp_size),
             "actor/grad_norm": grad_norm,
             "actor/lr": lr,
             "actor/skipped_steps": float(self.skipped_steps),
