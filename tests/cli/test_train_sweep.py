@@ -26,7 +26,8 @@ def test_all_invalid_sweep_starts_nothing(tmp_path):
     assert "Started a local Ray instance" not in r.stderr and "[qwen35rl] step" not in r.stderr
     summary = next(tmp_path.glob("sweeps/*/summary.csv"))
     rows = list(csv.DictReader(summary.open()))
-    assert len(rows) == 2 and all("rollout" in (row.get("status") or " ".join(row.values())) for row in rows)
+    assert [row["valid"] for row in rows] == ["False", "False"]
+    assert all(row["first_error"].startswith("[rollout_n_at_least_2]") for row in rows)
 
 
 @pytest.mark.slow
