@@ -9,13 +9,12 @@ never changes meaning. All math lives in `qwen35rl.algo`; the engines stay behin
 from __future__ import annotations
 
 import logging
-import math
 import shutil
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Sequence
 
 import numpy as np
 import torch
