@@ -1,7 +1,10 @@
 """`qwen35rl-train [overrides]`: compose and check the run config, then build the Ray workers and run GRPO.
 
 With no arguments it trains the tiny Qwen3.5 on CPU (the embedded default). Every config problem is reported before
-Ray or any heavy package starts (exit code 2); with -m, invalid jobs of a sweep are skipped and listed."""
+Ray or any heavy package starts; with -m, invalid jobs of a sweep are skipped and listed.
+
+Exit codes: 0 done; 2 invalid config; 3 the cluster does not match the config (preflight); 4 a worker failed;
+130 interrupted (Ctrl-C), 143 preempted (SIGTERM) — both after writing a checkpoint."""
 from __future__ import annotations
 
 import sys

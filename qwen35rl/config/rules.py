@@ -457,6 +457,18 @@ def rollout_n_at_least_2(cfg: Any, layout: Layout) -> List[Problem]:
                 "group of responses, which needs at least 2", _try("rollout.n", 2))
 
 
+@rule("config")
+def overlong_buffer_within_response(cfg: Any, layout: Layout) -> List[Problem]:
+    """DAPO's overlong penalty ramps over the last `buffer_len` tokens of the response budget: it must fit in it."""
+    shaping = val(cfg, "algorithm.overlong_shaping")
+    budget = int(val(cfg, "data.max_response_length"))
+    if not shaping["enable"] or 0 < int(shaping["buffer_len"]) <= budget:
+        return []
+    return _err("overlong_buffer_within_response", "algorithm.overlong_shaping.buffer_len",
+                f"buffer_len={shaping['buffer_len']} must be between 1 and data.max_response_length={budget}",
+                _try("algorithm.overlong_shaping.buffer_len", max(1, budget // 4)))
+
+
 def _batch(cfg: Any) -> Tuple[int, int, int, int, bool]:
     return (int(val(cfg, "data.train_batch_size")), int(val(cfg, "algorithm.mini_batch_size")),
             int(val(cfg, "rollout.n")), int(val(cfg, "backend.micro_batch_size_per_device")),

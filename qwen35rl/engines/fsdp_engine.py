@@ -21,7 +21,7 @@ from torch import nn
 from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics, local_batch_counts
 from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST, Batch, TrainEngine
 from qwen35rl.engines.logprob import chunked_logprobs_entropy
-from qwen35rl.models.build import build_model, init_rotary_buffers, torch_dtype
+from qwen35rl.models.build import build_model, init_rotary_buffers, torch_dtype, trains_vision
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class FsdpTrainEngine(TrainEngine):
         self.dp_size = dist.get_world_size(dp_group) if self.distributed else 1
         self.compute_dtype = mixed_precision_dtype(self.backend.mixed_precision, self.device)
         self.temperature = float(cfg.rollout.temperature) if cfg.rollout.temperature > 0 else 1.0
-        self.text_only = cfg.model.vision is None or not cfg.data.has_images
+        self.text_only = not trains_vision(cfg.model, cfg.data)
         self.pack = bool(self.backend.remove_padding) and packing_supported(self.device)
         if self.backend.remove_padding and not self.pack:
             log.info("backend.remove_padding: padded batches (packing needs flash-linear-attention and causal-conv1d on CUDA)")
