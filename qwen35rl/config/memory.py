@@ -1,14 +1,24 @@
 """Per-device memory of a colocated run: the trainer and the rollout engine take turns on the same devices.
 
 Two phases peak separately:
-- training: the trainer's weights, gradients and optimizer states, activations, the log-prob buffer of the 248k
-  vocab and the reference model, plus whatever the sleeping rollout engine keeps;
+- training: the trainer's weights and optimizer states, the reference model and whatever the sleeping rollout engine
+  keeps, plus the larger of two moments: the backward (gradients of earlier micro batches, gathered FSDP units,
+  saved activations, the log-prob head's or a recomputed layer's transient) and the optimizer step (every local
+  gradient, the grad-norm and AdamW temporaries; `train/optimizer_step` is what it adds beyond the backward);
 - rollout: what the trainer keeps on the device between steps, plus the rollout engine (vLLM claims
-  `gpu_memory_utilization` of the device for its weights, activations, KV cache and GDN state).
+  `gpu_memory_utilization` of the device for its weights, activations, KV cache and GDN state; the hf engine holds
+  its weights, a static cache and one layer's prefill tensors).
 
-Every term is a function below whose docstring states its assumption in one line. Terms are GiB per device
-(the most loaded device: Megatron pipeline ranks are combined conservatively: the heaviest rank's states, the
-first stage's in-flight activations and the last stage's logits). capacity = memory_gb*1e9/2^30 - hw.reserve_gib.
+Every term is a function below whose docstring states its assumption in one line; the training peak is the sum of
+the `train/` terms and the rollout peak the sum of `rollout/kept_by_trainer` and the engine's terms. Terms are GiB
+per device (the most loaded device: Megatron pipeline ranks are combined conservatively: the heaviest rank's
+states, the first stage's in-flight activations and the last stage's logits). capacity = memory_gb*1e9/2^30 -
+hw.reserve_gib.
+
+The FSDP and hf terms (transformers modules) were calibrated against `torch.cuda.max_memory_allocated` on an H200
+(bench/results/h200.md, tests/config/test_memory_calibration.py); per-token activations were counted tensor by
+tensor on the same modules. What a Gated DeltaNet layer keeps depends on its kernels (`gdn_kernels`); the Megatron
+and vLLM terms are not measured.
 """
 from __future__ import annotations
 
@@ -23,6 +33,9 @@ from qwen35rl.config.layout import Layout, pipeline_stages
 
 GIB = float(2 ** 30)
 BF16, FP32 = 2, 4
+FP64 = 8
+GDN_CHUNK = 64
+"""Tokens per chunk of the chunked GDN forms (transformers' torch fallback and flash-linear-attention alike)."""
 _DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float32": 4, "fp32": 4}
 
 
@@ -76,8 +89,44 @@ def _megatron(layout: Layout) -> bool:
 
 
 def _fsdp_on_host(cfg: Any) -> bool:
-    """FSDP2's CPUOffloadPolicy keeps parameters, gradients and optimizer states on the host (step on CPU)."""
-    return bool(cfg["backend"].get("offload_policy", False))
+    """The FSDP engine turns any of offload_policy / param_offload / optimizer_offload / grad_offload into FSDP2's
+    CPUOffloadPolicy: parameters, gradients and optimizer states of the policy and the reference on the host."""
+    b = cfg["backend"]
+    return any(bool(b.get(k, False)) for k in ("offload_policy", "param_offload", "optimizer_offload", "grad_offload"))
+
+
+def gdn_kernels(cfg: Any, override: Optional[str] = None) -> str:
+    """Which Gated DeltaNet kernels the transformers modules (FSDP trainer, hf rollout) run: 'fla'
+    (flash-linear-attention chunk kernels + causal-conv1d) or 'torch' (transformers' pure-PyTorch fallback). The
+    plan assumes the cluster has fla on its accelerators (CUDA; the Ascend image ships it too) and the fallback in
+    CPU processes; a measurement without fla (the H200 calibration) passes override='torch'."""
+    if override is not None:
+        if override not in ("fla", "torch"):
+            raise ValueError(f"gdn kernels {override!r}: expected 'fla' or 'torch'")
+        return override
+    return "torch" if str(cfg["hw"].get("device", "cuda")) == "cpu" else "fla"
+
+
+def compute_bytes(cfg: Any) -> int:
+    """Bytes of the FSDP trainer's compute dtype: backend.mixed_precision, 'auto' = bf16 on accelerators and fp32
+    on CPU (the engine's rule); Megatron computes in bf16."""
+    setting = str(cfg["backend"].get("mixed_precision", "auto"))
+    if setting == "auto":
+        return FP32 if str(cfg["hw"].get("device", "cuda")) == "cpu" else BF16
+    return dtype_bytes(setting)
+
+
+def trains_vision(cfg: Any) -> bool:
+    """The transformers models (FSDP policy and reference, hf rollout) include the vision tower only for a vision
+    model on image data (`models.build.trains_vision`); otherwise they are the text model."""
+    return cfg["model"].get("vision") is not None and bool(cfg["data"].get("has_images", False))
+
+
+def largest_parameter(m: Any) -> int:
+    """Elements of the largest single tensor: the embedding / lm_head [V, h], or the fused routed experts' gate_up
+    [E, 2I, h] of an MoE layer."""
+    experts = int(m["num_experts"]) * 2 * int(m["moe_intermediate_size"]) * int(m["hidden_size"]) if m["moe"] else 0
+    return max(P.embedding_params(m), experts)
 
 
 # ------------------------------------------------------------------------------------------ what a device holds
@@ -92,7 +141,9 @@ class TrainShard:
     layers: List[str]
     """Kinds ('linear'/'full') of the decoder layers whose activations this device keeps."""
     largest_unit: float
-    """FSDP: parameters of the largest block all-gathered at once; Megatron: 0."""
+    """FSDP: parameters of the largest decoder layer (an FSDP unit all-gathered at once); Megatron: 0."""
+    root: float = 0.0
+    """FSDP: parameters of the root unit (embedding, untied lm_head, final norm), gathered for a whole pass."""
 
 
 def pipeline_ranks(cfg: Any, layout: Layout) -> List[Dict[str, Any]]:
@@ -113,16 +164,18 @@ def pipeline_ranks(cfg: Any, layout: Layout) -> List[Dict[str, Any]]:
 def train_shard(cfg: Any, layout: Layout) -> TrainShard:
     """Megatron trains the text model only (no vision tower, no MTP): dense weights / TP, experts / (EP*ETP),
     embedding on the first stage and the output layer (or the tied copy) + final norm on the last; the heaviest
-    rank counts. FSDP trains the whole VL model (no MTP), every parameter / fsdp_size."""
+    rank counts. FSDP trains the transformers model (`trains_vision`: the text model, with the vision tower on
+    image data; no MTP), every parameter / fsdp_size."""
     m = cfg["model"]
     if not _megatron(layout):
         kinds = P.layer_kinds(m)
         expert = len(kinds) * P.layer_expert_params(m)
-        dense = P.count_params(m).total - expert
-        unit = max([P.embedding_params(m), P.lm_head_params(m)]
-                   + [P.layer_dense_params(m, k) + P.layer_expert_params(m) for k in set(kinds)])
+        count = P.count_params(m)
+        dense = (count.total if trains_vision(cfg) else count.text) - expert
+        unit = max(P.layer_dense_params(m, k) + P.layer_expert_params(m) for k in set(kinds))
+        root = P.embedding_params(m) + P.lm_head_params(m) + int(m["hidden_size"])
         f = max(layout.fsdp_size, 1)
-        return TrainShard(dense=dense / f, expert=expert / f, layers=kinds, largest_unit=unit)
+        return TrainShard(dense=dense / f, expert=expert / f, layers=kinds, largest_unit=unit, root=root)
     h, embed = int(m["hidden_size"]), P.embedding_params(m)
     shards = []
     ranks = pipeline_ranks(cfg, layout)
@@ -148,11 +201,14 @@ def train_weights_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
 
 
 def train_grads_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
-    """Megatron: fp32 main gradients for every local parameter (bf16 training accumulates in fp32). FSDP: fp32
-    sharded gradients, on the host with offload_policy."""
+    """Gradients on the device at the backward's peak. Megatron: the fp32 main-grad buffer of every local
+    parameter (always allocated). FSDP: the fp32 sharded gradients of the earlier micro batches of the optimizer
+    step (none with a single micro batch: the peak is at the start of its backward), on the host when offloaded."""
     if _megatron(layout):
         return gib((shard.dense + shard.expert) * FP32)
-    return 0.0 if _fsdp_on_host(cfg) else gib((shard.dense + shard.expert) * FP32)
+    if _fsdp_on_host(cfg) or micro_batches_per_mini_batch(cfg, layout) <= 1:
+        return 0.0
+    return gib((shard.dense + shard.expert) * FP32)
 
 
 def optimizer_states_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
@@ -171,17 +227,19 @@ def optimizer_states_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
 
 
 def fsdp_gathered_params_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
-    """FSDP: the bf16 all-gathered block being computed and the one prefetched; without reshard_after_forward
-    every gathered block stays until backward (the whole unsharded model)."""
+    """FSDP: unsharded compute-dtype copies: the root unit (FSDP2 never reshards the root after a forward, so it
+    stays from the log-prob pass until the update's backward ends) plus the layer being computed and the one
+    prefetched; without reshard_after_forward every gathered layer stays until backward (the whole model)."""
     if _megatron(layout):
         return 0.0
     if not cfg["backend"].get("reshard_after_forward", True):
-        return gib((shard.dense + shard.expert) * max(layout.fsdp_size, 1) * BF16)
-    return gib(2 * shard.largest_unit * BF16)
+        return gib((shard.dense + shard.expert) * max(layout.fsdp_size, 1) * compute_bytes(cfg))
+    return gib((shard.root + 2 * shard.largest_unit) * compute_bytes(cfg))
 
 
 def layer_activation_elems_per_token(m: Any, kind: str) -> float:
-    """Tensors one decoder layer saves for backward, in elements per token (bf16): residual + norm outputs,
+    """Megatron's fused modules (and vLLM's profiled forward; not measured): tensors one decoder layer saves for
+    backward, in elements per token (bf16): residual + norm outputs,
     attention q/gate/k/v/output or GDN qkv (before and after the conv), z, b/a, core and normed outputs, and the
     MLP gate/up/act (MoE: router logits in fp32, permuted tokens and top-k expert intermediates, shared expert)."""
     h = int(m["hidden_size"])
@@ -200,6 +258,55 @@ def layer_activation_elems_per_token(m: Any, kind: str) -> float:
     else:
         ffn = 2 * h + 3 * int(m["intermediate_size"])
     return float(mixer + ffn)
+
+
+def norm_mlp_bytes_per_token(m: Any, cb: int) -> float:
+    """What a transformers decoder layer keeps around its mixer: two RMSNorms that compute in fp32 (input copy,
+    normalised tensor, output in the compute dtype: 2 * (4 + 4 + cb) * h), the layer output, and the SwiGLU MLP's
+    gate, up, silu(gate) and product (4 * I; MoE: router logits and probabilities in fp32, the routed copies of
+    the token and their outputs, 4 * I per routed expert and for the shared expert). Counted on the 0.8B modules."""
+    h = int(m["hidden_size"])
+    around = 2 * (FP32 + FP32 + cb) * h + cb * h
+    if m["moe"]:
+        k = int(m["num_experts_per_tok"])
+        ffn = (2 * FP32 * int(m["num_experts"]) + cb * (2 * k * h + 4 * k * int(m["moe_intermediate_size"])
+                                                         + 4 * int(m["shared_expert_intermediate_size"])))
+    else:
+        ffn = cb * 4 * int(m["intermediate_size"])
+    return float(around + ffn)
+
+
+def attention_bytes_per_token(m: Any, cb: int) -> float:
+    """transformers' full attention over flash / memory-efficient SDPA (no [T, T] scores): q and k norms in fp32
+    (input copy + output), rotated q and k, v, the attention output, its contiguous copy, the sigmoid output gate and
+    the gated product in the compute dtype, the fp32 log-sum-exp per head. Counted on the 0.8B modules."""
+    nq, nkv, hd = int(m["num_attention_heads"]), int(m["num_key_value_heads"]), int(m["head_dim"])
+    gated = 2 if m["attn_output_gate"] else 0
+    return float(cb * ((3 + gated) * nq * hd + 2 * nkv * hd) + FP32 * (2 * nq * hd + 2 * nkv * hd + nq))
+
+
+def gdn_bytes_per_token(m: Any, cb: int, kernels: str) -> float:
+    """Gated DeltaNet mixer per token. torch fallback (counted on the 0.8B modules: 189 KB): qkv projection, conv
+    output and the gated norm's three outputs in the compute dtype; in fp32 the q/k copies, the l2-normed q, padded
+    q/k/v, two triangular solves, decayed q/k, the gated norm's input/gate/silu, v_new, five [64, 64] intra-chunk
+    matrices per head and one recurrent state per 64-token chunk. fla (fla's saved tensors, not measured): conv
+    input and output, l2-normed q and k, the solved chunk matrix A, z, the kernel and gated-norm outputs in the
+    compute dtype, gates and rstd in fp32."""
+    nk, nv = int(m["linear_num_key_heads"]), int(m["linear_num_value_heads"])
+    dk, dv = int(m["linear_key_head_dim"]), int(m["linear_value_head_dim"])
+    value_dim, conv_dim = nv * dv, 2 * nk * dk + nv * dv
+    if kernels == "torch":  # the fallback expands q and k to the value heads
+        qk = nv * dk
+        return float(cb * (2 * conv_dim + 3 * value_dim)
+                     + FP32 * (8 * qk + 6 * value_dim + 5 * nv * GDN_CHUNK + nv * dk * dv / GDN_CHUNK + 10 * nv))
+    return float(cb * (2 * conv_dim + 2 * nk * dk + nv * GDN_CHUNK + 3 * value_dim) + FP32 * 4 * nv)
+
+
+def hf_layer_bytes_per_token(m: Any, kind: str, cb: int, kernels: str) -> float:
+    """Bytes one transformers decoder layer saves for backward per token (FSDP trainer): its mixer plus the norms
+    and MLP around it. 0.8B with the torch GDN fallback: 240 KB (GDN layer) and 95 KB (attention layer)."""
+    mixer = attention_bytes_per_token(m, cb) if kind == "full" else gdn_bytes_per_token(m, cb, kernels)
+    return mixer + norm_mlp_bytes_per_token(m, cb)
 
 
 def tokens_per_device(cfg: Any, layout: Layout) -> float:
@@ -232,11 +339,28 @@ def recompute_groups(cfg: Any, layout: Layout) -> Optional[Dict[str, Any]]:
     return {"method": b.get("recompute_method") or "uniform", "n": max(int(b.get("recompute_num_layers") or 1), 1)}
 
 
-def activations_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
+def response_tokens_per_device(cfg: Any, layout: Layout) -> float:
+    """Response tokens of one micro batch on a device (the log-prob head sees only these): the response share of
+    the micro batch's tokens, split like the activations."""
+    share = int(cfg["data"]["max_response_length"]) / sequence_length(cfg)
+    return tokens_per_device(cfg, layout) * share
+
+
+def activations_gib(cfg: Any, layout: Layout, shard: TrainShard, kernels: Optional[str] = None) -> float:
     """Saved activations of the device's layers for the in-flight micro batches: all layers' tensors without
     recompute; with full recompute / checkpointing one hidden state per recompute group (block: the first n
-    layers recomputed, the rest saved) plus the recomputed group's tensors and their gradients."""
+    layers recomputed, the rest saved). Megatron adds the recomputed group's tensors and their gradients here;
+    FSDP counts its recomputed layer in `backward_transient_gib` and keeps the final norm's tensors and the head's
+    response hidden states besides."""
     m, h = cfg["model"], int(cfg["model"]["hidden_size"])
+    if not _megatron(layout):
+        cb, tokens, kernels = compute_bytes(cfg), tokens_per_device(cfg, layout), gdn_kernels(cfg, kernels)
+        if recompute_groups(cfg, layout) is None:
+            layers = sum(hf_layer_bytes_per_token(m, k, cb, kernels) for k in shard.layers)
+        else:  # non-reentrant checkpointing keeps each layer's input
+            layers = len(shard.layers) * cb * h
+        final_norm = (FP32 + FP32 + cb) * h
+        return gib(tokens * (layers + final_norm) + response_tokens_per_device(cfg, layout) * cb * h)
     tokens, flight = tokens_per_device(cfg, layout), in_flight_micro_batches(cfg, layout)
     per_layer = [layer_activation_elems_per_token(m, k) for k in shard.layers] or [0.0]
     rec = recompute_groups(cfg, layout)
@@ -254,38 +378,89 @@ def activations_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
 
 
 def logits_gib(cfg: Any, layout: Layout) -> float:
-    """Log-probs and entropy computed over the vocabulary in `logprob_chunk_size`-token chunks: bf16 logits +
-    fp32 log-softmax + fp32 logit gradient per chunk, vocab split by TP (Megatron's vocab-parallel output)."""
-    vocab = int(cfg["model"]["vocab_size"]) / (layout.tp if _megatron(layout) else 1)
-    tokens = micro_batch_tokens(cfg) / max(layout.cp if _megatron(layout) else layout.sp, 1)
-    chunk = min(int(cfg["backend"]["logprob_chunk_size"]), tokens)
-    return gib(chunk * vocab * (BF16 + FP32 + FP32))
+    """Log-probs and entropy over the vocabulary in `logprob_chunk_size`-token chunks. Megatron: bf16 logits +
+    fp32 log-softmax + fp32 logit gradient per chunk, vocab split by TP (vocab-parallel output). FSDP
+    (`engines.logprob` backward, the head's peak): the fp32 lm_head gradient accumulator [V, h] plus three fp32
+    [chunk, V] tensors (log-probs, probabilities, their product for the entropy), chunks of response tokens."""
+    m = cfg["model"]
+    if _megatron(layout):
+        vocab = int(m["vocab_size"]) / layout.tp
+        chunk = min(int(cfg["backend"]["logprob_chunk_size"]), micro_batch_tokens(cfg) / max(layout.cp, 1))
+        return gib(chunk * vocab * (BF16 + FP32 + FP32))
+    vocab = int(m["vocab_size"])
+    chunk = min(int(cfg["backend"]["logprob_chunk_size"]), response_tokens_per_device(cfg, layout))
+    return gib(vocab * int(m["hidden_size"]) * FP32 + 3 * chunk * vocab * FP32)
+
+
+def recomputed_layer_gib(cfg: Any, layout: Layout, shard: TrainShard, kernels: Optional[str] = None) -> float:
+    """FSDP with checkpointing: during a layer's backward its forward is re-run (its saved tensors, as without
+    checkpointing; their gradients replace them as they are consumed) while the lm_head's gradient waits in the
+    compute dtype for the end of the backward."""
+    if _megatron(layout) or recompute_groups(cfg, layout) is None:
+        return 0.0
+    m, cb, kernels = cfg["model"], compute_bytes(cfg), gdn_kernels(cfg, kernels)
+    widest = max(hf_layer_bytes_per_token(m, k, cb, kernels) for k in set(shard.layers))
+    return gib(tokens_per_device(cfg, layout) * widest + P.embedding_params(m) * cb)
+
+
+def backward_transient_gib(cfg: Any, layout: Layout, shard: TrainShard, kernels: Optional[str] = None) -> float:
+    """The transient on top of the saved activations. FSDP: the larger of the log-prob head's backward and one
+    recomputed layer (the head runs first and frees its buffers before the layers). Megatron: the last stage's
+    logits (its recomputed group is in `activations_gib`, combined conservatively across pipeline ranks)."""
+    if _megatron(layout):
+        return logits_gib(cfg, layout)
+    return max(logits_gib(cfg, layout), recomputed_layer_gib(cfg, layout, shard, kernels))
+
+
+def optimizer_step_gib(cfg: Any, layout: Layout, shard: TrainShard, backward_set: float) -> float:
+    """FSDP on the device: the optimizer step holds every local fp32 gradient plus the larger temporary of the grad
+    norm (an fp64 copy of a local gradient and its square: 16 B per element of the largest tensor's shard) and
+    AdamW's foreach step (sqrt of the second moments: 4 B per local parameter); it raises the peak only by what
+    exceeds the backward's set (`backward_set`: its gradients, gathered units, activations and transient).
+    Megatron's fused, in-place step over its persistent buffers adds nothing."""
+    if _megatron(layout) or _fsdp_on_host(cfg):
+        return 0.0
+    local = shard.dense + shard.expert
+    largest = largest_parameter(cfg["model"]) / max(layout.fsdp_size, 1)
+    step = gib(local * FP32 + max(largest * (FP64 + FP64), local * FP32))
+    return max(0.0, step - backward_set)
 
 
 def reference_model_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
-    """With KL on, a bf16 reference model sharded like the policy; it follows the policy's parameter offload
-    (host between its forward passes) and is absent without KL."""
+    """With KL on, a bf16 reference model sharded like the policy (FSDP: plus its root unit, which stays gathered
+    after each of its forward passes); it follows the policy's parameter offload (host between its forward
+    passes) and is absent without KL."""
     if not kl_on(cfg) or cfg["backend"]["param_offload"] or (not _megatron(layout) and _fsdp_on_host(cfg)):
         return 0.0
-    return gib((shard.dense + shard.expert) * BF16)
+    root = 0.0 if _megatron(layout) else shard.root
+    return gib((shard.dense + shard.expert + root) * BF16)
 
 
 def rollout_weights_params(cfg: Any, layout: Layout) -> float:
-    """Parameters one rollout device holds: text model without MTP + vision tower, dense weights and embeddings
-    split by rollout TP, experts by rollout EP (one DP-attention engine) or TP."""
+    """Parameters one rollout device holds: vLLM the text model without MTP + vision tower, the hf engine the
+    transformers model (`trains_vision`); dense weights and embeddings split by rollout TP, experts by rollout EP
+    (one DP-attention engine) or TP."""
     m = cfg["model"]
     count = P.count_params(m)
+    total = count.text if cfg["rollout"]["engine"] == "hf" and not trains_vision(cfg) else count.total
     expert = len(P.layer_kinds(m)) * P.layer_expert_params(m)
     split_experts = layout.rollout_ep if layout.rollout_ep > 1 else layout.rollout_tp
-    return (count.total - expert) / max(layout.rollout_tp, 1) + expert / max(split_experts, 1)
+    return (total - expert) / max(layout.rollout_tp, 1) + expert / max(split_experts, 1)
+
+
+def hf_engine_sleeps(cfg: Any) -> bool:
+    """The hf engine moves its weights to the host between generations only with free_cache_engine and sleep
+    level 2 (it has no cache to free at level 1)."""
+    r = cfg["rollout"]
+    return bool(r["free_cache_engine"]) and int(r["sleep_level"]) >= 2
 
 
 def sleeping_engine_gib(cfg: Any, layout: Layout) -> float:
     """vLLM with free_cache_engine sleeps during training (level 1 moves weights to the host, level 2 drops
-    them; the KV cache is freed): nothing stays. Without it the whole pool stays. The hf engine keeps its own
-    bf16 copy of its weights."""
+    them; the KV cache is freed): nothing stays. Without it the whole pool stays. The hf engine keeps its copy of
+    its weights in the model dtype unless it sleeps (`hf_engine_sleeps`)."""
     if cfg["rollout"]["engine"] == "hf":
-        return gib(rollout_weights_params(cfg, layout) * dtype_bytes(cfg["model"]["dtype"]))
+        return 0.0 if hf_engine_sleeps(cfg) else gib(rollout_weights_params(cfg, layout) * dtype_bytes(cfg["model"]["dtype"]))
     return 0.0 if cfg["rollout"]["free_cache_engine"] else vllm_pool_gib(cfg)
 
 
@@ -304,9 +479,8 @@ def train_state_during_rollout_gib(cfg: Any, layout: Layout, shard: TrainShard) 
 
 def host_offloaded_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
     """Host memory per device for what the trainer offloads: Megatron's CPU optimizer share (12 B/param), and
-    between phases weights (2 B), fp32 grads and the device optimizer share; FSDP's offload_policy keeps fp32
-    params + grads + Adam m, v (16 B/param) there, else param_offload 4 B and optimizer_offload 8 B; plus an
-    offloaded reference model (bf16)."""
+    between phases weights (2 B), fp32 grads and the device optimizer share; FSDP offloaded (`_fsdp_on_host`) keeps
+    fp32 params + grads + Adam m, v (16 B/param) there; plus an offloaded reference model (bf16)."""
     b, n = cfg["backend"], shard.dense + shard.expert
     if _megatron(layout):
         host = 0.0
@@ -316,10 +490,8 @@ def host_offloaded_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
         host += train_weights_gib(cfg, layout, shard) if b["param_offload"] else 0.0
         host += train_grads_gib(cfg, layout, shard) if b["grad_offload"] else 0.0
         host += optimizer_states_gib(cfg, layout, shard) if b["optimizer_offload"] else 0.0
-    elif _fsdp_on_host(cfg):
-        host = gib(n * 4 * FP32)
     else:
-        host = gib(n * (FP32 * bool(b["param_offload"]) + 2 * FP32 * bool(b["optimizer_offload"])))
+        host = gib(n * 4 * FP32) if _fsdp_on_host(cfg) else 0.0
     offloaded_ref = b["param_offload"] or (not _megatron(layout) and _fsdp_on_host(cfg))
     return host + (gib(n * BF16) if kl_on(cfg) and offloaded_ref else 0.0)
 
@@ -375,6 +547,56 @@ def hf_engine_sequences(cfg: Any, layout: Layout) -> int:
     return math.ceil(int(cfg["data"]["train_batch_size"]) * int(cfg["rollout"]["n"]) / max(layout.world, 1))
 
 
+def hf_static_cache_gib(cfg: Any, layout: Layout) -> float:
+    """transformers' StaticCache of the hf engine, per row: K and V of every full-attention layer for the prompt
+    width plus max_new_tokens, and per GDN layer the fp32 recurrent state and `linear_conv_kernel_dim` conv
+    columns in the model dtype."""
+    m = cfg["model"]
+    nk, nv = int(m["linear_num_key_heads"]), int(m["linear_num_value_heads"])
+    dk, dv = int(m["linear_key_head_dim"]), int(m["linear_value_head_dim"])
+    conv = (2 * nk * dk + nv * dv) * int(m["linear_conv_kernel_dim"]) * dtype_bytes(m["dtype"])
+    per_row = (sequence_length(cfg) * kv_cache_bytes_per_token(cfg, layout)
+               + P.layer_kinds(m).count("linear") * (nv * dk * dv * FP32 + conv))
+    return gib(hf_engine_sequences(cfg, layout) * per_row)
+
+
+def hf_prefill_gib(cfg: Any, layout: Layout, kernels: Optional[str] = None) -> float:
+    """The hf engine's prefill of all rows (no autograd, one layer at a time): a GDN layer's live tensors, which
+    exceed an attention layer's, plus the [rows, 1, prompt, prompt + new] boolean mask. torch fallback (counted on
+    the 0.8B modules, 106 KB per prompt token there): conv output, z and the residual stream in the model dtype;
+    in fp32 3 value-sized and 6 key-sized tensors and three [64]-wide chunk matrices per head and token, and per
+    row four recurrent states and two chunk temporaries. fla (not measured): the conv output, z, the residual
+    stream, the chunk kernels' w, u, v_new, output and per-chunk states in the model dtype, the chunk matrix in
+    fp32, one fp32 final state per row."""
+    m = cfg["model"]
+    rows, width = hf_engine_sequences(cfg, layout), int(cfg["data"]["max_prompt_length"])
+    h, cb = int(m["hidden_size"]), dtype_bytes(m["dtype"])
+    nk, nv = int(m["linear_num_key_heads"]), int(m["linear_num_value_heads"])
+    dk, dv = int(m["linear_key_head_dim"]), int(m["linear_value_head_dim"])
+    value_dim, conv_dim, state = nv * dv, 2 * nk * dk + nv * dv, nv * dk * dv
+    if gdn_kernels(cfg, kernels) == "torch":
+        per_token = cb * (conv_dim + value_dim + 2 * h) + FP32 * (3 * value_dim + 6 * nv * dk + 3 * nv * GDN_CHUNK)
+        per_row = FP32 * (4 * state + 2 * nv * GDN_CHUNK * dv)
+    else:
+        per_token = cb * (conv_dim + 4 * value_dim + 2 * h + nv * dk + state / GDN_CHUNK) + FP32 * nv * GDN_CHUNK
+        per_row = FP32 * state
+    mask = width * sequence_length(cfg)
+    return gib(rows * (width * per_token + per_row + mask))
+
+
+def hf_sampler_gib(cfg: Any, layout: Layout) -> float:
+    """A decode step's sampling over the vocabulary for every row: the last position's logits in the model dtype,
+    and in fp32 the scaled logits, log-softmax, probabilities, the exponential race draw and their ratio."""
+    m = cfg["model"]
+    return gib(hf_engine_sequences(cfg, layout) * int(m["vocab_size"]) * (dtype_bytes(m["dtype"]) + 5 * FP32))
+
+
+def hf_rollout_activations_gib(cfg: Any, layout: Layout, kernels: Optional[str] = None) -> float:
+    """The hf engine's transient: the prefill or a decode step's sampler, whichever is larger (they never
+    overlap)."""
+    return max(hf_prefill_gib(cfg, layout, kernels), hf_sampler_gib(cfg, layout))
+
+
 # ------------------------------------------------------------------------------------------------ the estimate
 @dataclass
 class MemoryEstimate:
@@ -413,30 +635,38 @@ class MemoryEstimate:
                 "rollout_sequences": self.rollout_sequences, "host": r(self.host_gib), "terms": {k: r(v) for k, v in self.terms.items()}}
 
 
-def train_terms(cfg: Any, layout: Layout) -> Dict[str, float]:
-    """The training phase's terms (they depend on the training layout only)."""
+def train_terms(cfg: Any, layout: Layout, gdn: Optional[str] = None) -> Dict[str, float]:
+    """The training phase's terms (they depend on the training layout only); `gdn` overrides `gdn_kernels`."""
     shard = train_shard(cfg, layout)
+    backward = {
+        "train/grads": train_grads_gib(cfg, layout, shard),
+        "train/gathered_params": fsdp_gathered_params_gib(cfg, layout, shard),
+        "train/activations": activations_gib(cfg, layout, shard, gdn),
+        "train/backward_transient": backward_transient_gib(cfg, layout, shard, gdn),
+    }
     return {
         "train/weights": train_weights_gib(cfg, layout, shard),
-        "train/grads": train_grads_gib(cfg, layout, shard),
         "train/optimizer": optimizer_states_gib(cfg, layout, shard),
-        "train/gathered_params": fsdp_gathered_params_gib(cfg, layout, shard),
-        "train/activations": activations_gib(cfg, layout, shard),
-        "train/logits": logits_gib(cfg, layout),
+        **backward,
+        "train/optimizer_step": optimizer_step_gib(cfg, layout, shard, sum(backward.values())),
         "train/reference": reference_model_gib(cfg, layout, shard),
         "rollout/kept_by_trainer": train_state_during_rollout_gib(cfg, layout, shard),
         "host/trainer_offload": host_offloaded_gib(cfg, layout, shard),
     }
 
 
-def rollout_terms(cfg: Any, layout: Layout) -> Dict[str, float]:
-    """The rollout engine's terms (they depend on the rollout layout only)."""
+def rollout_terms(cfg: Any, layout: Layout, gdn: Optional[str] = None) -> Dict[str, float]:
+    """The rollout engine's terms (they depend on the rollout layout only); `gdn` overrides `gdn_kernels` (hf
+    engine; vLLM brings its own kernels)."""
     weights = gib(rollout_weights_params(cfg, layout) * dtype_bytes(cfg["model"]["dtype"]))
     terms = {"rollout/weights": weights, "train/sleeping_engine": sleeping_engine_gib(cfg, layout)}
     if cfg["rollout"]["engine"] == "vllm" and cfg["rollout"]["free_cache_engine"] and int(cfg["rollout"]["sleep_level"]) == 1:
         terms["host/sleeping_engine"] = weights  # sleep level 1 parks the weights in host memory
     if cfg["rollout"]["engine"] == "hf":
-        terms["rollout/kv_cache"] = hf_engine_sequences(cfg, layout) * sequence_cache_gib(cfg, layout)
+        if hf_engine_sleeps(cfg):
+            terms["host/sleeping_engine"] = weights
+        terms["rollout/kv_cache"] = hf_static_cache_gib(cfg, layout)
+        terms["rollout/activations"] = hf_rollout_activations_gib(cfg, layout, gdn)
     else:
         terms["rollout/activations"] = rollout_activations_gib(cfg, layout)
         terms["rollout/pool"] = vllm_pool_gib(cfg)
@@ -457,14 +687,15 @@ def assemble(cfg: Any, train: Dict[str, float], rollout: Dict[str, float]) -> Me
         rollout_peak = kept + pool
     else:
         pool, sequences = None, None
-        minimal = terms["rollout/weights"] + terms["rollout/kv_cache"]
+        minimal = terms["rollout/weights"] + terms["rollout/kv_cache"] + terms["rollout/activations"]
         rollout_peak = kept + minimal
     fits = train_peak <= cap and rollout_peak <= cap and (pool is None or minimal <= pool)
     return MemoryEstimate(train_peak_gib=train_peak, rollout_peak_gib=rollout_peak, capacity_gib=cap, fits=fits,
                           terms=terms, rollout_pool_gib=pool, rollout_min_gib=minimal, rollout_sequences=sequences)
 
 
-def estimate(cfg: Any, layout: Layout) -> MemoryEstimate:
-    """Per-device memory of both phases of `cfg` under `layout`."""
+def estimate(cfg: Any, layout: Layout, gdn: Optional[str] = None) -> MemoryEstimate:
+    """Per-device memory of both phases of `cfg` under `layout`; `gdn` ('fla' / 'torch') overrides the GDN kernels
+    the plan assumes (`gdn_kernels`)."""
     tree = as_tree(cfg)
-    return assemble(tree, train_terms(tree, layout), rollout_terms(tree, layout))
+    return assemble(tree, train_terms(tree, layout, gdn), rollout_terms(tree, layout, gdn))

@@ -44,7 +44,7 @@ def layout(backend="megatron", world=64, tp=2, pp=2, cp=1, ep=8, etp=1, vpp=None
                   rollout_dp=rdp if rdp is not None else world // rtp, rollout_ep=rep, backend=backend)
 
 
-SHARD = M.TrainShard(dense=1e9, expert=2e9, layers=["linear", "full"], largest_unit=5e8)
+SHARD = M.TrainShard(dense=1e9, expert=2e9, layers=["linear", "full"], largest_unit=5e8, root=1e9)
 
 
 def test_capacity():
@@ -76,17 +76,41 @@ def test_megatron_weights_grads_optimizer():
     assert M.optimizer_states_gib(plain, lay, SHARD) == pytest.approx(3e9 * 12 / GIB)
 
 
+NO_OFFLOAD = dict(backend__offload_policy=False, backend__param_offload=False, backend__optimizer_offload=False)
+
+
 def test_fsdp_states_and_gathered_blocks():
     lay = layout("fsdp", world=8, tp=1, pp=1, ep=1)
-    resident = tree(FSDP27, backend__offload_policy=False)
+    resident = tree(FSDP27, **NO_OFFLOAD)  # the recipe turns offload_policy, param_offload, optimizer_offload on
     assert M.train_weights_gib(resident, lay, SHARD) == pytest.approx(3e9 * 4 / GIB)
-    assert M.train_grads_gib(resident, lay, SHARD) == pytest.approx(3e9 * 4 / GIB)
     assert M.optimizer_states_gib(resident, lay, SHARD) == pytest.approx(3e9 * 8 / GIB)
-    on_host = tree(FSDP27)  # the recipe turns offload_policy on
-    assert [f(on_host, lay, SHARD) for f in (M.train_weights_gib, M.train_grads_gib, M.optimizer_states_gib)] == [0, 0, 0]
-    assert M.fsdp_gathered_params_gib(on_host, lay, SHARD) == pytest.approx(2 * 5e8 * 2 / GIB)
+    # gradients at the backward's peak are those of earlier micro batches: 16 x 5 responses / dp 8 = 10 micro batches
+    assert M.train_grads_gib(resident, lay, SHARD) == pytest.approx(3e9 * 4 / GIB)
+    single = tree(FSDP27, **NO_OFFLOAD, algorithm__mini_batch_size=8, rollout__n=1)  # 8 responses / dp 8: one
+    assert M.train_grads_gib(single, lay, SHARD) == 0
+    # the FSDP engine turns any one offload flag into CPUOffloadPolicy: everything of the policy on the host
+    for flag in ("offload_policy", "param_offload", "optimizer_offload", "grad_offload"):
+        on_host = tree(FSDP27, **{**NO_OFFLOAD, f"backend__{flag}": True})
+        assert [f(on_host, lay, SHARD) for f in (M.train_weights_gib, M.train_grads_gib, M.optimizer_states_gib)] == [0, 0, 0]
+    # bf16 copies (cuda: bf16 compute): the root unit stays gathered, plus the layer computed and the one prefetched
+    assert M.fsdp_gathered_params_gib(resident, lay, SHARD) == pytest.approx((1e9 + 2 * 5e8) * 2 / GIB)
     keep = tree(FSDP27, backend__reshard_after_forward=False)
     assert M.fsdp_gathered_params_gib(keep, lay, SHARD) == pytest.approx(3e9 * 8 * 2 / GIB)
+
+
+def test_fsdp_optimizer_step():
+    lay = layout("fsdp", world=8, tp=1, pp=1, ep=1)
+    resident = tree(FSDP27, **NO_OFFLOAD)
+    # every local fp32 gradient plus AdamW's sqrt of the second moments (4 B per local parameter), which exceeds
+    # the grad norm's fp64 copy and square of the largest shard (the 248320 x 5120 lm_head / 8, 16 B per element)
+    step = (3e9 * 4 + max(248320 * 5120 / 8 * 16, 3e9 * 4)) / GIB
+    assert M.optimizer_step_gib(resident, lay, SHARD, backward_set=0.0) == pytest.approx(step)
+    assert M.optimizer_step_gib(resident, lay, SHARD, backward_set=step - 1.0) == pytest.approx(1.0)
+    assert M.optimizer_step_gib(resident, lay, SHARD, backward_set=step + 1.0) == 0
+    small = M.TrainShard(dense=1e8, expert=0, layers=[], largest_unit=0)  # few parameters: the grad norm's copies win
+    assert M.optimizer_step_gib(resident, lay, small, 0.0) == pytest.approx((1e8 * 4 + 248320 * 5120 / 8 * 16) / GIB)
+    assert M.optimizer_step_gib(tree(FSDP27), lay, SHARD, 0.0) == 0  # offloaded: the step runs on the host
+    assert M.optimizer_step_gib(tree(MG35), layout(), SHARD, 0.0) == 0  # Megatron steps in place
 
 
 def test_train_shard_counts():
@@ -102,8 +126,14 @@ def test_train_shard_counts():
     assert shard.dense == pytest.approx(max(first, last) / 2)
     fsdp = tree(FSDP27)
     s = M.train_shard(fsdp, derive_layout(fsdp))
-    assert (s.dense + s.expert) * 8 == pytest.approx(P.count_params(fsdp["model"]).total)
-    assert s.largest_unit == 248320 * 5120  # the untied embedding / lm_head is the largest block
+    count = P.count_params(fsdp["model"])
+    assert (s.dense + s.expert) * 8 == pytest.approx(count.text)  # text data: the text model, no vision tower
+    assert s.root == 2 * 248320 * 5120 + 5120  # the root unit: untied embedding, lm_head and final norm
+    m27 = fsdp["model"]
+    assert s.largest_unit == max(P.layer_dense_params(m27, k) for k in ("linear", "full"))
+    images = tree(FSDP27, data__has_images=True)
+    s = M.train_shard(images, derive_layout(images))
+    assert (s.dense + s.expert) * 8 == pytest.approx(count.total)  # image data: the VL model
 
 
 def test_layer_activations_per_token():
@@ -115,6 +145,47 @@ def test_layer_activations_per_token():
     moe = tree(["model=qwen3_5_tiny_moe"])["model"]  # 8 experts, top-2 of 64, shared 64
     assert M.layer_activation_elems_per_token(moe, "full") == (2 * 128 + 5 * 4 * 32 + 3 * 2 * 32) + (
         2 * 128 + 2 * 8 + 2 * 2 * 128 + 3 * 2 * 64 + 3 * 64)
+
+
+def test_hf_layer_bytes_per_token():
+    m = tree(TINY)["model"]  # h 128, MLP 256, 4 heads / 2 KV of 32 (output gate), GDN 2 key / 4 value heads of 64
+    # two fp32-computing RMSNorms (fp32 copy, fp32 normed, output), the layer output, the MLP's gate/up/silu/product
+    around = 2 * (4 + 4 + 2) * 128 + 2 * 128 + 2 * 4 * 256
+    assert M.norm_mlp_bytes_per_token(m, 2) == around
+    # bf16: rotated q, attention output, its copy, sigmoid gate, gated product; rotated k, v. fp32: q/k norms, lse
+    attention = 2 * (5 * 4 * 32 + 2 * 2 * 32) + 4 * (2 * 4 * 32 + 2 * 2 * 32 + 4)
+    assert M.hf_layer_bytes_per_token(m, "full", 2, "torch") == attention + around
+    conv_dim, value_dim, qk = 2 * 2 * 64 + 4 * 64, 4 * 64, 4 * 64  # the fallback expands q, k to the 4 value heads
+    fallback = 2 * (2 * conv_dim + 3 * value_dim) + 4 * (8 * qk + 6 * value_dim + 5 * 4 * 64 + 4 * 64 * 64 / 64 + 10 * 4)
+    assert M.hf_layer_bytes_per_token(m, "linear", 2, "torch") == fallback + around
+    fla = 2 * (2 * conv_dim + 2 * 2 * 64 + 4 * 64 + 3 * value_dim) + 4 * 4 * 4
+    assert M.hf_layer_bytes_per_token(m, "linear", 2, "fla") == fla + around
+    assert M.gdn_kernels(tree(TINY)) == "torch" and M.gdn_kernels(tree(FSDP27)) == "fla"
+
+
+def test_fsdp_activations_head_and_recompute():
+    micro4 = dict(backend__micro_batch_size_per_device=4)  # 4 x (32 + 8) = 160 tokens, 32 of them response tokens
+    ckpt = tree(TINY, **micro4, backend__gradient_checkpointing=True)  # cpu: fp32 compute, torch GDN
+    full = tree(TINY, **micro4, backend__gradient_checkpointing=False)
+    lay = derive_layout(ckpt)
+    shard = M.train_shard(ckpt, lay)
+    m = ckpt["model"]
+    per_layer = sum(M.hf_layer_bytes_per_token(m, k, 4, "torch") for k in P.layer_kinds(m))
+    final_norm, head_input = (4 + 4 + 4) * 128, 32 * 4 * 128
+    # checkpointing: each of the 4 layers keeps its input; without it every layer's tensors
+    assert M.activations_gib(ckpt, lay, shard, "torch") == pytest.approx((160 * (4 * 4 * 128 + final_norm) + head_input) / GIB)
+    assert M.activations_gib(full, lay, shard, "torch") == pytest.approx((160 * (per_layer + final_norm) + head_input) / GIB)
+    # the head's backward: the fp32 [V, h] lm_head gradient and three fp32 [chunk, V] tensors (32 response tokens)
+    head = (320 * 128 * 4 + 3 * 32 * 320 * 4) / GIB
+    assert M.logits_gib(ckpt, lay) == pytest.approx(head)
+    # a recomputed layer (the widest: GDN) while the lm_head's gradient waits in the compute dtype
+    widest = M.hf_layer_bytes_per_token(m, "linear", 4, "torch")
+    assert M.recomputed_layer_gib(ckpt, lay, shard, "torch") == pytest.approx((160 * widest + 320 * 128 * 4) / GIB)
+    assert M.recomputed_layer_gib(full, lay, shard, "torch") == 0
+    assert M.backward_transient_gib(ckpt, lay, shard, "torch") == pytest.approx(
+        max(head, M.recomputed_layer_gib(ckpt, lay, shard, "torch")))
+    long = tree(TINY, **micro4, data__max_response_length=512, backend__logprob_chunk_size=1024)  # 2048: chunk 1024
+    assert M.logits_gib(long, lay) == pytest.approx((320 * 128 * 4 + 3 * 1024 * 320 * 4) / GIB)
 
 
 def test_activations_with_and_without_recompute():
@@ -191,8 +262,40 @@ def test_what_stays_between_phases():
     assert M.train_state_during_rollout_gib(kept, lay, SHARD) == pytest.approx(weights + grads + weights)  # + reference
     awake = tree(MG35, rollout__free_cache_engine=False)
     assert M.sleeping_engine_gib(awake, lay) == pytest.approx(M.vllm_pool_gib(awake))
-    hf = tree(TINY)
+    hf = tree(TINY)  # the tiny model is fp32
     assert M.sleeping_engine_gib(hf, derive_layout(hf)) == pytest.approx(P.count_params(hf["model"]).total * 4 / GIB)
+    asleep = tree(TINY, rollout__free_cache_engine=True, rollout__sleep_level=2)  # level 2 moves it to the host
+    assert M.sleeping_engine_gib(asleep, derive_layout(asleep)) == 0
+    assert M.rollout_terms(asleep, derive_layout(asleep))["host/sleeping_engine"] > 0
+    vl = tree(["model=qwen3_5_0_8b", "rollout=hf"])  # a VL model on text data: the hf engine holds the text model
+    count = P.count_params(vl["model"])
+    assert M.sleeping_engine_gib(vl, derive_layout(vl)) == pytest.approx(count.text * 2 / GIB)
+    images = tree(["model=qwen3_5_0_8b", "rollout=hf"], data__has_images=True)
+    assert M.sleeping_engine_gib(images, derive_layout(images)) == pytest.approx(count.total * 2 / GIB)
+    # the FSDP reference: bf16 shard plus its root unit, gathered after each of its forward passes
+    ref = tree(FSDP27, **NO_OFFLOAD)
+    assert M.reference_model_gib(ref, layout("fsdp", world=8, tp=1, pp=1, ep=1), SHARD) == pytest.approx(4e9 * 2 / GIB)
+
+
+def test_hf_engine_cache_prefill_and_sampler():
+    t = tree(TINY)  # 16 prompts x n 8 over 2 devices: 64 rows of 32 prompt + 8 new tokens, fp32 model
+    lay = derive_layout(t)
+    # per row: K and V of the one attention layer (2 KV heads of 32) for 40 positions; per GDN layer (3) the fp32
+    # recurrent state (4 heads x 64 x 64) and 4 conv columns of the 512 conv channels
+    per_row = 40 * 1 * 2 * 2 * 32 * 4 + 3 * (4 * 64 * 64 * 4 + 512 * 4 * 4)
+    assert M.hf_static_cache_gib(t, lay) == pytest.approx(64 * per_row / GIB)
+    # torch fallback prefill: conv output, z, residual stream (model dtype); 3 value-, 6 key-sized and 3 chunk-matrix
+    # tensors (fp32) per token; 4 states + 2 chunk temporaries per row; the boolean mask
+    per_token = 4 * (512 + 256 + 2 * 128) + 4 * (3 * 256 + 6 * 4 * 64 + 3 * 4 * 64)
+    per_row = 4 * (4 * 4 * 64 * 64 + 2 * 4 * 64 * 64)
+    assert M.hf_prefill_gib(t, lay, "torch") == pytest.approx(64 * (32 * per_token + per_row + 32 * 40) / GIB)
+    # a decode step's sampling: logits (model dtype) and five fp32 vocabulary-sized tensors per row
+    assert M.hf_sampler_gib(t, lay) == pytest.approx(64 * 320 * (4 + 5 * 4) / GIB)
+    terms = M.rollout_terms(t, lay)
+    assert terms["rollout/activations"] == pytest.approx(max(M.hf_prefill_gib(t, lay, "torch"), M.hf_sampler_gib(t, lay)))
+    est = M.estimate(t, lay)
+    assert est.rollout_peak_gib == pytest.approx(est.terms["rollout/kept_by_trainer"] + terms["rollout/weights"]
+                                                 + terms["rollout/kv_cache"] + terms["rollout/activations"])
 
 
 def test_host_offload_term():
@@ -210,6 +313,15 @@ def test_assemble_pool_and_sequences():
     assert est.rollout_sequences == int(free // per_seq)
     assert est.rollout_peak_gib == pytest.approx(est.terms["rollout/kept_by_trainer"] + pool)
     assert est.train_peak_gib == pytest.approx(sum(v for k, v in est.terms.items() if k.startswith("train/")))
+    # FSDP: the peak is the larger of the backward and the optimizer step (train/optimizer_step is the step's excess)
+    t = tree(FSDP27, **NO_OFFLOAD, algorithm__mini_batch_size=8, rollout__n=1)  # one micro batch: no grads in backward
+    est = M.estimate(t, derive_layout(t))
+    persistent = sum(est.terms[k] for k in ("train/weights", "train/optimizer", "train/reference", "train/sleeping_engine"))
+    backward = sum(est.terms[k] for k in ("train/grads", "train/gathered_params", "train/activations",
+                                          "train/backward_transient"))
+    shard = M.train_shard(t, derive_layout(t))
+    step = M.optimizer_step_gib(t, derive_layout(t), shard, backward_set=0.0)
+    assert est.train_peak_gib == pytest.approx(persistent + max(backward, step))
     tight = tree(MG397, rollout__gpu_memory_utilization=0.05)
     small = M.estimate(tight, derive_layout(tight))
     assert not small.rollout_engine_fits and not small.fits and small.rollout_sequences == 0

@@ -1,0 +1,159 @@
+"""The memory estimate against peaks measured on an H200 (tests/config/data/memory_h200_2026_11_29b.json, from
+bench/gpu/results/2026-11-29b), and its per-token activation formula against the tensors transformers' decoder
+layers really keep for backward.
+
+The measured runs used transformers' torch GDN fallback (no flash-linear-attention), so the estimate is asked for
+that kernel path (`gdn="torch"`); the plan itself assumes fla on accelerators.
+"""
+import json
+import os
+import weakref
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+
+from qwen35rl.config import memory as M
+from qwen35rl.config.compose import compose
+from qwen35rl.config.layout import derive_layout
+
+TOLERANCE = 0.10
+FIXTURE = json.loads((Path(__file__).parent / "data" / "memory_h200_2026_11_29b.json").read_text())
+CASES = FIXTURE["cases"]
+_estimates = {}
+
+
+def measured_config(overrides):
+    key = tuple(overrides)
+    if key not in _estimates:
+        tree = M.as_tree(compose(FIXTURE["common_overrides"] + list(overrides)))
+        layout = derive_layout(tree)
+        _estimates[key] = tree, layout, M.estimate(tree, layout, gdn=FIXTURE["gdn"])
+    return _estimates[key]
+
+
+def off_by(estimated, measured):
+    return estimated / measured - 1
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_training_peak_within_10_percent(case):
+    _, _, est = measured_config(case["overrides"])
+    err = off_by(est.train_peak_gib, case["train_allocated_gib"])
+    assert abs(err) <= TOLERANCE, f"{case['name']}: estimate {est.train_peak_gib:.2f} GiB vs allocated " \
+                                  f"{case['train_allocated_gib']:.2f} GiB ({err:+.1%}); terms {est.terms}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_hf_rollout_peak_within_10_percent(case):
+    tree, layout, est = measured_config(case["overrides"])
+    expected = est.rollout_peak_gib
+    if case["generation_before_first_update"]:
+        # The estimate is the steady state. This generation ran before the worker's first update and first
+        # reference forward: AdamW had not created its states, and the reference's root unit was not gathered yet.
+        shard = M.train_shard(tree, layout)
+        expected -= M.optimizer_states_gib(tree, layout, shard)
+        expected -= M.gib(shard.root * M.BF16) if M.kl_on(tree) else 0.0
+    err = off_by(expected, case["rollout_allocated_gib"])
+    assert abs(err) <= TOLERANCE, f"{case['name']}: estimate {expected:.2f} GiB vs allocated " \
+                                  f"{case['rollout_allocated_gib']:.2f} GiB ({err:+.1%}); terms {est.terms}"
+
+
+def test_the_fixture_spans_the_calibrated_knobs():
+    """Checkpointing on and off, KL on and off, one and several micro batches per optimizer step, and generations
+    before and after the first update: the tests above cover each term's switch."""
+    configs = [measured_config(c["overrides"]) for c in CASES]
+    assert {t["backend"]["gradient_checkpointing"] for t, _, _ in configs} == {True, False}
+    assert {M.kl_on(t) for t, _, _ in configs} == {True, False}
+    assert {M.micro_batches_per_mini_batch(t, lay) > 1 for t, lay, _ in configs} == {True, False}
+    assert {c["generation_before_first_update"] for c in CASES} == {True, False}
+    assert {e.terms["train/optimizer_step"] > 0 for _, _, e in configs} == {True, False}
+
+
+def test_cli_run_peak_within_10_percent():
+    """The whole CLI run (128 prompts x 384 tokens, 8 micro batches): max_memory_allocated after step 1 (no AdamW
+    states during its update) and after later steps (steady state) against the estimate's higher phase."""
+    run = FIXTURE["runs"][0]
+    tree, layout, est = measured_config(run["overrides"])
+    first, *later = run["max_allocated_gib_by_step"]
+    steady = max(est.train_peak_gib, est.rollout_peak_gib)
+    assert abs(off_by(steady, max(later))) <= TOLERANCE
+    without_adam = est.train_peak_gib - M.optimizer_states_gib(tree, layout, M.train_shard(tree, layout))
+    assert abs(off_by(without_adam, first)) <= TOLERANCE
+
+
+def test_plan_assumes_fla_kernels_on_accelerators():
+    tree, layout, torch_est = measured_config(CASES[0]["overrides"])
+    assert M.gdn_kernels(tree) == "fla"
+    assert M.gdn_kernels(M.as_tree(compose(["hw=cpu"]))) == "torch"
+    plan = M.estimate(tree, layout)
+    # fla keeps a fraction of the fallback's fp32 chunk tensors: without checkpointing the activations shrink
+    assert plan.terms["train/activations"] < 0.6 * torch_est.terms["train/activations"]
+    with pytest.raises(ValueError):
+        M.estimate(tree, layout, gdn="triton")
+
+
+# ------------------------------------------------------------------------ per-token activations, counted
+class LiveBytes:
+    """Bytes of tensor storages created inside the context and still alive (a dispatch mode that registers every
+    op output's storage and forgets it when the storage is freed)."""
+
+    def __init__(self, ignore=()):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        live = {t.untyped_storage()._cdata: 0 for t in ignore}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    if hasattr(t, "untyped_storage"):
+                        st = t.untyped_storage()
+                        if st._cdata not in live:
+                            live[st._cdata] = st.nbytes()
+                            weakref.finalize(st, live.pop, st._cdata, None)
+                return out
+
+        self.live, self.mode = live, Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+    @property
+    def bytes(self):
+        return sum(self.live.values())
+
+
+@pytest.mark.parametrize("overrides", [[], ["model=qwen3_5_0_8b"]], ids=["tiny", "0.8b"])
+@pytest.mark.parametrize("kind", ["linear", "full"])
+def test_layer_bytes_per_token_are_what_the_layer_keeps(overrides, kind):
+    """One decoder layer of transformers' Qwen3.5 in bf16 with the torch GDN fallback: the storages alive after its
+    forward (what autograd keeps for backward, plus its output) per token equal `hf_layer_bytes_per_token`."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    from qwen35rl.models.hf_config import to_hf_config
+
+    cfg = compose(overrides)
+    config = to_hf_config(cfg.model, text_only=True)
+    config.num_hidden_layers, config.layer_types = 1, [f"{kind}_attention"]
+    config._attn_implementation, config.use_cache = "sdpa", False
+    config.vocab_size, config.pad_token_id = 1024, None  # a layer does not see the vocabulary: skip a big embedding
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM._from_config(config, dtype=torch.bfloat16).train()
+    rows, width = 2, 256
+    positions = torch.arange(width).expand(rows, width)
+    hidden = model.model.embed_tokens(torch.randint(0, 100, (rows, width))).detach().requires_grad_(True)
+    rotary = model.model.rotary_emb(hidden, positions)
+    with LiveBytes(ignore=[*model.parameters(), hidden, *rotary]) as live:
+        out = model.model.layers[0](hidden, position_embeddings=rotary, attention_mask=None, position_ids=positions)
+    kept = live.bytes / (rows * width)
+    assert out is not None
+    formula = M.hf_layer_bytes_per_token(M.as_tree(cfg)["model"], kind, M.BF16, "torch")
+    assert formula == pytest.approx(kept, rel=0.02)
