@@ -289,9 +289,9 @@ def gdn_bytes_per_token(m: Any, cb: int, kernels: str) -> float:
     """Gated DeltaNet mixer per token. torch fallback (counted on the 0.8B modules: 189 KB): qkv projection, conv
     output and the gated norm's three outputs in the compute dtype; in fp32 the q/k copies, the l2-normed q, padded
     q/k/v, two triangular solves, decayed q/k, the gated norm's input/gate/silu, v_new, five [64, 64] intra-chunk
-    matrices per head and one recurrent state per 64-token chunk. fla (fla's saved tensors, not measured): conv
-    input and output, l2-normed q and k, the solved chunk matrix A, z, the kernel and gated-norm outputs in the
-    compute dtype, gates and rstd in fp32."""
+    matrices per head and one recurrent state per 64-token chunk. fla + causal-conv1d (not measured; what fla
+    0.6's chunk_gated_delta_rule saves): the conv input, l2-normed q and k, the contiguous v, beta and the solved
+    [64]-wide chunk matrix A in the compute dtype, g and the q/k rstd in fp32, and the gated norm as above."""
     nk, nv = int(m["linear_num_key_heads"]), int(m["linear_num_value_heads"])
     dk, dv = int(m["linear_key_head_dim"]), int(m["linear_value_head_dim"])
     value_dim, conv_dim = nv * dv, 2 * nk * dk + nv * dv
@@ -299,7 +299,8 @@ def gdn_bytes_per_token(m: Any, cb: int, kernels: str) -> float:
         qk = nv * dk
         return float(cb * (2 * conv_dim + 3 * value_dim)
                      + FP32 * (8 * qk + 6 * value_dim + 5 * nv * GDN_CHUNK + nv * dk * dv / GDN_CHUNK + 10 * nv))
-    return float(cb * (2 * conv_dim + 2 * nk * dk + nv * GDN_CHUNK + 3 * value_dim) + FP32 * 4 * nv)
+    return float(cb * (conv_dim + 2 * nk * dk + 4 * value_dim + nv * GDN_CHUNK + nv)
+                 + FP32 * (3 * value_dim + 2 * nk + 3 * nv))
 
 
 def hf_layer_bytes_per_token(m: Any, kind: str, cb: int, kernels: str) -> float:
@@ -565,9 +566,9 @@ def hf_prefill_gib(cfg: Any, layout: Layout, kernels: Optional[str] = None) -> f
     exceed an attention layer's, plus the [rows, 1, prompt, prompt + new] boolean mask. torch fallback (counted on
     the 0.8B modules, 106 KB per prompt token there): conv output, z and the residual stream in the model dtype;
     in fp32 3 value-sized and 6 key-sized tensors and three [64]-wide chunk matrices per head and token, and per
-    row four recurrent states and two chunk temporaries. fla (not measured): the conv output, z, the residual
-    stream, the chunk kernels' w, u, v_new, output and per-chunk states in the model dtype, the chunk matrix in
-    fp32, one fp32 final state per row."""
+    row four recurrent states and two chunk temporaries. fla (not measured): the conv output and contiguous q/k/v,
+    normed q and k, z, w, u, v_new, the kernel output, A, the per-chunk states and the residual stream in the model
+    dtype, g in fp32, one fp32 final state per row."""
     m = cfg["model"]
     rows, width = hf_engine_sequences(cfg, layout), int(cfg["data"]["max_prompt_length"])
     h, cb = int(m["hidden_size"]), dtype_bytes(m["dtype"])
@@ -578,7 +579,8 @@ def hf_prefill_gib(cfg: Any, layout: Layout, kernels: Optional[str] = None) -> f
         per_token = cb * (conv_dim + value_dim + 2 * h) + FP32 * (3 * value_dim + 6 * nv * dk + 3 * nv * GDN_CHUNK)
         per_row = FP32 * (4 * state + 2 * nv * GDN_CHUNK * dv)
     else:
-        per_token = cb * (conv_dim + 4 * value_dim + 2 * h + nv * dk + state / GDN_CHUNK) + FP32 * nv * GDN_CHUNK
+        per_token = (cb * (2 * conv_dim + 2 * nk * dk + 4 * value_dim + nv * dk + nv * GDN_CHUNK + state / GDN_CHUNK
+                           + 2 * h) + FP32 * nv)
         per_row = FP32 * state
     mask = width * sequence_length(cfg)
     return gib(rows * (width * per_token + per_row + mask))

@@ -158,7 +158,9 @@ def test_hf_layer_bytes_per_token():
     conv_dim, value_dim, qk = 2 * 2 * 64 + 4 * 64, 4 * 64, 4 * 64  # the fallback expands q, k to the 4 value heads
     fallback = 2 * (2 * conv_dim + 3 * value_dim) + 4 * (8 * qk + 6 * value_dim + 5 * 4 * 64 + 4 * 64 * 64 / 64 + 10 * 4)
     assert M.hf_layer_bytes_per_token(m, "linear", 2, "torch") == fallback + around
-    fla = 2 * (2 * conv_dim + 2 * 2 * 64 + 4 * 64 + 3 * value_dim) + 4 * 4 * 4
+    # fla: conv input, normed q and k (2 key heads), contiguous v, beta, A (64 per value head) + the gated norm as
+    # in the fallback (3 value-sized in bf16 and in fp32); g and rstd in fp32
+    fla = 2 * (conv_dim + 2 * 2 * 64 + 4 * value_dim + 4 * 64 + 4) + 4 * (3 * value_dim + 2 * 2 + 3 * 4)
     assert M.hf_layer_bytes_per_token(m, "linear", 2, "fla") == fla + around
     assert M.gdn_kernels(tree(TINY)) == "torch" and M.gdn_kernels(tree(FSDP27)) == "fla"
 
@@ -289,6 +291,10 @@ def test_hf_engine_cache_prefill_and_sampler():
     per_token = 4 * (512 + 256 + 2 * 128) + 4 * (3 * 256 + 6 * 4 * 64 + 3 * 4 * 64)
     per_row = 4 * (4 * 4 * 64 * 64 + 2 * 4 * 64 * 64)
     assert M.hf_prefill_gib(t, lay, "torch") == pytest.approx(64 * (32 * per_token + per_row + 32 * 40) / GIB)
+    # fla: conv output and contiguous q/k/v, normed q/k, z/u/v_new/output, w, A, per-chunk states, residual stream;
+    # g in fp32; one fp32 final state per row
+    fla_token = 4 * (2 * 512 + 2 * 2 * 64 + 4 * 256 + 4 * 64 + 4 * 64 + 4 * 64 * 64 / 64 + 2 * 128) + 4 * 4
+    assert M.hf_prefill_gib(t, lay, "fla") == pytest.approx(64 * (32 * fla_token + 4 * 4 * 64 * 64 + 32 * 40) / GIB)
     # a decode step's sampling: logits (model dtype) and five fp32 vocabulary-sized tensors per row
     assert M.hf_sampler_gib(t, lay) == pytest.approx(64 * 320 * (4 + 5 * 4) / GIB)
     terms = M.rollout_terms(t, lay)
