@@ -461,7 +461,9 @@ def sleeping_engine_gib(cfg: Any, layout: Layout) -> float:
     them; the KV cache is freed): nothing stays. Without it the whole pool stays. The hf engine keeps its copy of
     its weights in the model dtype unless it sleeps (`hf_engine_sleeps`)."""
     if cfg["rollout"]["engine"] == "hf":
-        return 0.0 if hf_engine_sleeps(cfg) else gib(rollout_weights_params(cfg, layout) * dtype_bytes(cfg["model"]["dtype"]))
+        if hf_engine_sleeps(cfg):
+            return 0.0
+        return gib(rollout_weights_params(cfg, layout) * dtype_bytes(cfg["model"]["dtype"]))
     return 0.0 if cfg["rollout"]["free_cache_engine"] else vllm_pool_gib(cfg)
 
 

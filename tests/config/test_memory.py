@@ -91,7 +91,8 @@ def test_fsdp_states_and_gathered_blocks():
     # the FSDP engine turns any one offload flag into CPUOffloadPolicy: everything of the policy on the host
     for flag in ("offload_policy", "param_offload", "optimizer_offload", "grad_offload"):
         on_host = tree(FSDP27, **{**NO_OFFLOAD, f"backend__{flag}": True})
-        assert [f(on_host, lay, SHARD) for f in (M.train_weights_gib, M.train_grads_gib, M.optimizer_states_gib)] == [0, 0, 0]
+        states = (M.train_weights_gib, M.train_grads_gib, M.optimizer_states_gib)
+        assert [f(on_host, lay, SHARD) for f in states] == [0, 0, 0]
     # bf16 copies (cuda: bf16 compute): the root unit stays gathered, plus the layer computed and the one prefetched
     assert M.fsdp_gathered_params_gib(resident, lay, SHARD) == pytest.approx((1e9 + 2 * 5e8) * 2 / GIB)
     keep = tree(FSDP27, backend__reshard_after_forward=False)
@@ -156,7 +157,8 @@ def test_hf_layer_bytes_per_token():
     attention = 2 * (5 * 4 * 32 + 2 * 2 * 32) + 4 * (2 * 4 * 32 + 2 * 2 * 32 + 4)
     assert M.hf_layer_bytes_per_token(m, "full", 2, "torch") == attention + around
     conv_dim, value_dim, qk = 2 * 2 * 64 + 4 * 64, 4 * 64, 4 * 64  # the fallback expands q, k to the 4 value heads
-    fallback = 2 * (2 * conv_dim + 3 * value_dim) + 4 * (8 * qk + 6 * value_dim + 5 * 4 * 64 + 4 * 64 * 64 / 64 + 10 * 4)
+    fallback = (2 * (2 * conv_dim + 3 * value_dim)
+                + 4 * (8 * qk + 6 * value_dim + 5 * 4 * 64 + 4 * 64 * 64 / 64 + 10 * 4))
     assert M.hf_layer_bytes_per_token(m, "linear", 2, "torch") == fallback + around
     # fla: conv input, normed q and k (2 key heads), contiguous v, beta, A (64 per value head) + the gated norm as
     # in the fallback (3 value-sized in bf16 and in fp32); g and rstd in fp32
@@ -175,8 +177,9 @@ def test_fsdp_activations_head_and_recompute():
     per_layer = sum(M.hf_layer_bytes_per_token(m, k, 4, "torch") for k in P.layer_kinds(m))
     final_norm, head_input = (4 + 4 + 4) * 128, 32 * 4 * 128
     # checkpointing: each of the 4 layers keeps its input; without it every layer's tensors
-    assert M.activations_gib(ckpt, lay, shard, "torch") == pytest.approx((160 * (4 * 4 * 128 + final_norm) + head_input) / GIB)
-    assert M.activations_gib(full, lay, shard, "torch") == pytest.approx((160 * (per_layer + final_norm) + head_input) / GIB)
+    saved = {"ckpt": 160 * (4 * 4 * 128 + final_norm) + head_input, "full": 160 * (per_layer + final_norm) + head_input}
+    assert M.activations_gib(ckpt, lay, shard, "torch") == pytest.approx(saved["ckpt"] / GIB)
+    assert M.activations_gib(full, lay, shard, "torch") == pytest.approx(saved["full"] / GIB)
     # the head's backward: the fp32 [V, h] lm_head gradient and three fp32 [chunk, V] tensors (32 response tokens)
     head = (320 * 128 * 4 + 3 * 32 * 320 * 4) / GIB
     assert M.logits_gib(ckpt, lay) == pytest.approx(head)
@@ -298,7 +301,8 @@ def test_hf_engine_cache_prefill_and_sampler():
     # a decode step's sampling: logits (model dtype) and five fp32 vocabulary-sized tensors per row
     assert M.hf_sampler_gib(t, lay) == pytest.approx(64 * 320 * (4 + 5 * 4) / GIB)
     terms = M.rollout_terms(t, lay)
-    assert terms["rollout/activations"] == pytest.approx(max(M.hf_prefill_gib(t, lay, "torch"), M.hf_sampler_gib(t, lay)))
+    transient = max(M.hf_prefill_gib(t, lay, "torch"), M.hf_sampler_gib(t, lay))
+    assert terms["rollout/activations"] == pytest.approx(transient)
     est = M.estimate(t, lay)
     assert est.rollout_peak_gib == pytest.approx(est.terms["rollout/kept_by_trainer"] + terms["rollout/weights"]
                                                  + terms["rollout/kv_cache"] + terms["rollout/activations"])
@@ -322,7 +326,8 @@ def test_assemble_pool_and_sequences():
     # FSDP: the peak is the larger of the backward and the optimizer step (train/optimizer_step is the step's excess)
     t = tree(FSDP27, **NO_OFFLOAD, algorithm__mini_batch_size=8, rollout__n=1)  # one micro batch: no grads in backward
     est = M.estimate(t, derive_layout(t))
-    persistent = sum(est.terms[k] for k in ("train/weights", "train/optimizer", "train/reference", "train/sleeping_engine"))
+    persistent = sum(est.terms[k] for k in ("train/weights", "train/optimizer", "train/reference",
+                                            "train/sleeping_engine"))
     backward = sum(est.terms[k] for k in ("train/grads", "train/gathered_params", "train/activations",
                                           "train/backward_transient"))
     shard = M.train_shard(t, derive_layout(t))
