@@ -71,7 +71,9 @@ def build_model(
 def trains_vision(model_cfg: Any, data_cfg: Any) -> bool:
     """Whether the policy includes the vision tower: a vision model on image data. Otherwise a VL checkpoint trains
     as its text model, and its vision tower is carried over unchanged into the export."""
-    return model_cfg.vision is not None and bool(data_cfg.has_images)
+    from qwen35rl.config.memory import trains_vision as planned  # the rule the memory estimate plans with
+
+    return planned({"model": model_cfg, "data": data_cfg})
 
 
 def _config_for(model_cfg: Any, text_only: bool):
