@@ -154,6 +154,16 @@ def agg_loss(
     return local * (dp_size / denom) if denom > 0 else local * 0.0
 
 
+def agg_settings(algo: Any, max_response_length: int, *, global_tokens: float, global_seqs: float, dp_size: int,
+                 norm_const: Optional[float] = None) -> Dict[str, Any]:
+    """The `agg_loss` keyword arguments of a mini batch: the configured mode and the global normalisers
+    (seq-mean-token-sum-norm divides by `algorithm.loss_scale_factor`, else the max response length)."""
+    if norm_const is None:
+        norm_const = algo.loss_scale_factor or max_response_length
+    return dict(mode=algo.loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp_size,
+                norm_const=float(norm_const))
+
+
 ACTOR_SUMS = ("pg", "kl", "entropy", "nonfinite", "clipfrac", "approx_kl", "clipfrac_lower", "tokens")
 """What `actor_loss` returns per micro batch for the metrics, in this order (summed over micro batches and ranks)."""
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics, local_batch_counts
+from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics, agg_settings, local_batch_counts
 from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST, Batch, TrainEngine
 from qwen35rl.engines.logprob import chunked_logprobs_entropy
 from qwen35rl.models.build import build_model, init_rotary_buffers, torch_dtype, trains_vision
@@ -258,11 +258,8 @@ class FsdpTrainEngine(TrainEngine):
             raise RuntimeError("the reference engine is frozen: it has no optimizer")
         algo = self.algo
         tokens, seqs = self._global_counts(micro_batches, global_scale)
-        norm_const = global_scale.get(NORM_CONST)
-        if norm_const is None:
-            norm_const = algo.loss_scale_factor or self.cfg.data.max_response_length
-        agg = dict(mode=algo.loss_agg_mode, global_tokens=tokens, global_seqs=seqs, dp_size=self.dp_size,
-                   norm_const=float(norm_const))
+        agg = agg_settings(algo, int(self.cfg.data.max_response_length), global_tokens=tokens, global_seqs=seqs,
+                           dp_size=self.dp_size, norm_const=global_scale.get(NORM_CONST))
 
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics, local_batch_counts
+from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics, agg_settings, local_batch_counts
 from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST, Batch, TrainEngine
 from qwen35rl.engines.megatron import ascend, version
 from qwen35rl.engines.megatron import mapping as mp
@@ -474,11 +474,8 @@ class MegatronTrainEngine(TrainEngine):
             raise RuntimeError("the reference engine is frozen: it has no optimizer")
         algo = self.algo
         tokens, seqs = self._global_counts(micro_batches, global_scale)
-        norm_const = global_scale.get(NORM_CONST)
-        if norm_const is None:
-            norm_const = algo.loss_scale_factor or self.cfg.data.max_response_length
-        agg = dict(mode=algo.loss_agg_mode, global_tokens=tokens, global_seqs=seqs, dp_size=self.dp_size,
-                   norm_const=float(norm_const))
+        agg = agg_settings(algo, int(self.cfg.data.max_response_length), global_tokens=tokens, global_seqs=seqs,
+                           dp_size=self.dp_size, norm_const=global_scale.get(NORM_CONST))
         prepared = [self._prepare(mb, train=True) for mb in micro_batches]
         for c in self.model:
             c.train()
