@@ -13,6 +13,8 @@ bench/results/h200.md). Without it the same static-cache loop runs eagerly.
 """
 from __future__ import annotations
 
+import inspect
+
 import logging
 import os
 from dataclasses import dataclass
@@ -32,6 +34,12 @@ CUDA_GRAPH_ENV = "QWEN35RL_DECODE_CUDA_GRAPH"
 """1: capture the decode step as a CUDA graph (default off, see the module docstring)."""
 FINISHED_CHECK_EVERY = 16
 """Steps between checks whether every row has stopped (each check waits for the device)."""
+
+
+def cache_argument(decoder: torch.nn.Module) -> str:
+    """The decoder's name for the KV cache argument: `cache` in newer transformers (which warns on the old
+    `past_key_values`), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(type(decoder).forward).parameters else "past_key_values"
 
 
 @dataclass
@@ -111,7 +119,7 @@ class HfRolloutEngine(RolloutEngine):
         positions = (prompt_mask.long().cumsum(1) - 1).clamp(min=0)
 
         decoder, lm_head = self.model.get_decoder(), self.model.lm_head
-        cache = StaticCache(config=self.model.config, max_cache_len=total)
+        cache = {cache_argument(decoder): StaticCache(config=self.model.config, max_cache_len=total)}
         # key columns a query may see: the prompt's real tokens, then every generated token up to itself
         keys = torch.zeros((n_rows, 1, 1, total), dtype=torch.bool, device=dev)
         keys[:, 0, 0, :width] = prompt_mask
@@ -124,7 +132,7 @@ class HfRolloutEngine(RolloutEngine):
         if images is not None:  # image features at the image tokens, 3-D (mrope) positions
             embeds, positions = images.prefill_inputs(self.model, input_ids, prompt_mask)
         hidden = decoder(input_ids=None if embeds is not None else input_ids, inputs_embeds=embeds,
-                         position_ids=positions, past_key_values=cache, use_cache=True,
+                         position_ids=positions, use_cache=True, **cache,
                          attention_mask={"full_attention": prefill_mask, "linear_attention": linear_mask}
                          ).last_hidden_state[:, -1:]
         logits = lm_head(hidden)[:, -1]
@@ -136,7 +144,7 @@ class HfRolloutEngine(RolloutEngine):
         step_pos = (positions if positions.dim() == 2 else positions.amax(0))[:, -1:].clone()
 
         def step() -> torch.Tensor:
-            h = decoder(input_ids=step_ids, position_ids=step_pos, past_key_values=cache, use_cache=True,
+            h = decoder(input_ids=step_ids, position_ids=step_pos, use_cache=True, **cache,
                         attention_mask={"full_attention": keys, "linear_attention": None}).last_hidden_state
             return lm_head(h)[:, -1]
 
