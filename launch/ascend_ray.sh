@@ -36,19 +36,7 @@ case "$role" in
   head)
     ray start --head --node-ip-address="$NODE_IP" --port="$RAY_PORT" \
         --resources="{\"NPU\": $NPUS_PER_NODE}" --disable-usage-stats
-    python - "$NNODES" <<'PY'
-import sys, time, ray
-want = int(sys.argv[1])
-ray.init(address="auto", logging_level="ERROR")
-for _ in range(180):
-    alive = sum(1 for n in ray.nodes() if n["Alive"])
-    if alive >= want:
-        print(f"[qwen35rl] {alive} Ray node(s) up: {ray.cluster_resources()}")
-        break
-    time.sleep(5)
-else:
-    sys.exit(f"[qwen35rl] only {alive} of {want} Ray nodes joined")
-PY
+    python -m qwen35rl.runtime.wait_for_nodes "$NNODES" auto 900
     qwen35rl-train ray_address=auto hw.nodes="$NNODES" hw.devices_per_node="$NPUS_PER_NODE" "$@"
     ;;
   worker)

@@ -36,19 +36,7 @@ done
 
 # Wait until every node has joined before the run asks for its placement groups.
 ${VENV:+source "$VENV/bin/activate"}
-python - "${#nodes[@]}" "$head_ip:$RAY_PORT" <<'PY'
-import sys, time, ray
-want, address = int(sys.argv[1]), sys.argv[2]
-ray.init(address=address, logging_level="ERROR")
-for _ in range(120):
-    alive = sum(1 for n in ray.nodes() if n["Alive"])
-    if alive >= want:
-        print(f"[qwen35rl] {alive} Ray node(s) up: {ray.cluster_resources()}")
-        break
-    time.sleep(5)
-else:
-    sys.exit(f"[qwen35rl] only {alive} of {want} Ray nodes joined")
-PY
+python -m qwen35rl.runtime.wait_for_nodes "${#nodes[@]}" "$head_ip:$RAY_PORT" 600
 
 export RAY_ADDRESS="$head_ip:$RAY_PORT"
 qwen35rl-train ray_address="$RAY_ADDRESS" hw.nodes="${#nodes[@]}" hw.devices_per_node="$NUM_DEVICES" "$@"
