@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -108,3 +108,19 @@ class RolloutEngine(abc.ABC):
 
     def wake_up(self) -> None:
         """Undo sleep before the next generation. No-op by default."""
+
+
+def mini_batch_agg(micro_batches: List[Batch], global_scale: Dict[str, float], algo: Any, max_response_length: int,
+                   dp_size: int, sum_over_dp: Callable[[torch.Tensor], torch.Tensor]) -> Dict[str, Any]:
+    """The `agg_loss` settings of one mini batch: the driver's global normalisers when it sent them, else this
+    rank's token / sequence counts summed over data parallel by `sum_over_dp`."""
+    from qwen35rl.algo.core import agg_settings, local_batch_counts
+
+    if GLOBAL_TOKENS in global_scale and GLOBAL_SEQS in global_scale:
+        tokens, seqs = float(global_scale[GLOBAL_TOKENS]), float(global_scale[GLOBAL_SEQS])
+    else:
+        local = torch.tensor([local_batch_counts(mb.response_mask) for mb in micro_batches], dtype=torch.float64)
+        tokens, seqs = sum_over_dp(local.sum(0)).tolist()
+    return agg_settings(algo, max_response_length, global_tokens=tokens, global_seqs=seqs, dp_size=dp_size,
+                        norm_const=global_scale.get(NORM_CONST))
+

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics, agg_settings, local_batch_counts
-from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST, Batch, TrainEngine
+from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics
+from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
 from qwen35rl.engines.logprob import chunked_logprobs_entropy
 from qwen35rl.models.build import build_model, init_rotary_buffers, torch_dtype, trains_vision
 
@@ -246,20 +246,12 @@ class FsdpTrainEngine(TrainEngine):
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
         return t.cpu()
 
-    def _global_counts(self, micro_batches: List[Batch], global_scale: Dict[str, float]) -> Tuple[float, float]:
-        if GLOBAL_TOKENS in global_scale and GLOBAL_SEQS in global_scale:
-            return float(global_scale[GLOBAL_TOKENS]), float(global_scale[GLOBAL_SEQS])
-        local = torch.tensor([local_batch_counts(mb.response_mask) for mb in micro_batches], dtype=torch.float64).sum(0)
-        tokens, seqs = self._all_reduce(local).tolist()
-        return tokens, seqs
-
     def train_mini_batch(self, micro_batches: List[Batch], global_scale: Dict[str, float]) -> Dict[str, float]:
         if self.reference:
             raise RuntimeError("the reference engine is frozen: it has no optimizer")
         algo = self.algo
-        tokens, seqs = self._global_counts(micro_batches, global_scale)
-        agg = agg_settings(algo, int(self.cfg.data.max_response_length), global_tokens=tokens, global_seqs=seqs,
-                           dp_size=self.dp_size, norm_const=global_scale.get(NORM_CONST))
+        agg = mini_batch_agg(micro_batches, global_scale, algo, int(self.cfg.data.max_response_length), self.dp_size,
+                             self._all_reduce)
 
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)

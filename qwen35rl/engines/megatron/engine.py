@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics, agg_settings, local_batch_counts
-from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST, Batch, TrainEngine
+from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics
+from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
 from qwen35rl.engines.megatron import ascend, version
 from qwen35rl.engines.megatron import mapping as mp
 from qwen35rl.engines.megatron.tokens import Aligned, left_align, pad_columns, vocab_parallel_logprobs
@@ -444,14 +444,10 @@ class MegatronTrainEngine(TrainEngine):
         return logp, ent
 
     # ------------------------------------------------------------------------------------------ update
-    def _global_counts(self, micro_batches: List[Batch], global_scale: Dict[str, float]) -> Tuple[float, float]:
-        if GLOBAL_TOKENS in global_scale and GLOBAL_SEQS in global_scale:
-            return float(global_scale[GLOBAL_TOKENS]), float(global_scale[GLOBAL_SEQS])
-        local = torch.tensor([local_batch_counts(mb.response_mask) for mb in micro_batches], dtype=torch.float64).sum(0)
-        local = local.to(self.device)
-        dist.all_reduce(local, group=self.mpu.get_data_parallel_group())
-        tokens, seqs = local.tolist()
-        return tokens, seqs
+    def _sum_over_dp(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(self.device)
+        dist.all_reduce(t, group=self.mpu.get_data_parallel_group())
+        return t
 
     def _train_loss(self, agg: Dict[str, Any], num_micro: int, b, logits):
         logp, ent = self._logprobs(b, logits, with_entropy=True)
@@ -473,9 +469,8 @@ class MegatronTrainEngine(TrainEngine):
         if self.reference:
             raise RuntimeError("the reference engine is frozen: it has no optimizer")
         algo = self.algo
-        tokens, seqs = self._global_counts(micro_batches, global_scale)
-        agg = agg_settings(algo, int(self.cfg.data.max_response_length), global_tokens=tokens, global_seqs=seqs,
-                           dp_size=self.dp_size, norm_const=global_scale.get(NORM_CONST))
+        agg = mini_batch_agg(micro_batches, global_scale, algo, int(self.cfg.data.max_response_length), self.dp_size,
+                             self._sum_over_dp)
         prepared = [self._prepare(mb, train=True) for mb in micro_batches]
         for c in self.model:
             c.train()
