@@ -1,24 +1,16 @@
 """The Megatron engine end to end on CPU with real megatron-core: log-probs, gradients and grad norm against
 transformers, bitwise weight export, and a few GRPO steps, at TP2 / PP2 / EP2 over 2 gloo processes.
 
-megatron-core is not a CI dependency (and expects CUDA), so this module skips without it. To run it, put an
-unpacked megatron-core >= 0.16 on PYTHONPATH (e.g. `pip download --no-deps megatron-core==0.16.1`, unzip) and
-`pytest tests/engines/test_megatron_engine_cpu.py`. CPU stand-ins, test-only: torch.cuda device queries answer
-"cpu", gloo gets reduce-scatter / all-gather-into-tensor emulations, the model-parallel RNG fork is a no-op, and
-flash-linear-attention is replaced by megatron's own torch GDN recurrence (installed after the transformers
-reference ran, so the reference keeps transformers' recurrence). The MoE token dispatcher is `allgather` (the
-alltoall one moves its split sizes through CUDA)."""
+megatron-core comes with the `[test]` extra (python < 3.12); without it this module skips. The CPU stand-ins of
+`tests/megatron_cpu.py` are installed in the workers after the transformers reference ran (so the reference keeps
+transformers' GDN recurrence)."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron wraps small fusions in torch.compile
 
-import contextlib
 import functools
 import importlib.util
-import socket
-import sys
-import types
 
 import pytest
 import torch
@@ -36,6 +28,7 @@ from qwen35rl.algo.core import agg_loss, kl_penalty, local_batch_counts, logprob
 from qwen35rl.config.compose import compose
 from qwen35rl.engines.base import Batch
 from qwen35rl.models.build import build_model
+from tests.megatron_cpu import CPU_TRANSFORMER_OVERRIDES, free_port, megatron_on_cpu
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +41,7 @@ def _config(model: str, parallel):
                    "backend.moe_z_loss_coeff=0", "backend.moe_aux_loss_coeff=0"] + list(parallel))
     OmegaConf.set_readonly(cfg, False)
     OmegaConf.set_struct(cfg, False)
-    cfg.backend.transformer_overrides = {"deterministic_mode": True, "moe_token_dispatcher_type": "allgather",
-                                         "variable_seq_lengths": False}
+    cfg.backend.transformer_overrides = dict(CPU_TRANSFORMER_OVERRIDES)
     return cfg
 
 
@@ -90,82 +82,8 @@ def _reference(cfg, batch):
     return init, (logp.detach() * mask), grads, agg
 
 
-# ------------------------------------------------------------------------------------------ CPU stand-ins
-class _Done:
-    def wait(self):
-        pass
-
-    def synchronize(self):
-        pass
-
-
-class _Stream:
-    def wait_stream(self, *a):
-        pass
-
-    def record_event(self, *a):
-        return _Done()
-
-    def synchronize(self):
-        pass
-
-
-def _megatron_on_cpu():
-    import torch._dynamo
-
-    torch._dynamo.config.disable = True  # also when torch was imported before TORCHDYNAMO_DISABLE was set
-    fla = {name: types.ModuleType(name) for name in
-           ("fla", "fla.modules", "fla.modules.l2norm", "fla.modules.convolution", "fla.ops", "fla.ops.gated_delta_rule")}
-    fla["fla.modules.l2norm"].l2norm = lambda x, dim=-1, eps=1e-6, **_: x * torch.rsqrt((x * x).sum(dim, keepdim=True) + eps)
-    fla["fla.modules.convolution"].causal_conv1d = None
-    fla["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = None  # deterministic_mode uses megatron's torch recurrence
-    sys.modules.update(fla)
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *a, **k: None
-    stream = _Stream()
-    torch.cuda.Stream = lambda *a, **k: stream
-    torch.cuda.current_stream = lambda *a, **k: stream
-    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
-
-    def on_cpu(fn):
-        @functools.wraps(fn)
-        def wrapped(*a, **k):
-            if str(k.get("device", "")).startswith("cuda"):
-                k["device"] = "cpu"
-            return fn(*a, **k)
-        return wrapped
-
-    for name in ("tensor", "zeros", "empty", "ones", "full", "arange"):
-        setattr(torch, name, on_cpu(getattr(torch, name)))
-    torch.Tensor.cuda = lambda self, *a, **k: self
-
-    def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        full = input.clone()
-        dist.all_reduce(full, op=op, group=group)
-        output.copy_(full.chunk(dist.get_world_size(group))[dist.get_rank(group)])
-        return _Done() if async_op else None
-
-    def all_gather_into(output, input, group=None, async_op=False):
-        parts = [torch.empty_like(input) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, input.contiguous(), group=group)
-        output.copy_(torch.cat(parts))
-        return _Done() if async_op else None
-
-    dist.reduce_scatter_tensor = dist._reduce_scatter_base = reduce_scatter
-    dist.all_gather_into_tensor = dist._all_gather_base = all_gather_into
-    from megatron.core.tensor_parallel import random as mrandom
-
-    mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, cfg, batch, agg, out):
-    _megatron_on_cpu()
+    megatron_on_cpu()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -201,7 +119,7 @@ def _run_parallel(model, parallel, world=2):
     batch = _batch(cfg)
     init, logp, grads, agg = _reference(cfg, batch)
     out = mp.Manager().dict()
-    mp.start_processes(_worker, args=(world, _port(), cfg, batch, agg, out), nprocs=world, join=True,
+    mp.start_processes(_worker, args=(world, free_port(), cfg, batch, agg, out), nprocs=world, join=True,
                        start_method="fork")
     if cfg.model.tie_word_embeddings:  # exported once, as the embedding
         init.pop("lm_head.weight")
@@ -235,7 +153,7 @@ def test_engine_matches_transformers(model, parallel):
 
 
 def _checkpoint_worker(rank, world, port, cfg, batch, path, out):
-    _megatron_on_cpu()
+    megatron_on_cpu()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -267,7 +185,7 @@ def _checkpoint_worker(rank, world, port, cfg, batch, path, out):
 def test_checkpoint_resumes_model_optimizer_and_schedule(tmp_path):
     cfg = _config("qwen3_5_tiny", ["parallelism.tp=2", "backend.lr_warmup_steps=3"])
     out = mp.Manager().dict()
-    mp.start_processes(_checkpoint_worker, args=(2, _port(), cfg, _batch(cfg), str(tmp_path / "ckpt"), out), nprocs=2,
+    mp.start_processes(_checkpoint_worker, args=(2, free_port(), cfg, _batch(cfg), str(tmp_path / "ckpt"), out), nprocs=2,
                        join=True, start_method="fork")
     for rank, (expected, resumed, steps, weight_diff) in out.items():
         assert steps == 2  # one step before the checkpoint, one after

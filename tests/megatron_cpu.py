@@ -1,0 +1,89 @@
+"""CPU stand-ins that let real megatron-core run on gloo processes (test-only): torch.cuda device queries answer
+"cpu", gloo gets reduce-scatter / all-gather-into-tensor emulations, the model-parallel RNG fork is a no-op, and
+flash-linear-attention is replaced by modules that make megatron's GatedDeltaNet use its own torch recurrence
+(`transformer_overrides.deterministic_mode`). The MoE token dispatcher must be `allgather` (the alltoall one moves
+its split sizes through CUDA). Call `megatron_on_cpu()` in each (forked) worker process before building an engine."""
+import contextlib
+import functools
+import socket
+import sys
+import types
+
+import torch
+import torch._dynamo
+import torch.distributed as dist
+
+CPU_TRANSFORMER_OVERRIDES = {"deterministic_mode": True, "moe_token_dispatcher_type": "allgather",
+                             "variable_seq_lengths": False}
+"""`backend.transformer_overrides` megatron needs on these stand-ins."""
+
+
+class _Done:
+    def wait(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _Stream:
+    def wait_stream(self, *a):
+        pass
+
+    def record_event(self, *a):
+        return _Done()
+
+    def synchronize(self):
+        pass
+
+
+def megatron_on_cpu():
+    torch._dynamo.config.disable = True  # also when torch was imported before TORCHDYNAMO_DISABLE was set
+    fla = {name: types.ModuleType(name) for name in
+           ("fla", "fla.modules", "fla.modules.l2norm", "fla.modules.convolution", "fla.ops", "fla.ops.gated_delta_rule")}
+    fla["fla.modules.l2norm"].l2norm = lambda x, dim=-1, eps=1e-6, **_: x * torch.rsqrt((x * x).sum(dim, keepdim=True) + eps)
+    fla["fla.modules.convolution"].causal_conv1d = None
+    fla["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = None  # deterministic_mode uses megatron's torch recurrence
+    sys.modules.update(fla)
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    stream = _Stream()
+    torch.cuda.Stream = lambda *a, **k: stream
+    torch.cuda.current_stream = lambda *a, **k: stream
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+
+    def on_cpu(fn):
+        @functools.wraps(fn)
+        def wrapped(*a, **k):
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return fn(*a, **k)
+        return wrapped
+
+    for name in ("tensor", "zeros", "empty", "ones", "full", "arange"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+    torch.Tensor.cuda = lambda self, *a, **k: self
+
+    def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        full = input.clone()
+        dist.all_reduce(full, op=op, group=group)
+        output.copy_(full.chunk(dist.get_world_size(group))[dist.get_rank(group)])
+        return _Done() if async_op else None
+
+    def all_gather_into(output, input, group=None, async_op=False):
+        parts = [torch.empty_like(input) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, input.contiguous(), group=group)
+        output.copy_(torch.cat(parts))
+        return _Done() if async_op else None
+
+    dist.reduce_scatter_tensor = dist._reduce_scatter_base = reduce_scatter
+    dist.all_gather_into_tensor = dist._all_gather_base = all_gather_into
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
