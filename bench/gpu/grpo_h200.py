@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import subprocess
@@ -40,12 +41,12 @@ def system_prompt(prompt_len: int) -> str:
 
 
 def workload(model: str = "qwen3_5_0_8b", hw: str = "gpu_1x", devices: int = 1, micro: int = 16, ckpt: bool = False,
-             kl: bool = True, prompts: int = PROMPTS, n: int = N, prompt_len: int = PROMPT_LEN,
+             kl: bool = True, backend: str = "fsdp", prompts: int = PROMPTS, n: int = N, prompt_len: int = PROMPT_LEN,
              response_len: int = RESPONSE_LEN, steps: int = 4, peak_tflops: Optional[float] = None,
              memory_gb: Optional[float] = 141) -> List[str]:
     """Hydra overrides of the workload (qwen35rl side; the TRL side reads the same composed config)."""
     o = [f"model={model}", "model.init=random", "model.tokenizer=byte", f"hw={hw}", f"hw.devices_per_node={devices}",
-         "backend=fsdp", "rollout=hf", "data=synthetic", f"data.system_prompt='{system_prompt(prompt_len)}'",
+         f"backend={backend}", "rollout=hf", "data=synthetic", f"data.system_prompt='{system_prompt(prompt_len)}'",
          f"data.max_prompt_length={prompt_len}", f"data.max_response_length={response_len}",
          f"data.train_batch_size={prompts}", f"rollout.n={n}", f"algorithm.mini_batch_size={prompts}",
          f"backend.micro_batch_size_per_device={micro}", f"backend.gradient_checkpointing={str(ckpt).lower()}",
@@ -94,7 +95,7 @@ def cmd_peak(args) -> None:
 # ============================================================================================ qwen35rl
 def cmd_qwen35rl(args) -> None:
     overrides = workload(model=args.model, hw=args.hw, devices=args.devices, micro=args.micro, ckpt=args.ckpt,
-                         kl=not args.no_kl, prompts=args.prompts, steps=args.steps, peak_tflops=args.peak_tflops,
+                         kl=not args.no_kl, backend=args.backend, prompts=args.prompts, steps=args.steps, peak_tflops=args.peak_tflops,
                          prompt_len=args.prompt_len, response_len=args.response_len,
                          memory_gb=None if args.hw == "cpu" else 141)
     cmd = [sys.executable, "-m", "qwen35rl.cli.train", f"hydra.run.dir={args.run_dir}", *overrides, *args.extra]
@@ -335,6 +336,8 @@ def measure_group(ckpt: bool, kl: bool, shapes, args, port: int, results: List[D
                         prompt_len=p_len, response_len=r_len, steps=2, memory_gb=None if args.hw == "cpu" else 141)
 
     mem = DeviceMemory()
+    # the GDN kernels this process runs (transformers picks fla when it can import it)
+    gdn = "fla" if mem.cuda and importlib.util.find_spec("fla") is not None else "torch"
     _, micro0, prompts0, p0, r0 = shapes[0]
     cfg = compose(overrides(micro0, prompts0, p0, r0))
     worker = PolicyWorker(OmegaConf.to_container(cfg, resolve=True), rank=0, world_size=1, local_rank=0,
@@ -350,10 +353,10 @@ def measure_group(ckpt: bool, kl: bool, shapes, args, port: int, results: List[D
             prompts, p_len, r_len = 1, 32, 8
         ov = overrides(micro, prompts, p_len, r_len)
         cfg = compose(ov)
-        est = estimate(cfg, derive_layout(cfg))
+        est = estimate(cfg, derive_layout(cfg), gdn=gdn)
         worker.cfg.backend.micro_batch_size_per_device = micro
         worker.cfg.data.max_response_length = r_len
-        res: Dict[str, Any] = {"name": name, "overrides": ov, "estimate": est.to_dict(), **built}
+        res: Dict[str, Any] = {"name": name, "overrides": ov, "gdn": gdn, "estimate": est.to_dict(), **built}
         results.append(res)
         prompt_ids = [ex.prompt_ids for ex in build_dataset(cfg.data, worker.tokenizer, "train")[:prompts]]
         params = dict(n=N, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=r_len, seed=3)
@@ -382,6 +385,9 @@ def measure_group(ckpt: bool, kl: bool, shapes, args, port: int, results: List[D
         if i == 0:
             res["update_first_metrics"] = peak(lambda: worker.update_actor(seqs, scale), "update_first")
         res["update_metrics"] = peak(lambda: worker.update_actor(seqs, scale), "update")
+        if i == 0:  # a generation in the steady state: AdamW's states exist, the reference's root is gathered
+            worker.sync_weights()
+            peak(lambda: worker.generate(prompt_ids, params), "generate_after_update")
         res["measured_train_peak_gib"] = max(res[k]["peak_gib"] for k in ("log_probs", "ref_log_probs", "update")
                                              if k in res)
         res["measured_rollout_peak_gib"] = res["generate"]["peak_gib"]
@@ -505,6 +511,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         s.add_argument("--response-len", type=int, default=RESPONSE_LEN)
         s.add_argument("--steps", type=int, default=4)
     sub.choices["qwen35rl"].add_argument("--devices", type=int, default=1)
+    sub.choices["qwen35rl"].add_argument("--backend", default="fsdp", choices=("fsdp", "megatron"))
     sub.choices["qwen35rl"].add_argument("--run-dir", required=True)
     sub.choices["qwen35rl"].add_argument("--peak-tflops", type=float, default=None)
     sub.choices["qwen35rl"].add_argument("--timeout", type=float, default=None, help="seconds; then the run's "
