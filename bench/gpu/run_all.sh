@@ -100,7 +100,7 @@ torch)
   elapsed "installed: $(tail -3 "$OUT/env-torch.txt" | tr '\n' ' ')"
   peaks
   pair torch "$TORCH_PATH"
-  PYTHONPATH=$MCORE_PATH timeout 300 torchrun --standalone --nproc_per_node=2 bench/gpu/megatron_numerics.py \
+  PYTHONPATH=$MCORE_PATH timeout 230 torchrun --standalone --nproc_per_node=2 bench/gpu/megatron_numerics.py --steps 3 \
     --peak-tflops "$PEAK" --out "$OUT/megatron/numerics.json" > "$LOGS/numerics.log" 2>&1
   elapsed "megatron numerics done (exit $?)"
   ;;
