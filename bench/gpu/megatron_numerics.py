@@ -246,9 +246,18 @@ def main(argv=None, transformer_overrides=None):
         results["env"]["megatron_core"] = megatron.core.__version__
     except Exception:
         pass
+    def save() -> None:  # after every layout: a run cut short by its time limit keeps what finished
+        results["floor"], results["rows"] = floor, rows
+        if args.out and dist.get_rank() == 0:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(results, indent=1))
+
     for model in args.models.split(","):
         cfg = compose_cfg(model, {}, args)
+        threads = torch.get_num_threads()  # torchrun starts each rank with one thread: the CPU-side init wants more
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
         hf = build_model(cfg.model, dtype=torch.bfloat16, seed=int(cfg.trainer.seed))
+        torch.set_num_threads(threads)
         hf_state = {k: v.clone() for k, v in hf.state_dict().items()}
         if cfg.model.tie_word_embeddings:
             hf_state.pop("lm_head.weight", None)
@@ -273,11 +282,9 @@ def main(argv=None, transformer_overrides=None):
                 r = {"model": model, "layout": name, "error": f"{type(e).__name__}: {e}"}
             rows.append(r)
             log(f"{model}/{name}: " + json.dumps({k: v for k, v in r.items() if k != "steps"}))
-    results["floor"], results["rows"] = floor, rows
+            save()
+    save()
     log(table(rows, floor))
-    if args.out and dist.get_rank() == 0:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=1))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -63,12 +63,12 @@ pair() {
   cp "$OUT/peak.json" "$OUT/$label/peak.json"
   (
     PYTHONPATH=$path CUDA_VISIBLE_DEVICES=0 $G qwen35rl --out "$OUT/$label/q1.json" --run-dir "$RUNS/q1-$label" \
-      --steps 4 --peak-tflops "$PEAK" --timeout 250 > "$LOGS/q1-$label.log" 2>&1
+      --steps 3 --peak-tflops "$PEAK" --timeout 220 > "$LOGS/q1-$label.log" 2>&1
     elapsed "qwen35rl 1 GPU ($label) done: $(grep -c '\[qwen35rl\] step' "$LOGS/q1-$label.log") steps"
     rm -rf "$RUNS/q1-$label"
   ) &
   (
-    PYTHONPATH=$path CUDA_VISIBLE_DEVICES=1 timeout 250 $G trl --out "$OUT/$label/trl.json" --work-dir "/tmp/trl-$label" \
+    PYTHONPATH=$path CUDA_VISIBLE_DEVICES=1 timeout 220 $G trl --out "$OUT/$label/trl.json" --work-dir "/tmp/trl-$label" \
       --steps 3 > "$LOGS/trl-$label.log" 2>&1
     elapsed "TRL ($label) done: $(grep -c '^trl step' "$LOGS/trl-$label.log") steps"
   ) &
@@ -78,10 +78,22 @@ pair() {
 megatron_grpo() {
   local name=$1 model=$2; shift 2
   PYTHONPATH=$MCORE_PATH CUDA_VISIBLE_DEVICES=0,1 $G qwen35rl --out "$OUT/megatron/$name.json" --run-dir "$RUNS/$name" \
-    --model "$model" --backend megatron --devices 2 --steps 3 --response-len 256 --micro 8 --peak-tflops "$PEAK" --timeout 200 \
+    --model "$model" --backend megatron --devices 2 --steps 3 --response-len 256 --micro 8 --peak-tflops "$PEAK" --timeout 150 \
     -- model.num_hidden_layers=4 +backend.transformer_overrides.deterministic_mode=true "$@" > "$LOGS/$name.log" 2>&1
   elapsed "megatron GRPO $name done: $(grep -c '\[qwen35rl\] step' "$LOGS/$name.log") steps"
   rm -rf "$RUNS/$name"
+}
+# .whl + .whl-x: Ray, Hydra, TRL into /tmp/site; fla alone into /tmp/site-fla; megatron-core into /tmp/site-mcore
+install_base() {
+  rm -rf /tmp/w /tmp/site /tmp/site-fla /tmp/site-mcore && mkdir -p /tmp/w/base /tmp/w/fla /tmp/w/mcore
+  cp .whl/* /tmp/w/base/ && cp -f .whl-x/* /tmp/w/base/ \
+    && mv /tmp/w/base/fla_core-* /tmp/w/base/flash_linear_attention-* /tmp/w/fla/ \
+    && mv /tmp/w/base/megatron_core-* /tmp/w/mcore/ || { echo "wheel split failed"; exit 1; }
+  { bash bench/gpu/install-wheels.sh /tmp/w/base && SITE=/tmp/site-fla bash bench/gpu/install-wheels.sh /tmp/w/fla \
+    && SITE=/tmp/site-mcore bash bench/gpu/install-wheels.sh /tmp/w/mcore; } > "$LOGS/install.log" 2>&1 \
+    || { cat "$LOGS/install.log"; exit 1; }
+  PYTHONPATH=$TORCH_PATH python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('fla') is not None)" \
+    || { echo "fla is importable from $TORCH_PATH: the torch-GDN runs would not be"; exit 1; }
 }
 summary() {
   tar czf "$OUT/logs-$stage.tar.gz" -C /tmp/logs "$stage"
@@ -91,16 +103,12 @@ summary() {
 case "$stage" in
 torch)
   mkdir -p /tmp/w/base /tmp/w/fla /tmp/w/mcore
-  cp .whl/* .whl-x/* /tmp/w/base/ && mv /tmp/w/base/fla_core-* /tmp/w/base/flash_linear_attention-* /tmp/w/fla/ \
-    && mv /tmp/w/base/megatron_core-* /tmp/w/mcore/
-  { bash bench/gpu/install-wheels.sh /tmp/w/base && SITE=/tmp/site-fla bash bench/gpu/install-wheels.sh /tmp/w/fla \
-    && SITE=/tmp/site-mcore bash bench/gpu/install-wheels.sh /tmp/w/mcore; } > "$LOGS/install.log" 2>&1 \
-    || { cat "$LOGS/install.log"; exit 1; }
+  install_base
   env_info > "$OUT/env-torch.txt" 2>&1
   elapsed "installed: $(tail -3 "$OUT/env-torch.txt" | tr '\n' ' ')"
   peaks
   pair torch "$TORCH_PATH"
-  PYTHONPATH=$MCORE_PATH timeout 230 torchrun --standalone --nproc_per_node=2 bench/gpu/megatron_numerics.py --steps 3 \
+  PYTHONPATH=$MCORE_PATH timeout 290 torchrun --standalone --nproc_per_node=2 bench/gpu/megatron_numerics.py --steps 3 \
     --peak-tflops "$PEAK" --out "$OUT/megatron/numerics.json" > "$LOGS/numerics.log" 2>&1
   elapsed "megatron numerics done (exit $?)"
   ;;
@@ -115,15 +123,15 @@ fla)
   pair fla "$FLA_PATH"
   ;;
 scale)
+  [ -d .whl ] && install_base
   peaks
-  mkdir -p "$OUT/fla"
-  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0,1 $G qwen35rl --out "$OUT/fla/q2.json" --run-dir "$RUNS/q2" --devices 2 \
-    --prompts 32 --steps 4 --peak-tflops "$PEAK" --timeout 250 > "$LOGS/q2.log" 2>&1
+  mkdir -p "$OUT/megatron" "$OUT/torch"
+  megatron_grpo moe_tp2_ep2 qwen3_5_35b_a3b model.num_experts=64 parallelism.tp=2 parallelism.ep=2 parallelism.etp=1
+  megatron_grpo dense_pp2 qwen3_5_0_8b parallelism.pp=2
+  PYTHONPATH=$TORCH_PATH CUDA_VISIBLE_DEVICES=0,1 $G qwen35rl --out "$OUT/torch/q2.json" --run-dir "$RUNS/q2" --devices 2 \
+    --prompts 32 --steps 3 --peak-tflops "$PEAK" --timeout 230 > "$LOGS/q2.log" 2>&1
   elapsed "qwen35rl 2 GPUs done: $(grep -c '\[qwen35rl\] step' "$LOGS/q2.log") steps"
   rm -rf "$RUNS/q2"
-  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout 200 $G memory --out "$OUT/fla/memory.json" --decode-bench \
-    --decode-tokens 16 > "$LOGS/memory.log" 2>&1
-  elapsed "memory calibration (fla) done"
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac
