@@ -191,6 +191,12 @@ def transformer_config(model_cfg: Any, shape: Qwen35Shape, *, tp: int, pp: int, 
         # embeddings mark themselves tensor-parallel (what grad-norm and checkpoint code read) only there
         perform_initialization=True,
     )
+    if vpp and pp == 2:
+        # with virtual stages on two ranks each is the other's previous and next stage: one batched p2p call then
+        # carries an activation and a gradient between the same two ranks, matched in issue order and so swapped
+        # (silently: same shapes). Unbatched sends on two groups keep them apart; Megatron-LM's own argument check
+        # refuses interleaving at PP2 without overlap_p2p_comm for this reason.
+        kw.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     if shape.moe:
         kw.update(num_moe_experts=shape.num_experts, moe_router_topk=int(m.num_experts_per_tok),
                   moe_ffn_hidden_size=shape.moe_intermediate_size,
