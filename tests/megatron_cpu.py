@@ -27,6 +27,9 @@ class _Done:
 
 
 class _Stream:
+    def __init__(self, *a, **k):
+        pass
+
     def wait_stream(self, *a):
         pass
 
@@ -35,6 +38,21 @@ class _Stream:
 
     def synchronize(self):
         pass
+
+
+@contextlib.contextmanager
+def _uncoalesced(group):
+    """Run a collective now: inside `_coalescing_manager` (the distributed optimizer's gradient reduce-scatter and
+    parameter all-gather) torch defers it to the end of the block, after the emulation has read its result."""
+    from torch.distributed.distributed_c10d import _get_default_group, _world
+
+    pg = group or _get_default_group()
+    deferred = _world.pg_coalesce_state.pop(pg, None)
+    try:
+        yield
+    finally:
+        if deferred is not None:
+            _world.pg_coalesce_state[pg] = deferred
 
 
 def megatron_on_cpu():
@@ -48,7 +66,7 @@ def megatron_on_cpu():
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
     stream = _Stream()
-    torch.cuda.Stream = lambda *a, **k: stream
+    torch.cuda.Stream = _Stream  # a class: modules imported later use it in type hints (`torch.cuda.Stream | None`)
     torch.cuda.current_stream = lambda *a, **k: stream
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
 
@@ -63,16 +81,26 @@ def megatron_on_cpu():
     for name in ("tensor", "zeros", "empty", "ones", "full", "arange"):
         setattr(torch, name, on_cpu(getattr(torch, name)))
     torch.Tensor.cuda = lambda self, *a, **k: self
+    tensor_type = torch.Tensor.type
+
+    def cuda_type(self, dtype=None, *a, **k):  # the distributed optimizer accepts only torch.cuda.*Tensor params
+        if dtype is None and self.device.type == "cpu":
+            return tensor_type(self).replace("torch.", "torch.cuda.", 1)
+        return tensor_type(self, dtype, *a, **k)
+
+    torch.Tensor.type = cuda_type
 
     def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
         full = input.clone()
-        dist.all_reduce(full, op=op, group=group)
+        with _uncoalesced(group):
+            dist.all_reduce(full, op=op, group=group)
         output.copy_(full.chunk(dist.get_world_size(group))[dist.get_rank(group)])
         return _Done() if async_op else None
 
     def all_gather_into(output, input, group=None, async_op=False):
         parts = [torch.empty_like(input) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, input.contiguous(), group=group)
+        with _uncoalesced(group):
+            dist.all_gather(parts, input.contiguous(), group=group)
         output.copy_(torch.cat(parts))
         return _Done() if async_op else None
 
@@ -81,6 +109,15 @@ def megatron_on_cpu():
     from megatron.core.tensor_parallel import random as mrandom
 
     mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    # activation recompute saves and restores the device RNG around the recomputed forward: the CPU one stands in
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    def to_host(tensor, as_numpy=False, record_stream=False):  # the alltoall dispatcher's split sizes, "from the GPU"
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
 def free_port() -> int:
