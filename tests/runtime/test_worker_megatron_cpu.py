@@ -2,7 +2,8 @@
 processes with real megatron-core (the CPU stand-ins of tests/megatron_cpu.py): the reference policy built after
 the actor in the same process, weight sync into the hf rollout engine, generation per rollout group, policy and
 reference log-probs per data-parallel rank, an update with the driver's global normalisers, sync and generation
-again, a checkpoint round trip and the HF export.
+again, a checkpoint round trip (in the same workers, and for the first layout also in fresh ones, as a restarted
+run) and the HF export.
 
 Every layout of a model runs the same steps from the same init and seeds, so the first step must also agree across
 layouts (responses, log-probs, update metrics, updated weights). fp32 (backend.bf16=false) keeps the comparisons
@@ -138,6 +139,7 @@ def _drive(rank, world, port, cfg, run_dir, out):
         seqs.ref_log_probs = res["ref_lp"]
         seqs.advantages = grpo_advantages(torch.tensor([float(i % 2) for i in range(len(seqs))]),
                                           torch.arange(len(seqs)) // N).tolist()
+        res["update_inputs"] = seqs
         res["metrics"] = _update(w, shards, seqs)
         w.sync_weights()
         trained = _export(w)
@@ -168,21 +170,49 @@ def _drive(rank, world, port, cfg, run_dir, out):
         w.shutdown()
 
 
+def _resume(rank, world, port, cfg, run_dir, seqs, out):
+    """A restarted run: fresh workers load the checkpoint, sync and repeat the update the first run repeated."""
+    megatron_on_cpu()
+    from qwen35rl.runtime.worker import PolicyWorker
+
+    w = PolicyWorker(cfg, rank=rank, world_size=world, local_rank=rank, run_dir=run_dir, optimizer_steps=10)
+    try:
+        w.init_distributed("127.0.0.1", port)
+        shards = w.data_shards()
+        restored = w.load_checkpoint(os.path.join(run_dir, "ckpt"))
+        w.sync_weights()
+        saved = _export(w)
+        synced = _rollout_holds(w, saved)
+        _update(w, shards, seqs)
+        out[rank] = {"restored": restored, "synced": synced, "saved": saved, "stepped": _export(w)}
+    finally:
+        w.shutdown()
+
+
 # ------------------------------------------------------------------------------------------------ checks
 def _max_diff(a, b):
     assert [len(r) for r in a] == [len(r) for r in b]
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
-def _run_layout(model, parallel, tmp_path):
+def _run_layout(model, parallel, tmp_path, resume: bool):
     cfg = _config(model, parallel)
+    plain = OmegaConf.to_container(cfg, resolve=True)
     run_dir = tmp_path / "_".join(p.replace("parallelism.", "").replace("=", "") for p in parallel)
     (run_dir / "ckpt").mkdir(parents=True)  # the driver's CheckpointManager.begin makes the directory
     out = mp.Manager().dict()
-    mp.start_processes(_drive, args=(WORLD, free_port(), OmegaConf.to_container(cfg, resolve=True), str(run_dir), out),
-                       nprocs=WORLD, join=True, start_method="fork")
+    mp.start_processes(_drive, args=(WORLD, free_port(), plain, str(run_dir), out), nprocs=WORLD, join=True,
+                       start_method="fork")
     out = dict(out)
     _check_layout(cfg, out, run_dir / "hf")
+    if resume:
+        resumed = mp.Manager().dict()
+        mp.start_processes(_resume, args=(WORLD, free_port(), plain, str(run_dir), out[0]["update_inputs"], resumed),
+                           nprocs=WORLD, join=True, start_method="fork")
+        for rank, res in dict(resumed).items():
+            assert res["restored"] and res["synced"], rank
+            assert _equal(res["saved"], out[0]["trained"]), rank
+            assert _equal(res["stepped"], out[0]["final"]), rank  # the first run's update after its own load
     return out
 
 
@@ -244,5 +274,6 @@ def _check_layouts_agree(runs):
     ("qwen3_5_tiny_moe", [["parallelism.ep=2"], ["parallelism.pp=2"]]),
 ], ids=["dense-tp2-pp2-vpp2", "moe-ep2-pp2"])
 def test_worker_drives_megatron_like_the_grpo_driver(model, layouts, tmp_path):
-    runs = {" ".join(parallel): _run_layout(model, parallel, tmp_path) for parallel in layouts}
+    # the first layout also resumes in fresh processes, as a restarted run does
+    runs = {" ".join(parallel): _run_layout(model, parallel, tmp_path, resume=i == 0) for i, parallel in enumerate(layouts)}
     _check_layouts_agree(runs)
