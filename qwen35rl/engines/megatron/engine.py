@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -73,6 +74,45 @@ def te_gated_options(backend: Any, has_te: bool) -> Tuple[Dict[str, bool], List[
         return wanted, []
     off = [name for name, on in wanted.items() if on]
     return {name: False for name in wanted}, off
+
+
+FLA_HOPPER_BAD_TRITON = ((3, 4, 0), (3, 7, 1))
+"""Triton versions [from, to) that miscompile flash-linear-attention's gated chunk backward (dq/dk/dw/dg) on Hopper:
+fla 0.6 raises there unless its TileLang backend takes that kernel (fla issue #640)."""
+
+
+def fla_gdn_backward_refused(capability: Optional[Tuple[int, int]], triton_version: Optional[str],
+                             tilelang_usable: bool) -> bool:
+    """Whether flash-linear-attention's chunked GDN backward refuses this GPU: a Hopper (compute capability 9.x)
+    with Triton in FLA_HOPPER_BAD_TRITON, and no usable TileLang to run the kernel instead."""
+    from qwen35rl.config.quirks import version_tuple
+
+    if capability is None or capability[0] != 9 or triton_version is None or tilelang_usable:
+        return False
+    low, high = FLA_HOPPER_BAD_TRITON
+    return low <= version_tuple(triton_version) < high
+
+
+def _triton_version() -> Optional[str]:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return str(triton.__version__)
+
+
+def _fla_tilelang_usable() -> bool:
+    """What fla's backend dispatch checks before handing a kernel to TileLang: the package imports, nvcc is there
+    for its JIT, and neither FLA_TILELANG=0 nor FLA_DISABLE_BACKEND_DISPATCH=1 switches it off."""
+    if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1" or os.environ.get("FLA_TILELANG") == "0":
+        return False
+    if importlib.util.find_spec("tilelang") is None:
+        return False
+    try:
+        from fla.utils import has_usable_nvcc
+    except ImportError:  # an fla without the nvcc check
+        return True
+    return bool(has_usable_nvcc())
 
 
 def _dtype(backend: Any) -> torch.dtype:
@@ -174,11 +214,28 @@ class MegatronTrainEngine(TrainEngine):
                "moe_grouped_gemm": self.te_options["moe_grouped_gemm"],
                "moe_permute_fusion": self.te_options["moe_permute_fusion"]}
         overrides = {**self.platform.transformer, **dict(b.transformer_overrides or {})}
+        self._gdn_fallback(overrides)
         if self.device.type == "cpu":
             overrides.setdefault("use_cpu_initialization", True)
         return mm.transformer_config(self.cfg.model, self.shape, tp=l.tp, pp=l.pp, ep=l.ep, etp=l.etp, cp=l.cp,
                                      vpp=l.vpp, pipeline_layout=l.pipeline_layout, dtype=_dtype(b),
                                      recompute=recompute, moe=moe, overrides=overrides)
+
+    def _gdn_fallback(self, overrides: Dict[str, Any]) -> None:
+        """Where fla would refuse the GDN backward, the policy trains with megatron-core's torch GDN recurrence
+        (`deterministic_mode`), unless backend.transformer_overrides (or the platform) chose. The frozen reference
+        only runs forwards and keeps fla's kernels."""
+        if self.reference or self.device.type != "cuda" or "deterministic_mode" in overrides:
+            return
+        capability = tuple(torch.cuda.get_device_capability(self.device))
+        triton_version = _triton_version()
+        if fla_gdn_backward_refused(capability, triton_version, _fla_tilelang_usable()):
+            overrides["deterministic_mode"] = True
+            log.warning("flash-linear-attention's chunked GDN backward refuses compute capability %d.%d with Triton "
+                        "%s and no usable TileLang (fla issue #640): training with megatron-core's torch GDN "
+                        "recurrence (deterministic_mode=True; slower, more activation memory). Install tilelang (and "
+                        "nvcc) or Triton >= 3.7.1 for fla's kernels, or set backend.transformer_overrides."
+                        "deterministic_mode to choose.", capability[0], capability[1], triton_version)
 
     def _build(self) -> None:
         from qwen35rl.engines.megatron import model as mm

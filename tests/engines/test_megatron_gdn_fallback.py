@@ -1,0 +1,103 @@
+"""When flash-linear-attention's chunked GDN backward refuses the GPU (Hopper, Triton 3.4.0 to 3.7.0, no usable
+TileLang: fla issue #640), the Megatron policy trains with megatron-core's torch GDN recurrence unless the user chose.
+The GPU, Triton and TileLang are faked: no GPU or megatron-core needed."""
+import logging
+import os
+from types import SimpleNamespace
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+import torch
+
+from qwen35rl.engines.megatron import engine
+from qwen35rl.engines.megatron.engine import MegatronTrainEngine, fla_gdn_backward_refused
+
+HOPPER, AMPERE, BLACKWELL = (9, 0), (8, 0), (10, 0)
+
+
+@pytest.mark.parametrize("capability,triton,tilelang,refused", [
+    (HOPPER, "3.6.0", False, True),
+    (HOPPER, "3.4.0", False, True),          # the first Triton with the miscompile
+    (HOPPER, "3.7.0", False, True),
+    (HOPPER, "3.6.0+git1a2b3c", False, True),
+    (HOPPER, "3.7.1", False, False),         # fixed
+    (HOPPER, "3.8.0", False, False),
+    (HOPPER, "3.3.1", False, False),         # before the miscompile
+    (HOPPER, "3.6.0", True, False),          # TileLang runs the kernel instead
+    ((9, 1), "3.6.0", False, True),
+    (AMPERE, "3.6.0", False, False),
+    (BLACKWELL, "3.6.0", False, False),
+    (HOPPER, None, False, False),            # no Triton: fla is not what runs
+    (None, "3.6.0", False, False),
+])
+def test_refused_on_hopper_with_the_miscompiling_triton_and_no_tilelang(capability, triton, tilelang, refused):
+    assert fla_gdn_backward_refused(capability, triton, tilelang) is refused
+
+
+def _gpu(monkeypatch, capability, triton, tilelang):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(engine, "_triton_version", lambda: triton)
+    monkeypatch.setattr(engine, "_fla_tilelang_usable", lambda: tilelang)
+
+
+def _choose(overrides, reference=False, device="cuda"):
+    stub = SimpleNamespace(reference=reference, device=torch.device(device))
+    MegatronTrainEngine._gdn_fallback(stub, overrides)
+    return overrides
+
+
+def test_policy_falls_back_to_the_torch_recurrence_with_one_log_line(monkeypatch, caplog):
+    _gpu(monkeypatch, HOPPER, "3.6.0", tilelang=False)
+    with caplog.at_level(logging.INFO, logger=engine.__name__):
+        assert _choose({"moe_token_dispatcher_type": "alltoall"}) == {"moe_token_dispatcher_type": "alltoall",
+                                                                      "deterministic_mode": True}
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "#640" in lines[0] and "9.0" in lines[0] and "3.6.0" in lines[0]
+
+
+@pytest.mark.parametrize("chosen", [True, False])
+def test_an_explicit_deterministic_mode_is_kept(monkeypatch, caplog, chosen):
+    _gpu(monkeypatch, HOPPER, "3.6.0", tilelang=False)
+    with caplog.at_level(logging.INFO, logger=engine.__name__):
+        assert _choose({"deterministic_mode": chosen}) == {"deterministic_mode": chosen}
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("gpu,reference,device", [
+    ((HOPPER, "3.6.0", True), False, "cuda"),    # TileLang present
+    ((HOPPER, "3.7.1", False), False, "cuda"),   # fixed Triton
+    ((AMPERE, "3.6.0", False), False, "cuda"),
+    ((HOPPER, "3.6.0", False), True, "cuda"),    # the reference runs no backward
+    ((HOPPER, "3.6.0", False), False, "cpu"),
+])
+def test_fla_kernels_stay_where_they_work(monkeypatch, gpu, reference, device):
+    _gpu(monkeypatch, *gpu)
+    assert _choose({}, reference=reference, device=device) == {}
+
+
+def test_tilelang_counts_only_when_fla_may_dispatch_to_it(monkeypatch):
+    """fla's dispatch skips TileLang without the package, without nvcc for its JIT, with FLA_TILELANG=0 or with
+    FLA_DISABLE_BACKEND_DISPATCH=1."""
+    import importlib.util
+    import sys
+    import types
+
+    nvcc = {"found": True}
+    fla_utils = types.ModuleType("fla.utils")
+    fla_utils.has_usable_nvcc = lambda: nvcc["found"]
+    monkeypatch.setitem(sys.modules, "fla", types.ModuleType("fla"))
+    monkeypatch.setitem(sys.modules, "fla.utils", fla_utils)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: SimpleNamespace(name=name))
+    monkeypatch.delenv("FLA_TILELANG", raising=False)
+    monkeypatch.delenv("FLA_DISABLE_BACKEND_DISPATCH", raising=False)
+    assert engine._fla_tilelang_usable()
+    nvcc["found"] = False
+    assert not engine._fla_tilelang_usable()
+    nvcc["found"] = True
+    for var in ("FLA_TILELANG", "FLA_DISABLE_BACKEND_DISPATCH"):
+        with monkeypatch.context() as env:
+            env.setenv(var, "0" if var == "FLA_TILELANG" else "1")
+            assert not engine._fla_tilelang_usable(), var
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert not engine._fla_tilelang_usable()
