@@ -7,7 +7,9 @@ run) and the HF export.
 
 Every layout of a model runs the same steps from the same init and seeds, so the first step must also agree across
 layouts (responses, log-probs, update metrics, updated weights). fp32 (backend.bf16=false) keeps the comparisons
-tight; the MoE router's auxiliary losses are off because they are computed per rank (layouts would differ)."""
+tight; one bf16 case (the GPU default) holds the exact parts (sync, checkpoint, resume, export) and looser
+log-prob tolerances. The MoE router's auxiliary losses are off because they are computed per rank (layouts would
+differ)."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -43,6 +45,9 @@ N, MAX_NEW, SEED, LR = 2, 4, 3, 1e-2
 """Responses per prompt, response budget, sampling seed, and a learning rate large enough that one update moves
 the log-probs well beyond the tolerances below."""
 WORLD = 2
+TOLERANCE = {False: {"logp": 1e-4, "kl": 1e-5}, True: {"logp": 0.1, "kl": 1e-2}}
+"""By backend.bf16: the largest |difference| between the hf engine's fp32 log-probs and the megatron engine's, and
+of the update's KL terms (its forward against the sampling and reference log-probs)."""
 
 
 def _config(model: str, parallel):
@@ -50,7 +55,7 @@ def _config(model: str, parallel):
                    "algorithm.use_kl_loss=true", f"rollout.n={N}", f"data.max_response_length={MAX_NEW}",
                    f"data.train_batch_size={len(PROMPTS)}", f"algorithm.mini_batch_size={len(PROMPTS)}",
                    "backend.bf16=false", "backend.optimizer_cpu_offload=false", f"backend.lr={LR}",
-                   "backend.moe_aux_loss_coeff=0", "backend.moe_z_loss_coeff=0"] + list(parallel))
+                   "backend.moe_aux_loss_coeff=0", "backend.moe_z_loss_coeff=0", *parallel])
     OmegaConf.set_readonly(cfg, False)
     OmegaConf.set_struct(cfg, False)
     # megatron's own torch GDN recurrence (no flash-linear-attention on CPU); everything else as configured
@@ -217,7 +222,7 @@ def _run_layout(model, parallel, tmp_path, resume: bool):
 
 
 def _check_layout(cfg, out, hf_dir):
-    layout = derive_layout(cfg)
+    layout, tol = derive_layout(cfg), TOLERANCE[bool(cfg.backend.bf16)]
     first = out[0]
     for rank, res in out.items():
         # megatron numbers ranks tp fastest, then dp: the ranks of one model-parallel group share a data shard
@@ -230,20 +235,20 @@ def _check_layout(cfg, out, hf_dir):
         assert res["rng_restored"] and res["weights_restored"] and res["step_replayed"], rank
 
     # the hf engine sampled from the policy: its log-probs are the megatron engine's for the same tokens
-    assert _max_diff(first["rollout_lp"], first["policy_lp"]) < 1e-4
+    assert _max_diff(first["rollout_lp"], first["policy_lp"]) < tol["logp"]
     assert _max_diff(first["ref_lp"], first["policy_lp"]) < 1e-5  # the reference starts as the policy
     metrics = first["metrics"]
     assert all(math.isfinite(v) for v in metrics.values()), metrics
     assert metrics["actor/grad_norm"] > 0 and metrics["actor/skipped_steps"] == 0
     # the update's own forward reproduces the log-probs the tokens were sampled with, and the reference's
-    assert abs(metrics["actor/ppo_kl"]) < 1e-5 and metrics["actor/pg_clipfrac"] == 0
-    assert abs(metrics["actor/kl_loss"]) < 1e-6
+    assert abs(metrics["actor/ppo_kl"]) < tol["kl"] and metrics["actor/pg_clipfrac"] == 0
+    assert abs(metrics["actor/kl_loss"]) < tol["kl"]
 
     assert first["unchanged"] == [], "the update left these tensors as they were"
     assert first["ref_after_update"] == first["ref_lp"], "the update moved the reference policy"
     # after the second sync the rollout follows the updated policy, which is far from the initial one
-    assert _max_diff(first["rollout_lp2"], first["policy_lp2"]) < 1e-4
-    assert _max_diff(first["rollout_lp2"], first["ref_lp2"]) > 1e-2
+    assert _max_diff(first["rollout_lp2"], first["policy_lp2"]) < tol["logp"]
+    assert _max_diff(first["rollout_lp2"], first["ref_lp2"]) > 3 * tol["logp"]
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -272,7 +277,8 @@ def _check_layouts_agree(runs):
 @pytest.mark.parametrize("model,layouts", [
     ("qwen3_5_tiny", [["parallelism.tp=2"], ["parallelism.pp=2"], ["parallelism.pp=2", "parallelism.vpp=2"]]),
     ("qwen3_5_tiny_moe", [["parallelism.ep=2"], ["parallelism.pp=2"]]),
-], ids=["dense-tp2-pp2-vpp2", "moe-ep2-pp2"])
+    ("qwen3_5_tiny_moe", [["parallelism.ep=2", "backend.bf16=true"]]),
+], ids=["dense-tp2-pp2-vpp2", "moe-ep2-pp2", "moe-ep2-bf16"])
 def test_worker_drives_megatron_like_the_grpo_driver(model, layouts, tmp_path):
     # the first layout also resumes in fresh processes, as a restarted run does
     runs = {" ".join(parallel): _run_layout(model, parallel, tmp_path, resume=i == 0) for i, parallel in enumerate(layouts)}
