@@ -183,8 +183,9 @@ class PolicyWorker:
         """Collective: stream the policy's full weights into the rollout engine bucket by bucket (an engine that
         sleeps takes them asleep and wakes for the next generation)."""
         bucket_mb = int(self.cfg.rollout.weight_sync_bucket_mb)
-        if str(self.cfg.rollout.engine) == "hf" and str(self.cfg.backend.name) == "fsdp":
-            # the hf engine shares the trainer's device: FSDP can hand the gathered tensors over without a CPU hop
+        if str(self.cfg.rollout.engine) == "hf":
+            # the hf engine shares the trainer's device: both train engines hand the gathered tensors over there,
+            # without a round trip through the host
             buckets = self.actor.export_weights(bucket_mb, device=self.device)
         else:  # TrainEngine.export_weights: CPU tensors
             buckets = self.actor.export_weights(bucket_mb)
