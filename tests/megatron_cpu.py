@@ -1,8 +1,10 @@
-"""CPU stand-ins that let real megatron-core run on gloo processes (test-only): torch.cuda device queries answer
-"cpu", gloo gets reduce-scatter / all-gather-into-tensor emulations, the model-parallel RNG fork is a no-op, and
-flash-linear-attention is replaced by modules that make megatron's GatedDeltaNet use its own torch recurrence
-(`transformer_overrides.deterministic_mode`). The MoE token dispatcher must be `allgather` (the alltoall one moves
-its split sizes through CUDA). Call `megatron_on_cpu()` in each (forked) worker process before building an engine."""
+"""CPU stand-ins that let real megatron-core run on gloo processes (test-only): torch.cuda device queries and streams
+answer for the CPU, CPU tensors report torch.cuda.* types (the distributed optimizer accepts nothing else), gloo gets
+reduce-scatter / all-gather-into-tensor emulations, the model-parallel RNG fork is a no-op and recompute saves the CPU
+RNG as the device one, the alltoall MoE dispatcher's split sizes stay on the host, and flash-linear-attention is
+replaced by modules that make megatron's GatedDeltaNet use its own torch recurrence
+(`transformer_overrides.deterministic_mode`, which CPU runs must set). Call `megatron_on_cpu()` in each (forked)
+worker process before building an engine."""
 import contextlib
 import functools
 import socket
@@ -13,9 +15,8 @@ import torch
 import torch._dynamo
 import torch.distributed as dist
 
-CPU_TRANSFORMER_OVERRIDES = {"deterministic_mode": True, "moe_token_dispatcher_type": "allgather",
-                             "variable_seq_lengths": False}
-"""`backend.transformer_overrides` megatron needs on these stand-ins."""
+CPU_TRANSFORMER_OVERRIDES = {"deterministic_mode": True}
+"""`backend.transformer_overrides` megatron needs on these stand-ins (no fla kernels on the CPU)."""
 
 
 class _Done:

@@ -36,7 +36,7 @@ from qwen35rl.config.layout import derive_layout
 from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST
 from qwen35rl.runtime.batching import Sequences, split_even, split_sequences
 from qwen35rl.runtime.driver import step_seed
-from tests.megatron_cpu import free_port, megatron_on_cpu
+from tests.megatron_cpu import CPU_TRANSFORMER_OVERRIDES, free_port, megatron_on_cpu
 
 pytestmark = pytest.mark.slow
 
@@ -58,9 +58,8 @@ def _config(model: str, parallel):
                    "backend.moe_aux_loss_coeff=0", "backend.moe_z_loss_coeff=0", *parallel])
     OmegaConf.set_readonly(cfg, False)
     OmegaConf.set_struct(cfg, False)
-    # megatron's own torch GDN recurrence (no flash-linear-attention on CPU); everything else as configured
-    # (alltoall dispatcher, variable sequence lengths, distributed optimizer, full recompute)
-    cfg.backend.transformer_overrides = {"deterministic_mode": True}
+    # everything else as configured: alltoall dispatcher, distributed optimizer, full recompute
+    cfg.backend.transformer_overrides = dict(CPU_TRANSFORMER_OVERRIDES)
     return cfg
 
 
