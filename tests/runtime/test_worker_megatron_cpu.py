@@ -280,5 +280,6 @@ def _check_layouts_agree(runs):
 ], ids=["dense-tp2-pp2-vpp2", "moe-ep2-pp2", "moe-ep2-bf16"])
 def test_worker_drives_megatron_like_the_grpo_driver(model, layouts, tmp_path):
     # the first layout also resumes in fresh processes, as a restarted run does
-    runs = {" ".join(parallel): _run_layout(model, parallel, tmp_path, resume=i == 0) for i, parallel in enumerate(layouts)}
+    runs = {" ".join(parallel): _run_layout(model, parallel, tmp_path, resume=i == 0)
+            for i, parallel in enumerate(layouts)}
     _check_layouts_agree(runs)
