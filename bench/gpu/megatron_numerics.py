@@ -49,9 +49,12 @@ MODELS = {
 LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "ep2": {"ep": 2}}
 
 
+T0 = time.perf_counter()
+
+
 def log(*args):
     if dist.get_rank() == 0:
-        print(*args, flush=True)
+        print(f"[{time.perf_counter() - T0:.0f} s]", *args, flush=True)
 
 
 def compose_cfg(model: str, layout: Dict[str, int], args) -> Any:
@@ -258,12 +261,14 @@ def main(argv=None, transformer_overrides=None):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
         hf = build_model(cfg.model, dtype=torch.bfloat16, seed=int(cfg.trainer.seed))
         torch.set_num_threads(threads)
+        log(f"{model}: transformers model built")
         hf_state = {k: v.clone() for k, v in hf.state_dict().items()}
         if cfg.model.tie_word_embeddings:
             hf_state.pop("lm_head.weight", None)
         batch = fixed_batch(int(cfg.model.vocab_size), args.rows, args.prompt, args.response)
-        refs = {"bf16": hf_reference(hf, batch, args.device, torch.bfloat16),
-                "fp32": hf_reference(hf, batch, args.device, torch.float32)}
+        refs = {"bf16": hf_reference(hf, batch, args.device, torch.bfloat16)}
+        log(f"{model}: transformers bf16 reference done")
+        refs["fp32"] = hf_reference(hf, batch, args.device, torch.float32)
         del hf
         if args.device.type == "cuda":
             torch.cuda.empty_cache()

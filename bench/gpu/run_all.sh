@@ -127,11 +127,16 @@ scale)
   peaks
   mkdir -p "$OUT/megatron" "$OUT/torch"
   megatron_grpo moe_tp2_ep2 qwen3_5_35b_a3b model.num_experts=64 parallelism.tp=2 parallelism.ep=2 parallelism.etp=1
-  megatron_grpo dense_pp2 qwen3_5_0_8b parallelism.pp=2
   PYTHONPATH=$TORCH_PATH CUDA_VISIBLE_DEVICES=0,1 $G qwen35rl --out "$OUT/torch/q2.json" --run-dir "$RUNS/q2" --devices 2 \
-    --prompts 32 --steps 3 --peak-tflops "$PEAK" --timeout 230 > "$LOGS/q2.log" 2>&1
+    --prompts 32 --steps 3 --peak-tflops "$PEAK" --timeout 220 > "$LOGS/q2.log" 2>&1
   elapsed "qwen35rl 2 GPUs done: $(grep -c '\[qwen35rl\] step' "$LOGS/q2.log") steps"
   rm -rf "$RUNS/q2"
+  # the MoE half of the numerics (stage torch ran out of time after the dense layouts)
+  PYTHONPATH=$MCORE_PATH timeout 150 torchrun --standalone --nproc_per_node=2 bench/gpu/megatron_numerics.py --steps 3 \
+    --models moe --layouts ep2,tp2 --rows 4 --peak-tflops "$PEAK" --out "$OUT/megatron/numerics_moe.json" \
+    > "$LOGS/numerics_moe.log" 2>&1
+  elapsed "megatron numerics (MoE) done (exit $?)"
+  megatron_grpo dense_pp2 qwen3_5_0_8b parallelism.pp=2
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac
