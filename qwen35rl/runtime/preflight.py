@@ -9,6 +9,9 @@
 3. Versions: vLLM (rollout=vllm) and megatron-core (backend=megatron) on every node against
    `rollout.vllm_version` / `backend.megatron_core_version`. The config layer derives facts from these versions
    (platform quirks, rules); a difference that changes any of them is an error, any other difference a warning.
+4. GDN kernels (CUDA): where flash-linear-attention is installed but its backward refuses the GPU
+   (`runtime.gdn_kernels`), an FSDP run would fail in its first update, after the first generation: an error. The
+   Megatron engine falls back to megatron-core's torch recurrence there: a warning.
 """
 from __future__ import annotations
 
@@ -124,6 +127,10 @@ def probe_node(device_type: str) -> Dict[str, Any]:
     info["device_name"] = str(props.name)
     info["device_memory_gb"] = props.total_memory / 1e9
     info["visible_devices"] = int(mod.device_count())
+    if device_type == "cuda":
+        from qwen35rl.runtime import gdn_kernels
+
+        info["gdn"] = gdn_kernels.probe(0)
     return info
 
 
@@ -239,6 +246,36 @@ def version_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem
     return out
 
 
+# ------------------------------------------------------------------------------------------- GDN kernels
+FLA_FIX = ("install tilelang (and nvcc, for its JIT) or Triton >= 3.7.1 there, so that fla's kernels run; or "
+           "uninstall flash-linear-attention there (transformers then runs its torch GDN code: slower, more memory)")
+
+
+def gdn_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
+    """Nodes whose flash-linear-attention would refuse the GDN backward (fla issue #640)."""
+    refused: Dict[Tuple[str, str, str], List[str]] = {}
+    for p in probes:
+        g = p.get("gdn") or {}
+        if g.get("fla_backward_refused"):
+            cap = ".".join(map(str, g.get("capability") or []))
+            refused.setdefault((str(g.get("fla")), str(g.get("triton")), f"{p.get('device_name')}, compute "
+                                f"capability {cap}"), []).append(str(p.get("hostname")))
+    out: List[Problem] = []
+    for (fla, triton, device), hosts in refused.items():
+        where = f"{', '.join(hosts)} ({device}, Triton {triton}, no usable TileLang)"
+        if str(cfg.backend.name) == "megatron":
+            out.append(Problem("fla_gdn_backward_refused", "backend.transformer_overrides.deterministic_mode",
+                               f"flash-linear-attention {fla} refuses its GDN backward on {where}: the Megatron "
+                               "policy trains with megatron-core's torch GDN recurrence (slower, and more activation "
+                               "memory than the plan assumed)", FLA_FIX, WARNING))
+        else:
+            out.append(Problem("fla_gdn_backward_refused", "backend.name",
+                               f"flash-linear-attention {fla} is installed on {where}, where its GDN backward "
+                               "refuses to run (fla issue #640): transformers would pick it and the first update "
+                               "would fail after the first generation", FLA_FIX))
+    return out
+
+
 # --------------------------------------------------------------------------------------------------- entry
 def run_preflight(cfg: Any, platform: Platform, *, wait_s: float) -> Dict[str, Any]:
     """All checks against the connected Ray cluster. Warnings are logged; errors raise PreflightError (with
@@ -246,7 +283,7 @@ def run_preflight(cfg: Any, platform: Platform, *, wait_s: float) -> Dict[str, A
     t0 = time.monotonic()
     nodes = wait_for_resources(cfg, platform, wait_s)
     probes = probe_nodes(platform, nodes, float(cfg.trainer.placement_timeout_s))
-    problems = memory_problems(cfg, probes) + version_problems(cfg, probes)
+    problems = memory_problems(cfg, probes) + version_problems(cfg, probes) + gdn_problems(cfg, probes)
     for p in problems:
         if p.severity != ERROR:
             log.warning("preflight: %s", p.render())

@@ -11,28 +11,9 @@ import pytest
 import torch
 
 from qwen35rl.engines.megatron import engine
-from qwen35rl.engines.megatron.engine import MegatronTrainEngine, fla_gdn_backward_refused
+from qwen35rl.engines.megatron.engine import MegatronTrainEngine
 
 HOPPER, AMPERE, BLACKWELL = (9, 0), (8, 0), (10, 0)
-
-
-@pytest.mark.parametrize("capability,triton,tilelang,refused", [
-    (HOPPER, "3.6.0", False, True),
-    (HOPPER, "3.4.0", False, True),          # the first Triton with the miscompile
-    (HOPPER, "3.7.0", False, True),
-    (HOPPER, "3.6.0+git1a2b3c", False, True),
-    (HOPPER, "3.7.1", False, False),         # fixed
-    (HOPPER, "3.8.0", False, False),
-    (HOPPER, "3.3.1", False, False),         # before the miscompile
-    (HOPPER, "3.6.0", True, False),          # TileLang runs the kernel instead
-    ((9, 1), "3.6.0", False, True),
-    (AMPERE, "3.6.0", False, False),
-    (BLACKWELL, "3.6.0", False, False),
-    (HOPPER, None, False, False),            # no Triton: fla is not what runs
-    (None, "3.6.0", False, False),
-])
-def test_refused_on_hopper_with_the_miscompiling_triton_and_no_tilelang(capability, triton, tilelang, refused):
-    assert fla_gdn_backward_refused(capability, triton, tilelang) is refused
 
 
 def _gpu(monkeypatch, capability, triton, tilelang):
@@ -74,30 +55,3 @@ def test_an_explicit_deterministic_mode_is_kept(monkeypatch, caplog, chosen):
 def test_fla_kernels_stay_where_they_work(monkeypatch, gpu, reference, device):
     _gpu(monkeypatch, *gpu)
     assert _choose({}, reference=reference, device=device) == {}
-
-
-def test_tilelang_counts_only_when_fla_may_dispatch_to_it(monkeypatch):
-    """fla's dispatch skips TileLang without the package, without nvcc for its JIT, with FLA_TILELANG=0 or with
-    FLA_DISABLE_BACKEND_DISPATCH=1."""
-    import importlib.util
-    import sys
-    import types
-
-    nvcc = {"found": True}
-    fla_utils = types.ModuleType("fla.utils")
-    fla_utils.has_usable_nvcc = lambda: nvcc["found"]
-    monkeypatch.setitem(sys.modules, "fla", types.ModuleType("fla"))
-    monkeypatch.setitem(sys.modules, "fla.utils", fla_utils)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: SimpleNamespace(name=name))
-    monkeypatch.delenv("FLA_TILELANG", raising=False)
-    monkeypatch.delenv("FLA_DISABLE_BACKEND_DISPATCH", raising=False)
-    assert engine._fla_tilelang_usable()
-    nvcc["found"] = False
-    assert not engine._fla_tilelang_usable()
-    nvcc["found"] = True
-    for var in ("FLA_TILELANG", "FLA_DISABLE_BACKEND_DISPATCH"):
-        with monkeypatch.context() as env:
-            env.setenv(var, "0" if var == "FLA_TILELANG" else "1")
-            assert not engine._fla_tilelang_usable(), var
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-    assert not engine._fla_tilelang_usable()

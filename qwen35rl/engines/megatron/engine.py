@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -26,6 +25,9 @@ from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
 from qwen35rl.engines.megatron import ascend, version
 from qwen35rl.engines.megatron import mapping as mp
 from qwen35rl.engines.megatron.tokens import Aligned, left_align, pad_columns, vocab_parallel_logprobs
+from qwen35rl.runtime.gdn_kernels import fla_gdn_backward_refused
+from qwen35rl.runtime.gdn_kernels import fla_tilelang_usable as _fla_tilelang_usable
+from qwen35rl.runtime.gdn_kernels import triton_version as _triton_version
 
 log = logging.getLogger(__name__)
 
@@ -74,45 +76,6 @@ def te_gated_options(backend: Any, has_te: bool) -> Tuple[Dict[str, bool], List[
         return wanted, []
     off = [name for name, on in wanted.items() if on]
     return {name: False for name in wanted}, off
-
-
-FLA_HOPPER_BAD_TRITON = ((3, 4, 0), (3, 7, 1))
-"""Triton versions [from, to) that miscompile flash-linear-attention's gated chunk backward (dq/dk/dw/dg) on Hopper:
-fla 0.6 raises there unless its TileLang backend takes that kernel (fla issue #640)."""
-
-
-def fla_gdn_backward_refused(capability: Optional[Tuple[int, int]], triton_version: Optional[str],
-                             tilelang_usable: bool) -> bool:
-    """Whether flash-linear-attention's chunked GDN backward refuses this GPU: a Hopper (compute capability 9.x)
-    with Triton in FLA_HOPPER_BAD_TRITON, and no usable TileLang to run the kernel instead."""
-    from qwen35rl.config.quirks import version_tuple
-
-    if capability is None or capability[0] != 9 or triton_version is None or tilelang_usable:
-        return False
-    low, high = FLA_HOPPER_BAD_TRITON
-    return low <= version_tuple(triton_version) < high
-
-
-def _triton_version() -> Optional[str]:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return str(triton.__version__)
-
-
-def _fla_tilelang_usable() -> bool:
-    """What fla's backend dispatch checks before handing a kernel to TileLang: the package imports, nvcc is there
-    for its JIT, and neither FLA_TILELANG=0 nor FLA_DISABLE_BACKEND_DISPATCH=1 switches it off."""
-    if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1" or os.environ.get("FLA_TILELANG") == "0":
-        return False
-    if importlib.util.find_spec("tilelang") is None:
-        return False
-    try:
-        from fla.utils import has_usable_nvcc
-    except ImportError:  # an fla without the nvcc check
-        return True
-    return bool(has_usable_nvcc())
 
 
 def _dtype(backend: Any) -> torch.dtype:
