@@ -597,6 +597,18 @@ def megatron_trains_text_only(cfg: Any, layout: Layout) -> List[Problem]:
                 "(e.g. data=gsm8k) with megatron")
 
 
+@rule("config")
+def megatron_dispatcher_takes_variable_lengths(cfg: Any, layout: Layout) -> List[Problem]:
+    """The Megatron engine feeds micro batches of different lengths (variable_seq_lengths); megatron-core's
+    allgather MoE dispatcher refuses that at start-up."""
+    if not _megatron(layout) or not val(cfg, "model.moe") or val(cfg, "backend.moe_token_dispatcher_type") != "allgather":
+        return []
+    return _err("megatron_dispatcher_takes_variable_lengths", "backend.moe_token_dispatcher_type",
+                "backend.moe_token_dispatcher_type=allgather cannot take micro batches of different lengths, which "
+                "the Megatron engine feeds (megatron-core refuses it when the model is built)",
+                "try backend.moe_token_dispatcher_type=alltoall (or flex with DeepEP)")
+
+
 # ================================================================================================ enums, ranges
 CHOICES: Dict[str, Sequence[Any]] = {
     "rollout.engine": ("vllm", "hf"),
