@@ -15,13 +15,12 @@
 # Installs (no network there): /tmp/site (Ray, Hydra, TRL, datasets), /tmp/site-fla (flash-linear-attention
 # alone, for megatron-core), /tmp/site-mcore (megatron-core 0.19.2), /tmp/site-gdn (fla + TileLang). Which of them
 # a job sees is its PYTHONPATH: without fla, transformers runs its torch GDN fallback.
-# The hf rollout's decode step runs as a CUDA graph (QWEN35RL_DECODE_CUDA_GRAPH=1). Every job has a time limit;
+# The hf rollout's decode step runs as a CUDA graph (rollout.cuda_graph, on by default). Every job has a time limit;
 # JSON results are written as they come, so a job cut short still leaves its finished steps.
 set -u
 stage=${1:?usage: run_all.sh torch|fla|scale}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
-export QWEN35RL_DECODE_CUDA_GRAPH=${QWEN35RL_DECODE_CUDA_GRAPH:-1}
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
 OUT=${OUT:-/tmp/out}
 LOGS=/tmp/logs/$stage

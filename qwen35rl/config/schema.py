@@ -192,7 +192,7 @@ class RolloutConfig:
     """The rollout (generation) engine."""
 
     engine: str = MISSING
-    """`vllm` (vllm-ascend on NPU) or `hf` (transformers generate)."""
+    """`vllm` (vllm-ascend on NPU) or `hf` (the transformers model under qwen35rl's decode loop)."""
     n: int = 5
     """Responses sampled per prompt (GRPO groups; >= 2)."""
     temperature: float = 1.0
@@ -218,6 +218,10 @@ class RolloutConfig:
     """Bucket size of the train -> rollout weight sync; never materialises the whole model at once."""
     cudagraph_mode: Optional[str] = None
     cudagraph_capture_sizes: Optional[List[int]] = None
+    cuda_graph: bool = True
+    """rollout.engine=hf only: capture its decode step as a CUDA graph on CUDA devices (ignored on CPU / NPU); a
+    failed capture decodes eagerly and is reported (metric `rollout/cuda_graph`, a warning). vLLM's graphs are
+    set by enforce_eager / cudagraph_mode / cudagraph_capture_sizes."""
     engine_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Extra `vllm.LLM` arguments; names are checked against the known set."""
     val_temperature: float = 0.0

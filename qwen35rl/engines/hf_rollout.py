@@ -6,17 +6,14 @@ shapes and tensor addresses, so on CUDA one step is captured once as a CUDA grap
 is otherwise dominated by launching ~1000 small kernels from Python). Only the last position's logits are ever
 computed, and the sampled token's log-prob is taken per step, so nothing of size [steps, rows, vocab] is kept.
 
-The CUDA graph is opt-in (`cuda_graphs=True`, or QWEN35RL_DECODE_CUDA_GRAPH=1 in the worker environment, e.g. through
-`backend.env`) until a capture is seen to work next to FSDP2 over NCCL in the same process: the one H200 run with it
-was cut by its time limit during its first generation, with no sign of whether the capture worked (see
-bench/results/h200.md). Without it the same static-cache loop runs eagerly.
+The CUDA graph is on unless `cuda_graphs=False` (config key `rollout.cuda_graph`; bench/results/h200.md has H200
+timings of both ways, in the colocated worker next to FSDP2). Off, on a device other than CUDA, or after a failed
+capture, the same static-cache loop runs eagerly; `stats` tells which way the last generation ran.
 """
 from __future__ import annotations
 
 import inspect
-
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -30,8 +27,6 @@ log = logging.getLogger(__name__)
 EAGER_STEPS_BEFORE_CAPTURE = 2
 """Decode steps run eagerly (on a side stream) before capturing: Triton autotuning and lazy initialisation must not
 happen inside the capture."""
-CUDA_GRAPH_ENV = "QWEN35RL_DECODE_CUDA_GRAPH"
-"""1: capture the decode step as a CUDA graph (default off, see the module docstring)."""
 FINISHED_CHECK_EVERY = 16
 """Steps between checks whether every row has stopped (each check waits for the device)."""
 
@@ -44,31 +39,34 @@ def cache_argument(decoder: torch.nn.Module) -> str:
 
 @dataclass
 class DecodeStats:
-    """How the last `generate` ran (for benchmarks and logs)."""
+    """How the last `generate` ran (for benchmarks and the driver's `rollout/cuda_graph` metric); rows=0: it had
+    no prompts."""
 
     rows: int = 0
     steps: int = 0
     cuda_graph: bool = False
+    """The decode steps replayed a captured CUDA graph."""
     graph_error: str = ""
+    """Why the capture failed (empty when it did not fail or was not tried)."""
 
 
 class HfRolloutEngine(RolloutEngine):
     def __init__(self, model: Any, tokenizer: Any, *, device: Any, pad_token_id: int,
                  eos_token_id: Union[int, Sequence[int]], processor: Optional[Any] = None,
-                 cuda_graphs: Optional[bool] = None):
+                 cuda_graphs: bool = True):
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.tokenizer, self.processor = tokenizer, processor
         self.pad_token_id = int(pad_token_id)
         self.eos_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
-        if cuda_graphs is None:
-            cuda_graphs = os.environ.get(CUDA_GRAPH_ENV, "0") == "1"
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.cuda_graphs = cuda_graphs
+        """Capture the decode step when the device is CUDA (checked per generation)."""
         self.stats = DecodeStats()
 
     # ------------------------------------------------------------------------------------------ generate
     @torch.no_grad()
     def generate(self, request: RolloutRequest) -> RolloutResult:
+        self.stats = DecodeStats()
         if not request.prompt_ids:
             return RolloutResult([], [], [])
         rows = [p for p in request.prompt_ids for _ in range(request.n)]  # prompt-major: row i*n + j
@@ -307,7 +305,8 @@ class StepRunner:
         except Exception as e:  # noqa: BLE001 - any capture problem: decode eagerly instead
             # a capture only records kernels, so the cache is as before the step: run it eagerly
             self.use_graph, self.error = False, f"{type(e).__name__}: {e}"[:500]
-            log.warning("decode step could not be captured as a CUDA graph (%s); decoding eagerly", self.error)
+            # info: every generation tries again; the driver warns once from `stats`
+            log.info("decode step could not be captured as a CUDA graph (%s); decoding eagerly", self.error)
             torch.cuda.synchronize()
             return self.step()
         self.graph, self.out, self.captured = graph, out, True

@@ -7,6 +7,7 @@ sync, checkpoints, export) must be called on all ranks together. Arguments and r
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -56,6 +57,8 @@ class PolicyWorker:
         self.text_only = not trains_vision(self.cfg.model, self.cfg.data)
         self.processor = None
         """The model's processor when the policy sees images (its image processor builds the vision inputs)."""
+        self.last_decode: Dict[str, Any] = {}
+        """How this rank's last generation decoded (the hf engine's DecodeStats); empty without one."""
 
     def _accelerator_ids(self) -> List[str]:
         try:
@@ -152,7 +155,8 @@ class PolicyWorker:
                                     seed=int(self.cfg.trainer.seed), text_only=self.text_only)
                 eos = model.generation_config.eos_token_id
             return HfRolloutEngine(model, self.tokenizer, device=self.device, pad_token_id=self.pad_token_id,
-                                   eos_token_id=eos, processor=self.processor)
+                                   eos_token_id=eos, processor=self.processor,
+                                   cuda_graphs=bool(self.cfg.rollout.cuda_graph))
         if engine == "vllm":
             from qwen35rl.engines.vllm_rollout import VllmRolloutEngine
 
@@ -171,10 +175,13 @@ class PolicyWorker:
     # ----------------------------------------------------------------------------------------------- rollout
     def generate(self, prompt_ids: List[List[int]], params: Dict[str, Any]) -> RolloutResult:
         """This rank's share of prompts, `params` = RolloutRequest fields (n, temperature, seed, ...)."""
+        self.last_decode = {}
         if not prompt_ids:
             return RolloutResult(response_ids=[], log_probs=[], finish_reasons=[])
         self.rollout.wake_up()
         result = self.rollout.generate(RolloutRequest(prompt_ids=prompt_ids, **params))
+        stats = getattr(self.rollout, "stats", None)  # the hf engine's DecodeStats; the vLLM engine has none
+        self.last_decode = dataclasses.asdict(stats) if stats is not None else {}
         if self.cfg.rollout.free_cache_engine:  # give the memory back to the trainer until the next generation
             self.rollout.sleep(int(self.cfg.rollout.sleep_level))
         return result
@@ -268,6 +275,10 @@ class PolicyWorker:
         self._barrier()
 
     # ------------------------------------------------------------------------------------------------ stats
+    def decode_stats(self) -> Dict[str, Any]:
+        """`last_decode` (rows, steps, cuda_graph, graph_error), for the driver's metrics."""
+        return self.last_decode
+
     def max_memory_allocated_gb(self) -> float:
         return self.platform.max_memory_allocated_gb()
 

@@ -8,7 +8,8 @@ import torch
 from qwen35rl.config.compose import compose
 from qwen35rl.engines.base import RolloutRequest
 from qwen35rl.engines.fsdp_engine import FsdpTrainEngine
-from qwen35rl.engines.hf_rollout import HfRolloutEngine
+from qwen35rl.engines import hf_rollout
+from qwen35rl.engines.hf_rollout import EAGER_STEPS_BEFORE_CAPTURE, HfRolloutEngine
 from qwen35rl.models.build import build_model
 from qwen35rl.models.special_tokens import BYTE_SPECIAL_IDS
 from qwen35rl.models.tokenizer import build_tokenizer
@@ -109,3 +110,24 @@ def test_top_k_1_and_tiny_top_p_sample_the_greedy_tokens(top):
     sampled = eng.generate(RolloutRequest(prompt_ids=prompts, n=1, temperature=1.0, max_new_tokens=6, seed=3, **top))
     assert sampled.response_ids == greedy.response_ids
     assert all(lp < 0 for row in sampled.log_probs for lp in row)
+
+
+def test_cuda_graph_is_on_by_default_and_never_tried_off_cuda(monkeypatch):
+    """The engine's default asks for the graph; a CPU decode long enough to reach the capture runs eagerly, and its
+    stats say so (an empty request leaves stats of nothing decoded)."""
+    tried = []
+
+    class Recording(hf_rollout.StepRunner):
+        def __init__(self, step, cuda_graphs):
+            tried.append(cuda_graphs)
+            super().__init__(step, cuda_graphs)
+
+    monkeypatch.setattr(hf_rollout, "StepRunner", Recording)
+    eng = _rollout(_cfg())
+    assert eng.cuda_graphs
+    eng.generate(RolloutRequest(prompt_ids=_prompts(eng.tokenizer), n=2, temperature=1.0,
+                                max_new_tokens=EAGER_STEPS_BEFORE_CAPTURE + 3, seed=1))
+    assert tried == [False]
+    assert (eng.stats.rows, eng.stats.cuda_graph, eng.stats.graph_error) == (6, False, "")
+    eng.generate(RolloutRequest(prompt_ids=[], n=2))
+    assert eng.stats.rows == 0

@@ -81,6 +81,23 @@ def test_sync_fills_every_rollout_weight_from_the_policy(worker):
     assert worker.rollout.eos_token_ids == [IM_END, EOS]
 
 
+def test_rollout_cuda_graph_key_reaches_the_hf_engine_and_cpu_decodes_eagerly(worker):
+    """rollout.cuda_graph (default true) is the hf engine's cuda_graphs; on CPU no graph is captured, and the decode
+    stats the driver reads say so (a rank without prompts reports none)."""
+    assert worker.cfg.rollout.cuda_graph is True and worker.rollout.cuda_graphs is True
+    params = dict(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, seed=5)
+    worker.generate(PROMPTS, params)
+    stats = worker.decode_stats()
+    assert (stats["rows"], stats["steps"], stats["cuda_graph"], stats["graph_error"]) == (4, 4, False, "")
+    worker.generate([], params)
+    assert worker.decode_stats() == {}
+    worker.cfg.rollout.cuda_graph = False
+    try:
+        assert worker._rollout_engine().cuda_graphs is False
+    finally:
+        worker.cfg.rollout.cuda_graph = True
+
+
 def test_checkpoint_round_trip_restores_policy_optimizer_and_rng(worker, tmp_path):
     worker.save_checkpoint(str(tmp_path))
     saved, draw = _policy(worker), torch.rand(3)
