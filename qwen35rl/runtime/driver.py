@@ -173,6 +173,7 @@ class GRPOTrainer:
                                         and not self.algo.use_kl_in_reward)
         self.step = 0
         self.saved_step = -1
+        self.graph_error_logged = False
 
     # ==================================================================================================== loop
     def fit(self) -> int:
@@ -226,6 +227,7 @@ class GRPOTrainer:
             with timer("sync_weights"):
                 self.workers.run("sync_weights")
         metrics.update(data_metrics(batch, rewards, advantages, int(self.data.max_response_length)))
+        metrics.update(self.decode_metrics())
         metrics.update(timer.metrics())
         metrics.update(self.perf_metrics(batch, timer))
         return metrics
@@ -289,6 +291,19 @@ class GRPOTrainer:
             batch.rollout_log_probs.extend(result.log_probs)
             batch.finish_reasons.extend(result.finish_reasons)
         return batch
+
+    def decode_metrics(self) -> Dict[str, float]:
+        """`rollout/cuda_graph`: share of the ranks whose last generation decoded as a captured CUDA graph (hf
+        engine only: `rollout.cuda_graph`). The first failed capture's error is logged as a warning."""
+        decoded = [s for s in self.workers.run("decode_stats") if s.get("rows")]
+        if not decoded:
+            return {}
+        error = next((s["graph_error"] for s in decoded if s["graph_error"]), "")
+        if error and not self.graph_error_logged:
+            self.graph_error_logged = True
+            log.warning("the rollout's decode step could not be captured as a CUDA graph, so it decodes eagerly "
+                        "(rollout/cuda_graph < 1; rollout.cuda_graph=false skips the attempt): %s", error)
+        return {"rollout/cuda_graph": sum(float(s["cuda_graph"]) for s in decoded) / len(decoded)}
 
     def score(self, batch: RolloutBatch) -> Dict[str, float]:
         """Reward function per response (in worker processes with a time limit), then overlong shaping."""

@@ -1,5 +1,6 @@
 """The GRPO loop against in-process fake workers (no Ray, no model): how work is split over DP ranks and mini
 batches, dynamic sampling, the non-finite counter, validation / checkpoint / stop scheduling."""
+import logging
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -36,6 +37,7 @@ class FakeWorker:
     def __init__(self, rank: int, log: Dict[str, list], world: int, tp: int = 1):
         self.rank, self.log, self.world, self.tp = rank, log, world, tp
         self.skipped = 0
+        self.decode: Dict[str, Any] = {}  # like a vLLM rollout: no decode stats
 
     def data_shards(self):
         return {"train_dp_rank": self.rank // self.tp, "train_dp_size": self.world // self.tp,
@@ -76,6 +78,9 @@ class FakeWorker:
 
     def max_memory_allocated_gb(self):
         return 0.1 * (self.rank + 1)
+
+    def decode_stats(self):
+        return self.decode
 
 
 class FakeWorkers:
@@ -274,3 +279,20 @@ def test_rollout_vs_trainer_logprob_difference_is_logged(tmp_path):
     single, _ = make_trainer(tmp_path / "b", ["data.train_batch_size=4", "rollout.n=2", "algorithm.mini_batch_size=4"])
     single.step = 1
     assert "rollout/logprob_diff_mean" not in single.train_step()
+
+
+def test_decode_cuda_graph_share_is_logged_and_a_failed_capture_warned_once(tmp_path, caplog):
+    trainer, workers = make_trainer(tmp_path, ["data.train_batch_size=4", "rollout.n=2", "algorithm.mini_batch_size=4"])
+    w0, w1 = workers.workers
+    w0.decode = dict(rows=4, steps=8, cuda_graph=True, graph_error="")
+    w1.decode = dict(rows=4, steps=8, cuda_graph=False, graph_error="RuntimeError: operation not permitted")
+    with caplog.at_level(logging.WARNING, logger="qwen35rl.runtime.driver"):
+        for step in (1, 2):
+            trainer.step = step
+            assert trainer.train_step()["rollout/cuda_graph"] == pytest.approx(0.5)
+    warned = [r.getMessage() for r in caplog.records if "CUDA graph" in r.getMessage()]
+    assert len(warned) == 1 and "operation not permitted" in warned[0]
+    w1.decode = dict(rows=0, steps=0, cuda_graph=False, graph_error="")  # no prompts on that rank: not counted
+    assert trainer.train_step()["rollout/cuda_graph"] == 1.0
+    w0.decode = w1.decode = {}  # an engine without decode stats (vLLM): no metric
+    assert "rollout/cuda_graph" not in trainer.train_step()

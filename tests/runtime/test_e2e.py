@@ -56,6 +56,7 @@ def test_train_end_to_end(tmp_path):
         assert 0.0 <= r["critic/score/mean"] <= 1.0 and r["actor/skipped_steps"] == 0
         # the rollout engine samples from the synced policy: its log-probs are the trainer's
         assert r["rollout/logprob_diff_max"] < 1e-3 and r["rollout/logprob_diff_mean"] < 1e-4
+        assert r["rollout/cuda_graph"] == 0.0  # on by default, never on a CPU
     assert "val/score/mean" in rows[2] and "val/score/mean" not in rows[0]
 
     ckpts = run / "checkpoints"
