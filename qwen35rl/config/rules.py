@@ -609,6 +609,18 @@ def megatron_dispatcher_takes_variable_lengths(cfg: Any, layout: Layout) -> List
                 "try backend.moe_token_dispatcher_type=alltoall (or flex with DeepEP)")
 
 
+@rule("config")
+def local_launcher_runs_one_device(cfg: Any, layout: Layout) -> List[Problem]:
+    """trainer.launcher=local holds the one worker in the driver's process: the run has exactly one device."""
+    nodes, per_node = int(val(cfg, "hw.nodes")), int(val(cfg, "hw.devices_per_node"))
+    if val(cfg, "trainer.launcher") != "local" or nodes * per_node == 1:
+        return []
+    return _err("local_launcher_runs_one_device", "trainer.launcher", f"trainer.launcher=local runs one worker in "
+                f"the driver's process, but hw.nodes x hw.devices_per_node = {nodes} x {per_node} = "
+                f"{nodes * per_node} devices", "try trainer.launcher=ray (any number of devices), or "
+                "hw.nodes=1 hw.devices_per_node=1 for a single-device run")
+
+
 # ================================================================================================ enums, ranges
 CHOICES: Dict[str, Sequence[Any]] = {
     "rollout.engine": ("vllm", "hf"),
@@ -630,6 +642,7 @@ CHOICES: Dict[str, Sequence[Any]] = {
     "rollout.sleep_level": (1, 2),
     "rollout.cudagraph_mode": ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", None),
     "format": ("text", "json"),
+    "trainer.launcher": ("ray", "local"),
 }
 # Built-in reward names (qwen35rl.rewards.BUILTIN, which imports the scorers; a test keeps the two equal).
 REWARDS = ("exact_match", "math", "format", "copy_digit", "sum_digits")

@@ -368,6 +368,10 @@ class TrainerConfig:
     placement_timeout_s: float = 300.0
     """Seconds to wait for the cluster to offer the run's devices (nodes still joining, a placement group still
     pending) before failing with what is missing. A local cluster started by the run fails at once."""
+    launcher: str = "ray"
+    """How the workers start. ray: one Ray actor per device, on one node or many. local: a run of one device
+    (hw.nodes x hw.devices_per_node = 1) holds its worker in the driver's process, without Ray (no start-up cost,
+    no Ray install needed)."""
 
 
 @dataclass

@@ -127,6 +127,8 @@ CASES = [
     ("megatron_trains_text_only", "mg35", {"data__has_images": False}, {"data__has_images": True}, "backend", ERROR),
     ("megatron_dispatcher_takes_variable_lengths", "mg35", {"backend__moe_token_dispatcher_type": "alltoall"},
      {"backend__moe_token_dispatcher_type": "allgather"}, "backend.moe_token_dispatcher_type", ERROR),
+    ("local_launcher_runs_one_device", "tiny", {"trainer__launcher": "local", "hw__devices_per_node": 1},
+     {"trainer__launcher": "local"}, "trainer.launcher", ERROR),
     ("known_choice", "tiny", {"algorithm__loss_agg_mode": "seq-mean-token-sum"},
      {"algorithm__loss_agg_mode": "token_mean"}, "algorithm.loss_agg_mode", ERROR),
     ("value_in_range", "tiny", {"rollout__gpu_memory_utilization": 1.0}, {"rollout__gpu_memory_utilization": 1.5},
