@@ -4,6 +4,9 @@ A local Ray cluster is started when neither `ray_address` nor RAY_ADDRESS is set
 starts in seconds); otherwise the driver joins the running cluster (`ray start` on every node, see launch/).
 Ranks follow (node, bundle) order, so ranks of a node are contiguous; rank 0's node hosts the torch.distributed
 rendezvous.
+
+`LocalWorkerGroup` is the same interface without Ray (trainer.launcher=local): the one worker of a single-device
+run, held in the driver's process. Nothing on its path imports ray.
 """
 from __future__ import annotations
 
@@ -12,11 +15,13 @@ import logging
 import os
 import re
 import socket
+import sys
+import traceback
 from typing import Any, Dict, List, Optional, Sequence
 
 from omegaconf import OmegaConf
 
-from qwen35rl.runtime.platform import Platform
+from qwen35rl.runtime.platform import Platform, apply_env
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +46,44 @@ class WorkerFailure(RuntimeError):
         super().__init__(f"worker rank {rank} on {place}, pid {where.get('pid', '?')}, failed in {method}: {cause}")
 
 
-def _whereabouts(_worker: Any) -> Dict[str, Any]:
-    """Runs inside a worker actor (through `__ray_call__`): where it lives."""
-    import ray
+def _connected_ray() -> Any:
+    """The ray module when this process is connected to Ray (a worker or probe task, a driver after ray.init);
+    None otherwise, without importing ray."""
+    ray = sys.modules.get("ray")
+    return ray if ray is not None and ray.is_initialized() else None
 
-    return {"hostname": socket.gethostname(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-            "node_id": ray.get_runtime_context().get_node_id()}
+
+def node_ip() -> str:
+    """This node's address as Ray sees it; 127.0.0.1 in a process without Ray (trainer.launcher=local)."""
+    ray = _connected_ray()
+    return ray.util.get_node_ip_address() if ray else "127.0.0.1"
+
+
+def whereabouts() -> Dict[str, Any]:
+    """Where this process lives: host, node address, pid (and Ray's node id under Ray)."""
+    out: Dict[str, Any] = {"hostname": socket.gethostname(), "ip": node_ip(), "pid": os.getpid()}
+    ray = _connected_ray()
+    if ray:
+        out["node_id"] = ray.get_runtime_context().get_node_id()
+    return out
+
+
+def _whereabouts(_worker: Any) -> Dict[str, Any]:
+    """Runs inside a worker actor (through `__ray_call__`)."""
+    return whereabouts()
+
+
+def raised_cause(exc: BaseException) -> str:
+    """One line on an exception raised inside a worker method (an out-of-memory named as such)."""
+    line = f"{type(exc).__name__}: {exc}"
+    if "OutOfMemory" in type(exc).__name__ or "out of memory" in str(exc).lower():
+        line = f"out of device memory ({line})"
+    return _one_line(line)
+
+
+def _one_line(line: str) -> str:
+    line = " ".join(line.split())
+    return line if len(line) <= _CAUSE_CHARS else line[:_CAUSE_CHARS] + " ..."
 
 
 def failure_cause(err: BaseException) -> str:
@@ -55,11 +92,8 @@ def failure_cause(err: BaseException) -> str:
 
     text = str(err)
     if isinstance(err, rex.RayTaskError) and getattr(err, "cause", None) is not None:
-        cause = err.cause
-        line = f"{type(cause).__name__}: {cause}"
-        if "OutOfMemory" in type(cause).__name__ or "out of memory" in str(cause).lower():
-            line = f"out of device memory ({line})"
-    elif isinstance(err, rex.OutOfMemoryError):
+        return raised_cause(err.cause)
+    if isinstance(err, rex.OutOfMemoryError):
         line = "killed by Ray's memory monitor: the node ran out of host memory"
     elif isinstance(err, rex.RayActorError) and getattr(err, "_actor_init_failed", False):
         last = [ln for ln in text.splitlines() if ln.strip()][-1:]
@@ -71,8 +105,7 @@ def failure_cause(err: BaseException) -> str:
                 f"or crashed")
     else:
         line = f"{type(err).__name__}: {text}"
-    line = " ".join(line.split())
-    return line if len(line) <= _CAUSE_CHARS else line[:_CAUSE_CHARS] + " ..."
+    return _one_line(line)
 
 
 def ray_address(cfg: Any) -> Optional[str]:
@@ -195,8 +228,7 @@ class WorkerGroup:
 
     def run_each(self, method: str, per_rank: Sequence[Sequence[Any]], **kwargs: Any) -> List[Any]:
         """Worker r gets the positional arguments per_rank[r] (and the same kwargs as the others)."""
-        if len(per_rank) != self.world:
-            raise ValueError(f"{method}: {len(per_rank)} shares for {self.world} workers")
+        _check_shares(method, per_rank, self.world)
         return self._gather([getattr(a, method).remote(*args, **kwargs) for a, args in zip(self.actors, per_rank)],
                             method)
 
@@ -240,6 +272,87 @@ class WorkerGroup:
                 ray.util.remove_placement_group(g)
             except Exception:
                 pass
+
+
+class LocalWorkerGroup:
+    """The one worker of a single-device run in the driver's process (trainer.launcher=local), with WorkerGroup's
+    interface. Calls are plain method calls; an exception raised in one becomes the WorkerFailure a Ray worker's
+    would (rank 0, this process, the traceback as detail), so the driver stops and reports the run the same way.
+
+    Environment: `platform.worker_env` (hw.env + backend.env) is set in this process, except for variables the
+    user already set: here the user's environment is the worker's (CUDA_VISIBLE_DEVICES picks the device, a
+    debugging NCCL_DEBUG stays), and the values kept are logged. Variables a library reads when it is imported
+    (OMP_NUM_THREADS for torch) only count when set before the run starts."""
+
+    world = 1
+
+    def __init__(self, worker: Any):
+        self.worker = worker
+        self.where: List[Dict[str, Any]] = [whereabouts()]
+
+    @classmethod
+    def create(cls, cfg: Any, platform: Platform, worker_cls: type, world: int,
+               **worker_kwargs: Any) -> "LocalWorkerGroup":
+        """Build `worker_cls(cfg, rank=0, world_size=1, local_rank=0, **worker_kwargs)` here and join it in a
+        torch.distributed group of one."""
+        if world != 1:
+            raise ClusterError(f"trainer.launcher=local runs one worker in this process, the layout has world "
+                               f"{world}: use trainer.launcher=ray")
+        kept = {k: os.environ[k] for k, v in platform.worker_env.items() if os.environ.get(k, v) != v}
+        apply_env(platform.worker_env)
+        if kept:
+            log.info("the worker keeps these variables of this process's environment over hw.env / backend.env: "
+                     "%s", kept)
+        try:
+            worker = worker_cls(OmegaConf.to_container(cfg, resolve=True), rank=0, world_size=1, local_rank=0,
+                                **worker_kwargs)
+        except Exception as e:  # noqa: BLE001 - reported like a Ray worker that failed to start
+            raise WorkerFailure(0, whereabouts(), "start-up", f"failed to start ({raised_cause(e)})",
+                                traceback.format_exc()) from None
+        wg = cls(worker)
+        try:
+            wg.run("init_distributed", "127.0.0.1", free_port())
+        except BaseException:
+            wg.shutdown()
+            raise
+        return wg
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> List[Any]:
+        return [self._call(method, args, kwargs)]
+
+    def run_each(self, method: str, per_rank: Sequence[Sequence[Any]], **kwargs: Any) -> List[Any]:
+        _check_shares(method, per_rank, self.world)
+        return [self._call(method, per_rank[0], kwargs)]
+
+    def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        if rank != 0:
+            raise IndexError(f"{method}: rank {rank} of a world of 1")
+        return self._call(method, args, kwargs)
+
+    def _call(self, method: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+        try:
+            return getattr(self.worker, method)(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - KeyboardInterrupt passes: the driver handles it
+            raise WorkerFailure(0, self.where[0], method, raised_cause(e), traceback.format_exc()) from None
+
+    def shutdown(self) -> None:
+        """The worker's own shutdown (PolicyWorker: leave the process group); a failure there is only logged, so
+        that it does not hide the error the run stops with."""
+        try:
+            getattr(self.worker, "shutdown", lambda: None)()
+        except Exception as e:  # noqa: BLE001
+            log.warning("worker shutdown: %s", raised_cause(e))
+
+
+def _check_shares(method: str, per_rank: Sequence[Any], world: int) -> None:
+    if len(per_rank) != world:
+        raise ValueError(f"{method}: {len(per_rank)} shares for {world} workers")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def _where_from(text: str) -> Dict[str, Any]:

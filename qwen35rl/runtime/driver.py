@@ -13,8 +13,9 @@ import shutil
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -27,10 +28,11 @@ from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST
 from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.runtime.batching import Sequences, split_even, split_sequences
 from qwen35rl.runtime import provenance
-from qwen35rl.runtime.cluster import EXIT_WORKER_FAILURE, ClusterError, WorkerFailure, WorkerGroup, ray_session
+from qwen35rl.runtime.cluster import (EXIT_WORKER_FAILURE, ClusterError, LocalWorkerGroup, WorkerFailure, WorkerGroup,
+                                     ray_session)
 from qwen35rl.runtime.flops import mfu, train_flops
-from qwen35rl.runtime.platform import require_stack, resolve_platform
-from qwen35rl.runtime.preflight import EXIT_PREFLIGHT, PreflightError, run_preflight
+from qwen35rl.runtime.platform import Platform, require_stack, resolve_platform
+from qwen35rl.runtime.preflight import EXIT_PREFLIGHT, PreflightError, run_local_preflight, run_preflight
 from qwen35rl.runtime.rollouts import RolloutBatch, data_metrics, logprob_diff_metrics
 from qwen35rl.runtime.signals import StopRequest
 from qwen35rl.runtime.tracking import CURVES_FILE, METRICS_FILE, Tracking, plot_curves, read_metrics
@@ -83,14 +85,12 @@ def run_training(cfg: DictConfig, run_dir: Path) -> int:
 
     warm_pool()  # reward worker start-up stays out of every scoring time limit
     try:
-        with ray_session(cfg, platform, layout.world) as started_local, StopRequest() as stop:
-            # a cluster still being assembled gets time to reach its size; a local one is what it is
-            wait_s = 0.0 if started_local else float(cfg.trainer.placement_timeout_s)
-            provenance.record_cluster(start_dir, run_preflight(cfg, platform, wait_s=wait_s))
+        with launcher(cfg, platform, layout.world) as (preflight, group_cls), StopRequest() as stop:
+            provenance.record_cluster(start_dir, preflight())
             optimizer_steps = (total_steps * int(cfg.algorithm.ppo_epochs)
                                * (int(cfg.data.train_batch_size) // int(cfg.algorithm.mini_batch_size)))
-            workers = WorkerGroup.create(cfg, platform, PolicyWorker, layout.world, run_dir=str(run_dir),
-                                         optimizer_steps=optimizer_steps)
+            workers = group_cls.create(cfg, platform, PolicyWorker, layout.world, run_dir=str(run_dir),
+                                       optimizer_steps=optimizer_steps)
             try:
                 trainer = GRPOTrainer(cfg, layout, workers, tokenizer, loader, val_set, get_reward_fn(str(cfg.data.reward)),
                                       tracking, checkpoints, stop, total_steps, run_dir)
@@ -106,7 +106,7 @@ def run_training(cfg: DictConfig, run_dir: Path) -> int:
         log.error("%s", e)
         return EXIT_PREFLIGHT
     except WorkerFailure as e:  # every worker was killed on the way out, and a local Ray stopped
-        log.error("%s\nstopped the run. Ray's report:\n%s", e, e.detail)
+        log.error("%s\nstopped the run. The failure in full:\n%s", e, e.detail)
         return EXIT_WORKER_FAILURE
     finally:
         tracking.close()
@@ -116,6 +116,20 @@ def run_training(cfg: DictConfig, run_dir: Path) -> int:
                 plot_curves(rows, run_dir / CURVES_FILE)
             except ImportError as e:  # matplotlib is a dependency, but a stripped image may lack it
                 log.warning("no %s: %s", CURVES_FILE, e)
+
+
+@contextmanager
+def launcher(cfg: DictConfig, platform: Platform, world: int) -> Iterator[Tuple[Callable[[], Dict[str, Any]], type]]:
+    """How the workers start (trainer.launcher): yields the preflight to run and the worker group class. `ray`
+    connects to Ray for the duration (a local cluster it starts is stopped on exit); `local` needs nothing: the
+    one worker lives in this process and the probe runs here."""
+    if str(cfg.trainer.launcher) == "local":
+        yield partial(run_local_preflight, cfg, platform), LocalWorkerGroup
+        return
+    with ray_session(cfg, platform, world) as started_local:
+        # a cluster still being assembled gets time to reach its size; a local one is what it is
+        wait_s = 0.0 if started_local else float(cfg.trainer.placement_timeout_s)
+        yield partial(run_preflight, cfg, platform, wait_s=wait_s), WorkerGroup
 
 
 class Timer:

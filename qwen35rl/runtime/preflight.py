@@ -12,6 +12,9 @@
 4. GDN kernels (CUDA): where flash-linear-attention is installed but its backward refuses the GPU
    (`runtime.gdn_kernels`), an FSDP run would fail in its first update, after the first generation: an error. The
    Megatron engine falls back to megatron-core's torch recurrence there: a warning.
+
+With trainer.launcher=local there is no cluster: the probe runs in the driver's process (whose device the worker
+will use) and steps 2-4 check what it saw, the same way.
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from omegaconf import OmegaConf
 
 from qwen35rl.config.problems import ERROR, WARNING, Problem
-from qwen35rl.runtime.platform import Platform
+from qwen35rl.runtime.cluster import node_ip
+from qwen35rl.runtime.platform import Platform, apply_env
 
 log = logging.getLogger(__name__)
 
@@ -106,16 +110,11 @@ def wait_for_resources(cfg: Any, platform: Platform, timeout_s: float,
 
 # --------------------------------------------------------------------------------------------- node probe
 def probe_node(device_type: str) -> Dict[str, Any]:
-    """Runs on a node (as a Ray task holding one device): host, device memory and the installed stack."""
+    """Runs on a node (as a Ray task holding one device, or in the driver with trainer.launcher=local): host,
+    device memory and the installed stack."""
     from qwen35rl.runtime.provenance import package_versions
 
-    info: Dict[str, Any] = {"hostname": socket.gethostname(), "packages": package_versions()}
-    try:
-        import ray
-
-        info["address"] = ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - outside Ray (tests)
-        info["address"] = "127.0.0.1"
+    info: Dict[str, Any] = {"hostname": socket.gethostname(), "address": node_ip(), "packages": package_versions()}
     if device_type == "cpu":
         info["device_name"] = "cpu"
         info["host_memory_gb"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
@@ -277,12 +276,9 @@ def gdn_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
 
 
 # --------------------------------------------------------------------------------------------------- entry
-def run_preflight(cfg: Any, platform: Platform, *, wait_s: float) -> Dict[str, Any]:
-    """All checks against the connected Ray cluster. Warnings are logged; errors raise PreflightError (with
-    every problem found). Returns what was seen, for the run's provenance."""
-    t0 = time.monotonic()
-    nodes = wait_for_resources(cfg, platform, wait_s)
-    probes = probe_nodes(platform, nodes, float(cfg.trainer.placement_timeout_s))
+def check_probes(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
+    """What the node probes saw against the config (memory, versions, GDN kernels). Warnings are logged and
+    returned; errors raise PreflightError (with every error found)."""
     problems = memory_problems(cfg, probes) + version_problems(cfg, probes) + gdn_problems(cfg, probes)
     for p in problems:
         if p.severity != ERROR:
@@ -290,6 +286,32 @@ def run_preflight(cfg: Any, platform: Platform, *, wait_s: float) -> Dict[str, A
     errors = [p for p in problems if p.severity == ERROR]
     if errors:
         raise PreflightError(errors)
+    return problems
+
+
+def run_preflight(cfg: Any, platform: Platform, *, wait_s: float) -> Dict[str, Any]:
+    """All checks against the connected Ray cluster. Returns what was seen, for the run's provenance."""
+    t0 = time.monotonic()
+    nodes = wait_for_resources(cfg, platform, wait_s)
+    probes = probe_nodes(platform, nodes, float(cfg.trainer.placement_timeout_s))
+    warnings = check_probes(cfg, probes)
     log.info("preflight passed in %.1f s: %d node(s) can host the run", time.monotonic() - t0, len(nodes))
     return {"nodes": [{"node_id": n.node_id, "address": n.address, "resources": n.resources} for n in nodes],
-            "probes": list(probes), "warnings": [p.to_dict() for p in problems]}
+            "probes": list(probes), "warnings": [p.to_dict() for p in warnings]}
+
+
+def run_local_preflight(cfg: Any, platform: Platform) -> Dict[str, Any]:
+    """trainer.launcher=local: the same checks on this process's device, probed here (no Ray). Returns what was
+    seen, for the run's provenance."""
+    apply_env(platform.worker_env)  # the probe sees the workers' environment, as a Ray probe task does
+    try:
+        probe = probe_node(platform.device_type)
+    except Exception as e:  # noqa: BLE001 - no such device here: no driver, a CPU-only torch, ...
+        raise PreflightError([Problem(
+            "local_device_missing", "hw.device", f"hw.device={platform.device_type}, but this process cannot use "
+            f"a {platform.device_type} device ({type(e).__name__}: {' '.join(str(e).split())})",
+            "run where the device is visible (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES), or pick the hw "
+            "config of this machine (hw=cpu)")]) from None
+    warnings = check_probes(cfg, [probe])
+    log.info("preflight passed: %s (%s) hosts the run in this process", probe["hostname"], probe["device_name"])
+    return {"launcher": "local", "nodes": [], "probes": [probe], "warnings": [p.to_dict() for p in warnings]}

@@ -1,0 +1,206 @@
+"""trainer.launcher=local: a single-device run with its worker in the driver's process and no Ray. The worker group
+interface (calls, failures named like a Ray worker's, environment), the local preflight, and `qwen35rl-train` end to
+end in an interpreter where ray cannot be imported: metrics, checkpoint, resume equal to an uninterrupted run."""
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qwen35rl.config.compose import compose
+from qwen35rl.config.problems import WARNING
+from qwen35rl.runtime import driver
+from qwen35rl.runtime.cluster import EXIT_WORKER_FAILURE, ClusterError, LocalWorkerGroup, WorkerFailure
+from qwen35rl.runtime.platform import resolve_platform
+from qwen35rl.runtime.preflight import PreflightError, run_local_preflight
+from qwen35rl.runtime.tracking import read_metrics
+from qwen35rl.runtime.worker import PolicyWorker
+
+LOCAL = ["trainer.launcher=local", "hw.devices_per_node=1"]
+SMALL = ["data.train_batch_size=4", "rollout.n=4", "algorithm.mini_batch_size=2",
+         "backend.micro_batch_size_per_device=4", "trainer.test_freq=-1"]
+# every step's metrics (grpo.md names), as the Ray end-to-end test asks for them
+STEP_METRICS = ["critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "response_length/mean",
+                "actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/lr", "timing_s/gen",
+                "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/step", "perf/throughput",
+                "perf/mfu/actor", "perf/max_memory_allocated_gb"]
+
+
+# ---------------------------------------------------------------------------------------------- worker group
+class Recorder:
+    """A worker that records how it was built and called."""
+
+    def __init__(self, cfg, *, rank, world_size, local_rank, fail_init=False, tag=None):
+        if fail_init:
+            raise ValueError("no such checkpoint")
+        self.cfg, self.placed, self.tag = cfg, (rank, world_size, local_rank), tag
+        self.calls, self.rendezvous, self.closed = [], None, False
+
+    def init_distributed(self, addr, port):
+        self.rendezvous = (addr, port)
+
+    def echo(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return args, kwargs
+
+    def fail(self, how):
+        if how == "oom":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        raise RuntimeError("NaN in the engine")
+
+    def shutdown(self):
+        self.closed = True
+
+
+def _group(*overrides, **kwargs):
+    cfg = compose([*LOCAL, *overrides])
+    return LocalWorkerGroup.create(cfg, resolve_platform(cfg), Recorder, 1, **kwargs)
+
+
+def test_one_in_process_worker_with_the_group_interface():
+    wg = _group(tag="x")
+    w = wg.worker
+    assert wg.world == 1 and w.placed == (0, 1, 0) and w.tag == "x"
+    assert w.cfg["trainer"]["launcher"] == "local" and isinstance(w.cfg, dict)  # plain, like a Ray actor's copy
+    addr, port = w.rendezvous
+    assert addr == "127.0.0.1" and port > 0
+    assert wg.where == [{"hostname": socket.gethostname(), "ip": "127.0.0.1", "pid": os.getpid()}]
+    assert wg.run("echo", 1, k=2) == [((1,), {"k": 2})]
+    assert wg.run_each("echo", [(3, 4)], k=5) == [((3, 4), {"k": 5})]
+    assert wg.call_rank(0, "echo", 6) == ((6,), {})
+    with pytest.raises(ValueError, match="2 shares for 1 workers"):
+        wg.run_each("echo", [(1,), (2,)])
+    wg.shutdown()
+    assert w.closed
+
+
+@pytest.mark.parametrize("how, cause", [
+    ("raise", "RuntimeError: NaN in the engine"),
+    ("oom", "out of device memory (OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB)"),
+])
+def test_a_raising_method_is_a_worker_failure_named_like_a_ray_one(how, cause):
+    wg = _group()
+    with pytest.raises(WorkerFailure) as e:
+        wg.run("fail", how)
+    where = wg.where[0]
+    assert e.value.rank == 0 and e.value.method == "fail"
+    assert str(e.value) == (f"worker rank 0 on node 127.0.0.1 ({where['hostname']}), pid {os.getpid()}, failed in "
+                            f"fail: {cause}")
+    assert "Traceback" in e.value.detail and "in fail" in e.value.detail
+
+
+def test_a_worker_that_fails_to_start_is_named():
+    with pytest.raises(WorkerFailure) as e:
+        _group(fail_init=True)
+    assert e.value.method == "start-up" and "failed to start (ValueError: no such checkpoint)" in str(e.value)
+
+
+def test_more_than_one_device_is_refused():
+    cfg = compose(["hw.devices_per_node=2"])
+    with pytest.raises(ClusterError, match="trainer.launcher=ray"):
+        LocalWorkerGroup.create(cfg, resolve_platform(cfg), Recorder, 2)
+
+
+def test_worker_env_is_applied_but_the_users_values_stay(monkeypatch):
+    monkeypatch.setenv("QWEN35RL_TEST_MINE", "user")
+    monkeypatch.delenv("QWEN35RL_TEST_NEW", raising=False)
+    _group("+hw.env.QWEN35RL_TEST_MINE=config", "+hw.env.QWEN35RL_TEST_NEW=config")
+    assert os.environ["QWEN35RL_TEST_MINE"] == "user" and os.environ["QWEN35RL_TEST_NEW"] == "config"
+
+
+# ------------------------------------------------------------------------------------------------- preflight
+def test_local_preflight_checks_this_process_like_a_node(caplog):
+    cfg = compose([*LOCAL, "hw.memory_gb=100000"])  # more than any host: the CPU memory warning
+    with caplog.at_level(logging.WARNING, logger="qwen35rl.runtime.preflight"):
+        report = run_local_preflight(cfg, resolve_platform(cfg))
+    assert report["launcher"] == "local" and report["probes"][0]["packages"]["torch"] == torch.__version__
+    assert [(w["code"], w["severity"]) for w in report["warnings"]] == [("host_memory_short", WARNING)]
+    assert "host_memory_short" in caplog.text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
+def test_local_preflight_without_the_device_fails_before_any_worker():
+    cfg = compose(["hw=gpu_1x", "rollout=hf", "trainer.launcher=local"])
+    with pytest.raises(PreflightError) as e:
+        run_local_preflight(cfg, resolve_platform(cfg))
+    assert [p.code for p in e.value.problems] == ["local_device_missing"]
+    assert "hw.device=cuda" in str(e.value) and "hw=cpu" in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------- the driver
+def test_worker_failure_in_a_run_exits_4_naming_rank_and_method(tmp_path, monkeypatch, caplog):
+    def no_ray(*a, **k):
+        raise AssertionError("trainer.launcher=local entered a Ray session")
+
+    def broken_generate(self, prompt_ids, params):
+        raise RuntimeError("sampler exploded")
+
+    monkeypatch.setattr(driver, "ray_session", no_ray)
+    monkeypatch.setattr(PolicyWorker, "generate", broken_generate)
+    cfg = compose([*LOCAL, *SMALL, "trainer.total_steps=1"])
+    with caplog.at_level(logging.ERROR, logger="qwen35rl.runtime.driver"):
+        assert driver.run_training(cfg, tmp_path) == EXIT_WORKER_FAILURE
+    assert "worker rank 0 on node 127.0.0.1" in caplog.text and f"pid {os.getpid()}" in caplog.text
+    assert "failed in generate: RuntimeError: sampler exploded" in caplog.text
+    assert "in broken_generate" in caplog.text  # the traceback
+    assert not torch.distributed.is_initialized()  # the worker left its process group on the way out
+
+
+# ----------------------------------------------------------------------------------------------- end to end
+NO_RAY = ("import sys; sys.modules['ray'] = None  # any `import ray` fails, as where Ray is not installed\n"
+          "from qwen35rl.cli.train import main; sys.exit(main(sys.argv[1:]))")
+
+
+def train(run_dir, *overrides):
+    return subprocess.run([sys.executable, "-c", NO_RAY, f"hydra.run.dir={run_dir}", *LOCAL, *SMALL, *overrides],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_train_without_ray(tmp_path):
+    run = tmp_path / "run"
+    _ok(train(run, "trainer.total_steps=2", "trainer.save_freq=1"))
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        missing = [k for k in STEP_METRICS if k not in r]
+        assert not missing, missing
+        assert r["rollout/logprob_diff_max"] < 1e-3  # the rollout samples from the synced policy
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_1", "step_2"]
+    step_2 = run / "checkpoints" / "step_2"
+    assert json.loads((step_2 / "meta.json").read_text())["step"] == 2
+    assert [p.name for p in (step_2 / "rng").iterdir()] == ["rank_0.pt"]
+    assert (run / "final" / "model.safetensors").is_file()
+    cluster = json.loads((run / "provenance" / "start-001" / "cluster.json").read_text())
+    assert cluster["launcher"] == "local" and cluster["probes"][0]["address"] == "127.0.0.1"
+
+
+def test_resume_continues_like_an_uninterrupted_run(tmp_path):
+    """In this process (the driver path is the same; no interpreter start-ups): 3 steps straight, against 2 steps
+    and the same command with 3 resuming from the step-2 checkpoint."""
+    def run(run_dir, steps):
+        cfg = compose([*LOCAL, *SMALL, f"trainer.total_steps={steps}", "trainer.save_freq=1"])
+        assert driver.run_training(cfg, run_dir) == 0
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(straight, 3)
+    run(resumed, 2)
+    run(resumed, 3)
+    assert json.loads((resumed / "provenance" / "start-002" / "run.json").read_text())["start_step"] == 2
+    rows_a, rows_b = read_metrics(straight / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl")
+    assert [r["step"] for r in rows_b] == [1, 2, 3]
+    for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm"):
+        assert rows_b[2][key] == rows_a[2][key], key
+    a, b = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
