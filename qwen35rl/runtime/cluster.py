@@ -46,7 +46,7 @@ class WorkerFailure(RuntimeError):
         super().__init__(f"worker rank {rank} on {place}, pid {where.get('pid', '?')}, failed in {method}: {cause}")
 
 
-def _connected_ray() -> Any:
+def connected_ray() -> Any:
     """The ray module when this process is connected to Ray (a worker or probe task, a driver after ray.init);
     None otherwise, without importing ray."""
     ray = sys.modules.get("ray")
@@ -55,14 +55,14 @@ def _connected_ray() -> Any:
 
 def node_ip() -> str:
     """This node's address as Ray sees it; 127.0.0.1 in a process without Ray (trainer.launcher=local)."""
-    ray = _connected_ray()
+    ray = connected_ray()
     return ray.util.get_node_ip_address() if ray else "127.0.0.1"
 
 
 def whereabouts() -> Dict[str, Any]:
     """Where this process lives: host, node address, pid (and Ray's node id under Ray)."""
     out: Dict[str, Any] = {"hostname": socket.gethostname(), "ip": node_ip(), "pid": os.getpid()}
-    ray = _connected_ray()
+    ray = connected_ray()
     if ray:
         out["node_id"] = ray.get_runtime_context().get_node_id()
     return out

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -24,6 +23,7 @@ from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult, 
 from qwen35rl.models.build import trains_vision
 from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.runtime.batching import Sequences, build_batch, chunk, response_values
+from qwen35rl.runtime.cluster import connected_ray, free_port, node_ip
 from qwen35rl.runtime.platform import device_module, require_stack, resolve_platform
 
 log = logging.getLogger(__name__)
@@ -32,12 +32,6 @@ log = logging.getLogger(__name__)
 def needs_reference(cfg: Any) -> bool:
     """A reference policy exists only when some KL term uses it."""
     return bool(cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class PolicyWorker:
@@ -61,25 +55,15 @@ class PolicyWorker:
         """How this rank's last generation decoded (the hf engine's DecodeStats); empty without one."""
 
     def _accelerator_ids(self) -> List[str]:
-        try:
-            import ray
-
-            if not ray.is_initialized():  # outside Ray (tests, benchmarks): asking would start a local cluster
-                return []
-            return list(ray.get_runtime_context().get_accelerator_ids().get(self.platform.ray_resource, []))
-        except Exception:  # outside Ray (tests run the worker in-process)
+        ray = connected_ray()  # outside Ray (trainer.launcher=local, tests, benchmarks): no ids, device 0
+        if ray is None:
             return []
+        return list(ray.get_runtime_context().get_accelerator_ids().get(self.platform.ray_resource, []))
 
     # ---------------------------------------------------------------------------------------------- bring-up
     def rendezvous_address(self) -> Tuple[str, int]:
         """Address and a free port on this worker's node for torch.distributed (asked of rank 0)."""
-        try:
-            import ray
-
-            host = ray.util.get_node_ip_address()
-        except Exception:
-            host = "127.0.0.1"
-        return host, _free_port()
+        return node_ip(), free_port()
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         """Join the process group with the platform's collective backend, then build the engines."""
