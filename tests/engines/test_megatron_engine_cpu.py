@@ -15,7 +15,7 @@ import importlib.util
 import pytest
 import torch
 
-torch.set_num_threads(1)  # the workers are forked: a multi-threaded pool in the parent would deadlock them
+torch.set_num_threads(1)  # one thread per worker process (two share this 2-core machine)
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed", allow_module_level=True)
@@ -120,7 +120,7 @@ def _run_parallel(model, parallel, world=2):
     init, logp, grads, agg = _reference(cfg, batch)
     out = mp.Manager().dict()
     mp.start_processes(_worker, args=(world, free_port(), cfg, batch, agg, out), nprocs=world, join=True,
-                       start_method="fork")
+                       start_method="spawn")
     if cfg.model.tie_word_embeddings:  # exported once, as the embedding
         init.pop("lm_head.weight")
     return init, logp, grads, dict(out)
@@ -186,7 +186,7 @@ def test_checkpoint_resumes_model_optimizer_and_schedule(tmp_path):
     cfg = _config("qwen3_5_tiny", ["parallelism.tp=2", "backend.lr_warmup_steps=3"])
     out = mp.Manager().dict()
     mp.start_processes(_checkpoint_worker, args=(2, free_port(), cfg, _batch(cfg), str(tmp_path / "ckpt"), out), nprocs=2,
-                       join=True, start_method="fork")
+                       join=True, start_method="spawn")
     for rank, (expected, resumed, steps, weight_diff) in out.items():
         assert steps == 2  # one step before the checkpoint, one after
         assert resumed == pytest.approx(expected, rel=1e-6), rank

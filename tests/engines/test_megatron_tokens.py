@@ -81,7 +81,7 @@ def test_vocab_parallel_over_two_ranks_matches_full_vocab():
 
     out = mp.Manager().dict()
     mp.start_processes(_worker, args=(2, _free_port(), logits.float(), labels, grad_lp, grad_ent, out), nprocs=2,
-                       join=True, start_method="fork")
+                       join=True, start_method="spawn")
     for rank in range(2):
         lp, ent, grad = out[rank]
         torch.testing.assert_close(lp, lp_ref.float(), atol=1e-5, rtol=1e-5)

@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-torch.set_num_threads(1)  # the workers are forked: a multi-threaded pool in the parent would deadlock them
+torch.set_num_threads(1)  # one thread per worker process (two share this 2-core machine)
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed", allow_module_level=True)
@@ -206,13 +206,13 @@ def _run_layout(model, parallel, tmp_path, resume: bool):
     (run_dir / "ckpt").mkdir(parents=True)  # the driver's CheckpointManager.begin makes the directory
     out = mp.Manager().dict()
     mp.start_processes(_drive, args=(WORLD, free_port(), plain, str(run_dir), out), nprocs=WORLD, join=True,
-                       start_method="fork")
+                       start_method="spawn")
     out = dict(out)
     _check_layout(cfg, out, run_dir / "hf")
     if resume:
         resumed = mp.Manager().dict()
         mp.start_processes(_resume, args=(WORLD, free_port(), plain, str(run_dir), out[0]["update_inputs"], resumed),
-                           nprocs=WORLD, join=True, start_method="fork")
+                           nprocs=WORLD, join=True, start_method="spawn")
         for rank, res in dict(resumed).items():
             assert res["restored"] and res["synced"], rank
             assert _equal(res["saved"], out[0]["trained"]), rank
