@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
-# The H200 proof on a 2-GPU machine (nvidia-h200-x2) in three back-to-back device calls; results in $OUT.
-# bench/results/h200.md has what each stage gave and how long it took.
+# The H200 proof on a 2-GPU machine (nvidia-h200-x2), one stage per device call; results in $OUT.
+# bench/results/h200.md and megatron_h200.md have what each stage gave and how long it took.
 #
-#   bash bench/gpu/run_all.sh torch   (carry .whl .whl-x; ~8 min)
+#   bash bench/gpu/run_all.sh torch     (carry .whl .whl-x; ~8.5 min; ran 2026-11-30)
 #       transformers' torch GDN code on both sides: GPU 0 qwen35rl GRPO through its CLI, GPU 1 at the same time
-#       TRL's GRPOTrainer on the same workload; then the Megatron engine's numerics against transformers on both
-#       GPUs (TP1 / TP2 / PP2 / EP2, megatron-core's torch GDN recurrence)
-#   bash bench/gpu/run_all.sh fla     (carry .whl-gdn; machine still warm, so /tmp/site* are there; ~8 min)
-#       GRPO with backend=megatron through the CLI (MoE at TP2 + EP2, dense at PP2); then the same pair as stage
-#       torch with flash-linear-attention + TileLang for the GDN layers on both sides
-#   bash bench/gpu/run_all.sh scale   (no carry, still warm; ~7 min)
-#       qwen35rl on both GPUs (FSDP over NCCL, fla), twice the prompts; then the memory calibration with fla
+#       TRL's GRPOTrainer on the same workload; then the Megatron engine's numerics against transformers
+#   bash bench/gpu/run_all.sh fla       (carry .whl-gdn .whl-x; no Ray: qwen35rl runs trainer.launcher=local; ~9 min)
+#       the same pair with flash-linear-attention + TileLang on both sides; then the memory calibration with fla
+#       (GPU 0) next to the qwen35rl run without fla but with trainer.launcher=local (GPU 1: the launcher's own
+#       effect against stage torch); then the Megatron numerics of the MoE model
+#   bash bench/gpu/run_all.sh megatron  (carry .whl .whl-x; ~9 min)
+#       GRPO with backend=megatron through the CLI: dense at PP2 and TP2, MoE at TP2 + EP2
+#   bash bench/gpu/run_all.sh scale     (carry .whl .whl-x; ~5 min; ran 2026-11-30 with the Megatron jobs)
+#       qwen35rl on both GPUs (FSDP over NCCL), twice the prompts
 #
 # Installs (no network there): /tmp/site (Ray, Hydra, TRL, datasets), /tmp/site-fla (flash-linear-attention
 # alone, for megatron-core), /tmp/site-mcore (megatron-core 0.19.2), /tmp/site-gdn (fla + TileLang). Which of them
 # a job sees is its PYTHONPATH: without fla, transformers runs its torch GDN fallback.
 # The hf rollout's decode step runs as a CUDA graph (rollout.cuda_graph, on by default). Every job has a time limit;
-# JSON results are written as they come, so a job cut short still leaves its finished steps.
+# JSON results are written as they come, so a job cut short still leaves its finished steps. fla's Triton kernels
+# compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
+# numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh torch|fla|scale}
+stage=${1:?usage: run_all.sh torch|fla|megatron|scale}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -29,6 +33,7 @@ BASE=/tmp/site:$PWD
 TORCH_PATH=$BASE                                   # transformers' torch GDN fallback
 FLA_PATH=/tmp/site-gdn:$BASE                       # fla + TileLang
 MCORE_PATH=/tmp/site-mcore:/tmp/site-fla:$BASE     # megatron-core (its GDN module imports fla)
+MCORE_GDN_PATH=/tmp/site-mcore:$FLA_PATH           # megatron-core with fla + TileLang
 G="python3 bench/gpu/grpo_h200.py"
 t0=$(date +%s)
 elapsed() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
@@ -55,14 +60,15 @@ peaks() {
   PEAK=$(python3 -c "import json; print(round(json.load(open('$LOGS/peak0.json'))['bf16_matmul_tflops'], 1))")
   elapsed "bf16 matmul peak $PEAK TFLOP/s (GPU 0); $(cat "$OUT/peak.json")"
 }
-# qwen35rl (GPU 0) next to TRL (GPU 1) on the same workload; $1: label (torch | fla), $2: PYTHONPATH
+# qwen35rl (GPU 0) next to TRL (GPU 1) on the same workload; $1: label (torch | fla), $2: PYTHONPATH, the rest:
+# more qwen35rl overrides
 pair() {
-  local label=$1 path=$2
+  local label=$1 path=$2; shift 2
   mkdir -p "$OUT/$label"
   cp "$OUT/peak.json" "$OUT/$label/peak.json"
   (
     PYTHONPATH=$path CUDA_VISIBLE_DEVICES=0 $G qwen35rl --out "$OUT/$label/q1.json" --run-dir "$RUNS/q1-$label" \
-      --steps 3 --peak-tflops "$PEAK" --timeout 220 > "$LOGS/q1-$label.log" 2>&1
+      --steps 3 --peak-tflops "$PEAK" --timeout 220 -- "$@" > "$LOGS/q1-$label.log" 2>&1
     elapsed "qwen35rl 1 GPU ($label) done: $(grep -c '\[qwen35rl\] step' "$LOGS/q1-$label.log") steps"
     rm -rf "$RUNS/q1-$label"
   ) &
@@ -73,12 +79,14 @@ pair() {
   ) &
   wait
 }
-# GRPO with backend=megatron through the CLI; $1: name, $2: model, the rest: overrides
+# GRPO with backend=megatron through the CLI; $1: name, $2: model, $3: time limit (s), the rest: overrides
 megatron_grpo() {
-  local name=$1 model=$2; shift 2
+  local name=$1 model=$2 limit=$3; shift 3
   PYTHONPATH=$MCORE_PATH CUDA_VISIBLE_DEVICES=0,1 $G qwen35rl --out "$OUT/megatron/$name.json" --run-dir "$RUNS/$name" \
-    --model "$model" --backend megatron --devices 2 --steps 3 --response-len 256 --micro 8 --peak-tflops "$PEAK" --timeout 150 \
-    -- model.num_hidden_layers=4 +backend.transformer_overrides.deterministic_mode=true "$@" > "$LOGS/$name.log" 2>&1
+    --model "$model" --backend megatron --devices 2 --steps 3 --response-len 256 --micro 8 --peak-tflops "$PEAK" \
+    --timeout "$limit" -- model.num_hidden_layers=4 backend.megatron_core_version=0.19.2 \
+    +backend.transformer_overrides.deterministic_mode=true "$@" \
+    > "$LOGS/$name.log" 2>&1
   elapsed "megatron GRPO $name done: $(grep -c '\[qwen35rl\] step' "$LOGS/$name.log") steps"
   rm -rf "$RUNS/$name"
 }
@@ -112,30 +120,51 @@ torch)
   elapsed "megatron numerics done (exit $?)"
   ;;
 fla)
-  SITE=/tmp/site-gdn bash bench/gpu/install-wheels.sh .whl-gdn > "$LOGS/install.log" 2>&1 || { cat "$LOGS/install.log"; exit 1; }
+  # no Ray here: its wheels and TileLang's do not fit one call's 64 MiB together
+  rm -rf /tmp/w /tmp/site /tmp/site-gdn /tmp/site-mcore && mkdir -p /tmp/w/base /tmp/w/mcore
+  cp .whl-x/* /tmp/w/base/ && mv /tmp/w/base/megatron_core-* /tmp/w/mcore/ || { echo "wheel split failed"; exit 1; }
+  { bash bench/gpu/install-wheels.sh /tmp/w/base && SITE=/tmp/site-gdn bash bench/gpu/install-wheels.sh .whl-gdn \
+    && SITE=/tmp/site-mcore bash bench/gpu/install-wheels.sh /tmp/w/mcore; } > "$LOGS/install.log" 2>&1 \
+    || { cat "$LOGS/install.log"; exit 1; }
   env_info > "$OUT/env-fla.txt" 2>&1
   elapsed "installed: $(tail -3 "$OUT/env-fla.txt" | tr '\n' ' ')"
   peaks
+  pair fla "$FLA_PATH" trainer.launcher=local
+  mkdir -p "$OUT/torch-local" "$OUT/megatron"
+  (
+    PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout 200 $G memory --out "$OUT/fla/memory.json" --decode-bench \
+      --decode-tokens 16 > "$LOGS/memory.log" 2>&1
+    elapsed "memory calibration (fla) done"
+  ) &
+  (
+    PYTHONPATH=$TORCH_PATH CUDA_VISIBLE_DEVICES=1 $G qwen35rl --out "$OUT/torch-local/q1.json" \
+      --run-dir "$RUNS/q1-torch-local" --steps 3 --peak-tflops "$PEAK" --timeout 200 -- trainer.launcher=local \
+      > "$LOGS/q1-torch-local.log" 2>&1
+    elapsed "qwen35rl torch GDN, launcher local: $(grep -c '\[qwen35rl\] step' "$LOGS/q1-torch-local.log") steps"
+  ) &
+  wait
+  PYTHONPATH=$MCORE_GDN_PATH timeout 150 torchrun --standalone --nproc_per_node=2 bench/gpu/megatron_numerics.py \
+    --steps 3 --models moe --layouts ep2,tp1 --rows 4 --peak-tflops "$PEAK" --out "$OUT/megatron/numerics_moe.json" \
+    > "$LOGS/numerics_moe.log" 2>&1
+  elapsed "megatron numerics (MoE) done (exit $?)"
+  ;;
+megatron)
+  install_base
+  peaks
   mkdir -p "$OUT/megatron"
-  megatron_grpo moe_tp2_ep2 qwen3_5_35b_a3b model.num_experts=64 parallelism.tp=2 parallelism.ep=2 parallelism.etp=1
-  megatron_grpo dense_pp2 qwen3_5_0_8b parallelism.pp=2
-  pair fla "$FLA_PATH"
+  megatron_grpo dense_pp2 qwen3_5_0_8b 200 parallelism.pp=2
+  megatron_grpo dense_tp2 qwen3_5_0_8b 150 parallelism.tp=2
+  megatron_grpo moe_tp2_ep2 qwen3_5_35b_a3b 200 model.num_experts=64 parallelism.tp=2 parallelism.ep=2 \
+    parallelism.etp=1 rollout.n=4
   ;;
 scale)
-  [ -d .whl ] && install_base
+  install_base
   peaks
-  mkdir -p "$OUT/megatron" "$OUT/torch"
-  megatron_grpo moe_tp2_ep2 qwen3_5_35b_a3b model.num_experts=64 parallelism.tp=2 parallelism.ep=2 parallelism.etp=1
+  mkdir -p "$OUT/torch"
   PYTHONPATH=$TORCH_PATH CUDA_VISIBLE_DEVICES=0,1 $G qwen35rl --out "$OUT/torch/q2.json" --run-dir "$RUNS/q2" --devices 2 \
     --prompts 32 --steps 3 --peak-tflops "$PEAK" --timeout 220 > "$LOGS/q2.log" 2>&1
   elapsed "qwen35rl 2 GPUs done: $(grep -c '\[qwen35rl\] step' "$LOGS/q2.log") steps"
   rm -rf "$RUNS/q2"
-  # the MoE half of the numerics (stage torch ran out of time after the dense layouts)
-  PYTHONPATH=$MCORE_PATH timeout 150 torchrun --standalone --nproc_per_node=2 bench/gpu/megatron_numerics.py --steps 3 \
-    --models moe --layouts ep2,tp2 --rows 4 --peak-tflops "$PEAK" --out "$OUT/megatron/numerics_moe.json" \
-    > "$LOGS/numerics_moe.log" 2>&1
-  elapsed "megatron numerics (MoE) done (exit $?)"
-  megatron_grpo dense_pp2 qwen3_5_0_8b parallelism.pp=2
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac
