@@ -12,8 +12,8 @@ Two phases peak separately:
 Every term is a function below whose docstring states its assumption in one line; the training peak is the sum of
 the `train/` terms and the rollout peak the sum of `rollout/kept_by_trainer` and the engine's terms. Terms are GiB
 per device (the most loaded device: Megatron pipeline ranks are combined conservatively: the heaviest rank's
-states, the first stage's in-flight activations and the last stage's logits). capacity = memory_gb*1e9/2^30 -
-hw.reserve_gib.
+states, the first stage's in-flight activations and the last stage's logits). capacity = (memory_gb*1e9/2^30 -
+hw.reserve_gib) / (1 + hw.allocator_slack).
 
 The FSDP and hf terms (transformers modules) were calibrated against `torch.cuda.max_memory_allocated` on an H200
 (bench/results/h200.md, tests/config/test_memory_calibration.py); per-token activations were counted tensor by
@@ -53,8 +53,11 @@ def gib(n_bytes: float) -> float:
 
 
 def capacity_gib(cfg: Any) -> float:
-    """Usable memory of one device: the nominal GB (10^9 bytes) in GiB minus what the runtime reserves."""
-    return float(cfg["hw"]["memory_gb"]) * 1e9 / GIB - float(cfg["hw"]["reserve_gib"])
+    """What the allocated peak may reach on one device: the nominal GB (10^9 bytes) in GiB minus what the runtime
+    reserves, less the caching allocator's slack above the allocated bytes (`hw.allocator_slack`)."""
+    hw = cfg["hw"]
+    free = float(hw["memory_gb"]) * 1e9 / GIB - float(hw["reserve_gib"])
+    return free / (1.0 + float(hw.get("allocator_slack", 0.0) or 0.0))
 
 
 # ------------------------------------------------------------------------------------------------------ shapes

@@ -92,7 +92,10 @@ class HwConfig:
     memory_gb: float = MISSING
     """Memory per device in the vendor's nominal GB (10^9 bytes)."""
     reserve_gib: float = 2.0
-    """GiB per device the runtime (CUDA/CANN context, allocator slack, communicators) keeps for itself."""
+    """GiB per device the runtime (CUDA/CANN context, communicators) keeps for itself."""
+    allocator_slack: float = 0.0
+    """Share of the allocated peak the caching allocator holds on top (reserved minus allocated, from
+    fragmentation): the estimate's allocated peak must fit in (memory - reserve) / (1 + allocator_slack)."""
     peak_tflops: float = MISSING
     """Dense bf16 peak per device in TFLOP/s, the denominator of MFU."""
     ray_resource: str = MISSING

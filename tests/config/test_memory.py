@@ -48,8 +48,23 @@ SHARD = M.TrainShard(dense=1e9, expert=2e9, layers=["linear", "full"], largest_u
 
 
 def test_capacity():
-    assert M.capacity_gib(tree(MG35)) == pytest.approx(80e9 / GIB - 3.0)
-    assert M.capacity_gib(tree(MG397)) == pytest.approx(64e9 / GIB - 3.0)
+    """The allocated peak may fill what the runtime leaves, less the caching allocator's slack on top of it."""
+    assert M.capacity_gib(tree(MG35)) == pytest.approx((80e9 / GIB - 3.0) / 1.16)  # GPU: 16% slack (H200)
+    assert M.capacity_gib(tree(MG397)) == pytest.approx((64e9 / GIB - 3.0) / 1.16)
+    cfg = tree(MG35)
+    cfg["hw"]["allocator_slack"] = 0.0
+    assert M.capacity_gib(cfg) == pytest.approx(80e9 / GIB - 3.0)
+
+
+def test_the_allocator_slack_covers_the_measured_reserved_bytes():
+    """Reserved over allocated at the training peak of the H200 calibration (tests/config/data): the cuda
+    platform's slack is at least the largest measured share, so an estimate that fits leaves room for it."""
+    import json
+    from pathlib import Path
+
+    fixture = json.loads((Path(__file__).parent / "data" / "memory_h200_2026_11_29b.json").read_text())
+    shares = [c["train_reserved_gib"] / c["train_allocated_gib"] - 1 for c in fixture["cases"]]
+    assert shares and max(shares) <= float(tree(MG35)["hw"]["allocator_slack"])
 
 
 def test_micro_batch_shapes():
