@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -21,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics
+from qwen35rl.config.layout import Layout, derive_layout
 from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
 from qwen35rl.engines.megatron import ascend, version
 from qwen35rl.engines.megatron import mapping as mp
@@ -36,37 +36,21 @@ TE_ONLY = ("moe_grouped_gemm", "moe_permute_fusion", "use_precision_aware_optimi
 
 
 # ------------------------------------------------------------------------------------------------ the layout
-@dataclass(frozen=True)
-class Layout:
-    """The parallel layout of `parallelism` on `world` ranks; data parallel is what remains."""
+def megatron_layout(cfg: Any, world: int) -> Layout:
+    """The config layer's layout of `cfg`, checked against the process group the engine runs in."""
+    layout = derive_layout(cfg)
+    if layout.world != world:
+        raise ValueError(f"the process group has {world} ranks but hw.nodes x hw.devices_per_node = {layout.world}")
+    if world % (layout.tp * layout.pp * layout.cp):
+        raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {layout.tp * layout.pp * layout.cp}")
+    return layout
 
-    world: int
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1
-    vpp: Optional[int] = None
-    pipeline_layout: Optional[str] = None
 
-    @classmethod
-    def from_cfg(cls, cfg: Any, world: int) -> "Layout":
-        p = cfg.parallelism
-        layout = cls(world=world, tp=int(p.tp), pp=int(p.pp), cp=int(p.cp), ep=int(p.ep), etp=int(p.etp),
-                     vpp=int(p.vpp) if p.vpp else None, pipeline_layout=p.pipeline_layout or None)
-        if world % (layout.tp * layout.pp * layout.cp):
-            raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {layout.tp * layout.pp * layout.cp}")
-        return layout
-
-    @property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.pp * self.cp)
-
-    def transformer_parallel(self) -> Dict[str, Any]:
-        """The parallel sizes under TransformerConfig / MindSpeed names."""
-        return {"tensor_model_parallel_size": self.tp, "pipeline_model_parallel_size": self.pp,
-                "context_parallel_size": self.cp, "expert_model_parallel_size": self.ep,
-                "expert_tensor_parallel_size": self.etp, "sequence_parallel": self.tp > 1}
+def transformer_parallel(layout: Layout) -> Dict[str, Any]:
+    """The parallel sizes under TransformerConfig / MindSpeed names."""
+    return {"tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
+            "context_parallel_size": layout.cp, "expert_model_parallel_size": layout.ep,
+            "expert_tensor_parallel_size": layout.etp, "sequence_parallel": layout.tp > 1}
 
 
 def te_gated_options(backend: Any, has_te: bool) -> Tuple[Dict[str, bool], List[str]]:
@@ -102,9 +86,9 @@ class MegatronTrainEngine(TrainEngine):
         self.cfg, self.reference, self.total_steps = cfg, reference, total_steps
         self.backend, self.algo = cfg.backend, cfg.algorithm
         self.device = torch.device(device)
-        self.layout = Layout.from_cfg(cfg, world_size)
+        self.layout = megatron_layout(cfg, world_size)
         # MindSpeed must patch megatron before anything imports it
-        self.platform = ascend.prepare_platform(cfg.hw, self.layout.transformer_parallel())
+        self.platform = ascend.prepare_platform(cfg.hw, transformer_parallel(self.layout))
         self._check_stack()
 
         from megatron.core import parallel_state as mpu
@@ -114,7 +98,7 @@ class MegatronTrainEngine(TrainEngine):
             l = self.layout
             mpu.initialize_model_parallel(
                 tensor_model_parallel_size=l.tp, pipeline_model_parallel_size=l.pp,
-                virtual_pipeline_model_parallel_size=l.vpp, context_parallel_size=l.cp,
+                virtual_pipeline_model_parallel_size=l.vpp or None, context_parallel_size=l.cp,
                 expert_model_parallel_size=l.ep, expert_tensor_parallel_size=l.etp,
                 distributed_timeout_minutes=max(1, int(self.backend.dist_timeout_s) // 60))
             if self.device.type != "cpu":
@@ -181,7 +165,8 @@ class MegatronTrainEngine(TrainEngine):
         if self.device.type == "cpu":
             overrides.setdefault("use_cpu_initialization", True)
         return mm.transformer_config(self.cfg.model, self.shape, tp=l.tp, pp=l.pp, ep=l.ep, etp=l.etp, cp=l.cp,
-                                     vpp=l.vpp, pipeline_layout=l.pipeline_layout, dtype=_dtype(b),
+                                     vpp=l.vpp or None, pipeline_layout=self.cfg.parallelism.pipeline_layout or None,
+                                     dtype=_dtype(b),
                                      recompute=recompute, moe=moe, overrides=overrides)
 
     def _gdn_fallback(self, overrides: Dict[str, Any]) -> None:
