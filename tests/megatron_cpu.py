@@ -3,11 +3,10 @@ answer for the CPU, CPU tensors report torch.cuda.* types (the distributed optim
 reduce-scatter / all-gather-into-tensor emulations, the model-parallel RNG fork is a no-op and recompute saves the CPU
 RNG as the device one, the alltoall MoE dispatcher's split sizes stay on the host, and flash-linear-attention is
 replaced by modules that make megatron's GatedDeltaNet use its own torch recurrence
-(`transformer_overrides.deterministic_mode`, which CPU runs must set). Call `megatron_on_cpu()` in each (forked)
+(`transformer_overrides.deterministic_mode`, which CPU runs must set). Call `megatron_on_cpu()` in each
 worker process before building an engine."""
 import contextlib
 import functools
-import socket
 import sys
 import types
 
@@ -119,9 +118,3 @@ def megatron_on_cpu():
         return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
     moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = to_host
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

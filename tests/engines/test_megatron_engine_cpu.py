@@ -28,7 +28,8 @@ from qwen35rl.algo.core import agg_loss, kl_penalty, local_batch_counts, logprob
 from qwen35rl.config.compose import compose
 from qwen35rl.engines.base import Batch
 from qwen35rl.models.build import build_model
-from tests.megatron_cpu import CPU_TRANSFORMER_OVERRIDES, free_port, megatron_on_cpu
+from qwen35rl.runtime.cluster import free_port
+from tests.megatron_cpu import CPU_TRANSFORMER_OVERRIDES, megatron_on_cpu
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,6 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import socket
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 
 from qwen35rl.algo.core import entropy_from_logits, logprobs_from_logits
 from qwen35rl.engines.megatron import tokens
+from qwen35rl.runtime.cluster import free_port
 
 
 def test_left_align_and_restore_round_trip():
@@ -50,12 +50,6 @@ def test_full_vocab_matches_reference():
     torch.testing.assert_close(ent, entropy_from_logits(logits.float() / 0.7))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, logits, labels, grad_lp, grad_ent, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -80,7 +74,7 @@ def test_vocab_parallel_over_two_ranks_matches_full_vocab():
     ((lp_ref * grad_lp).sum() + (ent_ref * grad_ent).sum()).backward()
 
     out = mp.Manager().dict()
-    mp.start_processes(_worker, args=(2, _free_port(), logits.float(), labels, grad_lp, grad_ent, out), nprocs=2,
+    mp.start_processes(_worker, args=(2, free_port(), logits.float(), labels, grad_lp, grad_ent, out), nprocs=2,
                        join=True, start_method="spawn")
     for rank in range(2):
         lp, ent, grad = out[rank]

@@ -36,7 +36,8 @@ from qwen35rl.config.layout import derive_layout
 from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST
 from qwen35rl.runtime.batching import Sequences, split_even, split_sequences
 from qwen35rl.runtime.driver import step_seed
-from tests.megatron_cpu import CPU_TRANSFORMER_OVERRIDES, free_port, megatron_on_cpu
+from qwen35rl.runtime.cluster import free_port
+from tests.megatron_cpu import CPU_TRANSFORMER_OVERRIDES, megatron_on_cpu
 
 pytestmark = pytest.mark.slow
 
