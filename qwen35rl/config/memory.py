@@ -57,7 +57,7 @@ def capacity_gib(cfg: Any) -> float:
     reserves, less the caching allocator's slack above the allocated bytes (`hw.allocator_slack`)."""
     hw = cfg["hw"]
     free = float(hw["memory_gb"]) * 1e9 / GIB - float(hw["reserve_gib"])
-    return free / (1.0 + float(hw.get("allocator_slack", 0.0) or 0.0))
+    return free / (1.0 + float(hw["allocator_slack"]))
 
 
 # ------------------------------------------------------------------------------------------------------ shapes
