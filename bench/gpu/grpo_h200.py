@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import subprocess
@@ -328,6 +327,7 @@ def measure_group(ckpt: bool, kl: bool, shapes, args, port: int, results: List[D
     from qwen35rl.config.layout import derive_layout
     from qwen35rl.config.memory import estimate
     from qwen35rl.data import build_dataset
+    from qwen35rl.runtime import gdn_kernels
     from qwen35rl.runtime.batching import Sequences
     from qwen35rl.runtime.worker import PolicyWorker
 
@@ -337,7 +337,7 @@ def measure_group(ckpt: bool, kl: bool, shapes, args, port: int, results: List[D
 
     mem = DeviceMemory()
     # the GDN kernels this process runs (transformers picks fla when it can import it)
-    gdn = "fla" if mem.cuda and importlib.util.find_spec("fla") is not None else "torch"
+    gdn = "fla" if mem.cuda and gdn_kernels.fla_version() is not None else "torch"
     _, micro0, prompts0, p0, r0 = shapes[0]
     cfg = compose(overrides(micro0, prompts0, p0, r0))
     worker = PolicyWorker(OmegaConf.to_container(cfg, resolve=True), rank=0, world_size=1, local_rank=0,

@@ -90,15 +90,17 @@ megatron_grpo() {
   elapsed "megatron GRPO $name done: $(grep -c '\[qwen35rl\] step' "$LOGS/$name.log") steps"
   rm -rf "$RUNS/$name"
 }
+# $1: target directory, the rest: wheel directories (the log in $LOGS/install.log, shown when it fails)
+install_into() {
+  SITE=$1 bash bench/gpu/install-wheels.sh "${@:2}" >> "$LOGS/install.log" 2>&1 || { cat "$LOGS/install.log"; exit 1; }
+}
 # .whl + .whl-x: Ray, Hydra, TRL into /tmp/site; fla alone into /tmp/site-fla; megatron-core into /tmp/site-mcore
 install_base() {
   rm -rf /tmp/w /tmp/site /tmp/site-fla /tmp/site-mcore && mkdir -p /tmp/w/base /tmp/w/fla /tmp/w/mcore
   cp .whl/* /tmp/w/base/ && cp -f .whl-x/* /tmp/w/base/ \
     && mv /tmp/w/base/fla_core-* /tmp/w/base/flash_linear_attention-* /tmp/w/fla/ \
     && mv /tmp/w/base/megatron_core-* /tmp/w/mcore/ || { echo "wheel split failed"; exit 1; }
-  { bash bench/gpu/install-wheels.sh /tmp/w/base && SITE=/tmp/site-fla bash bench/gpu/install-wheels.sh /tmp/w/fla \
-    && SITE=/tmp/site-mcore bash bench/gpu/install-wheels.sh /tmp/w/mcore; } > "$LOGS/install.log" 2>&1 \
-    || { cat "$LOGS/install.log"; exit 1; }
+  install_into /tmp/site /tmp/w/base && install_into /tmp/site-fla /tmp/w/fla && install_into /tmp/site-mcore /tmp/w/mcore
   PYTHONPATH=$TORCH_PATH python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('fla') is not None)" \
     || { echo "fla is importable from $TORCH_PATH: the torch-GDN runs would not be"; exit 1; }
 }
@@ -123,9 +125,7 @@ fla)
   # no Ray here: its wheels and TileLang's do not fit one call's 64 MiB together
   rm -rf /tmp/w /tmp/site /tmp/site-gdn /tmp/site-mcore && mkdir -p /tmp/w/base /tmp/w/mcore
   cp .whl-x/* /tmp/w/base/ && mv /tmp/w/base/megatron_core-* /tmp/w/mcore/ || { echo "wheel split failed"; exit 1; }
-  { bash bench/gpu/install-wheels.sh /tmp/w/base && SITE=/tmp/site-gdn bash bench/gpu/install-wheels.sh .whl-gdn \
-    && SITE=/tmp/site-mcore bash bench/gpu/install-wheels.sh /tmp/w/mcore; } > "$LOGS/install.log" 2>&1 \
-    || { cat "$LOGS/install.log"; exit 1; }
+  install_into /tmp/site /tmp/w/base && install_into /tmp/site-gdn .whl-gdn && install_into /tmp/site-mcore /tmp/w/mcore
   env_info > "$OUT/env-fla.txt" 2>&1
   elapsed "installed: $(tail -3 "$OUT/env-fla.txt" | tr '\n' ' ')"
   peaks
