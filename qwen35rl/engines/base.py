@@ -42,6 +42,9 @@ class RolloutResult:
     """Log-prob of each generated token under the sampling distribution (temperature applied)."""
     finish_reasons: List[str]
     """`stop` (EOS / stop token) or `length` (hit max_new_tokens)."""
+    decode: Dict[str, Any] = field(default_factory=dict)
+    """How the engine decoded (the hf engine's DecodeStats: rows, steps, cuda_graph, graph_error); empty for an
+    engine without such stats (vLLM) or a share without prompts."""
 
 
 @dataclass

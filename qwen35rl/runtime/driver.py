@@ -188,6 +188,8 @@ class GRPOTrainer:
         self.step = 0
         self.saved_step = -1
         self.graph_error_logged = False
+        self.last_decode: List[Dict[str, Any]] = []
+        """How each rollout group's share of the latest generation decoded (`RolloutResult.decode`)."""
 
     # ==================================================================================================== loop
     def fit(self) -> int:
@@ -297,6 +299,7 @@ class GRPOTrainer:
         results = self.scatter("generate", self.rollout_group, [
             ([ex.prompt_ids for ex in share], dict(params, seed=step_seed(seed, group), **_images_of(share)))
             for group, share in enumerate(shares)])
+        self.last_decode = [result.decode for result in results]
         batch = RolloutBatch(n=n, examples=list(examples), prompt_ids=[], response_ids=[], rollout_log_probs=[],
                              finish_reasons=[])
         for share, result in zip(shares, results):
@@ -307,9 +310,9 @@ class GRPOTrainer:
         return batch
 
     def decode_metrics(self) -> Dict[str, float]:
-        """`rollout/cuda_graph`: share of the ranks whose last generation decoded as a captured CUDA graph (hf
-        engine only: `rollout.cuda_graph`). The first failed capture's error is logged as a warning."""
-        decoded = [s for s in self.workers.run("decode_stats") if s.get("rows")]
+        """`rollout/cuda_graph`: share of the rollout groups whose latest generation decoded as a captured CUDA graph
+        (hf engine only: `rollout.cuda_graph`). The first failed capture's error is logged as a warning."""
+        decoded = [s for s in self.last_decode if s.get("rows")]
         if not decoded:
             return {}
         error = next((s["graph_error"] for s in decoded if s["graph_error"]), "")

@@ -51,8 +51,6 @@ class PolicyWorker:
         self.text_only = not trains_vision(self.cfg.model, self.cfg.data)
         self.processor = None
         """The model's processor when the policy sees images (its image processor builds the vision inputs)."""
-        self.last_decode: Dict[str, Any] = {}
-        """How this rank's last generation decoded (the hf engine's DecodeStats); empty without one."""
 
     def _accelerator_ids(self) -> List[str]:
         ray = connected_ray()  # outside Ray (trainer.launcher=local, tests, benchmarks): no ids, device 0
@@ -159,13 +157,13 @@ class PolicyWorker:
     # ----------------------------------------------------------------------------------------------- rollout
     def generate(self, prompt_ids: List[List[int]], params: Dict[str, Any]) -> RolloutResult:
         """This rank's share of prompts, `params` = RolloutRequest fields (n, temperature, seed, ...)."""
-        self.last_decode = {}
         if not prompt_ids:
             return RolloutResult(response_ids=[], log_probs=[], finish_reasons=[])
         self.rollout.wake_up()
         result = self.rollout.generate(RolloutRequest(prompt_ids=prompt_ids, **params))
         stats = getattr(self.rollout, "stats", None)  # the hf engine's DecodeStats; the vLLM engine has none
-        self.last_decode = dataclasses.asdict(stats) if stats is not None else {}
+        if stats is not None:
+            result.decode = dataclasses.asdict(stats)
         if self.cfg.rollout.free_cache_engine:  # give the memory back to the trainer until the next generation
             self.rollout.sleep(int(self.cfg.rollout.sleep_level))
         return result
@@ -259,10 +257,6 @@ class PolicyWorker:
         self._barrier()
 
     # ------------------------------------------------------------------------------------------------ stats
-    def decode_stats(self) -> Dict[str, Any]:
-        """`last_decode` (rows, steps, cuda_graph, graph_error), for the driver's metrics."""
-        return self.last_decode
-
     def max_memory_allocated_gb(self) -> float:
         return self.platform.max_memory_allocated_gb()
 

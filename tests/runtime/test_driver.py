@@ -51,7 +51,7 @@ class FakeWorker:
             for j in range(params["n"]):
                 out.append([a] if (a - ord("0")) % 2 == 0 or j % 2 == 0 else [ord("x"), ord("y")])
         return RolloutResult(response_ids=out, log_probs=[[-1.0] * len(r) for r in out],
-                             finish_reasons=["stop"] * len(out))
+                             finish_reasons=["stop"] * len(out), decode=dict(self.decode))
 
     def compute_log_probs(self, seqs, reference=False):
         return [[-0.5] * len(r) for r in seqs.response_ids]
@@ -78,9 +78,6 @@ class FakeWorker:
 
     def max_memory_allocated_gb(self):
         return 0.1 * (self.rank + 1)
-
-    def decode_stats(self):
-        return self.decode
 
 
 class FakeWorkers:

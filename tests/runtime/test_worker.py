@@ -86,11 +86,9 @@ def test_rollout_cuda_graph_key_reaches_the_hf_engine_and_cpu_decodes_eagerly(wo
     stats the driver reads say so (a rank without prompts reports none)."""
     assert worker.cfg.rollout.cuda_graph is True and worker.rollout.cuda_graphs is True
     params = dict(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, seed=5)
-    worker.generate(PROMPTS, params)
-    stats = worker.decode_stats()
+    stats = worker.generate(PROMPTS, params).decode
     assert (stats["rows"], stats["steps"], stats["cuda_graph"], stats["graph_error"]) == (4, 4, False, "")
-    worker.generate([], params)
-    assert worker.decode_stats() == {}
+    assert worker.generate([], params).decode == {}
     worker.cfg.rollout.cuda_graph = False
     try:
         assert worker._rollout_engine().cuda_graphs is False
