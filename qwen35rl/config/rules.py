@@ -694,6 +694,7 @@ RANGES: Dict[str, Tuple[float, float, bool, bool]] = {
     "data.max_prompt_length": (1, math.inf, True, True),
     "data.max_response_length": (1, math.inf, True, True),
     "hw.memory_gb": (0.0, math.inf, False, True),
+    "hw.allocator_slack": (0.0, math.inf, True, True),
 }
 
 

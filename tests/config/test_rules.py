@@ -290,3 +290,10 @@ def test_reward_names_match_the_reward_registry():
     from qwen35rl.rewards import BUILTIN
 
     assert set(REWARDS) == set(BUILTIN)
+
+
+def test_allocator_slack_cannot_be_negative():
+    """A negative hw.allocator_slack would let the plan count more memory than the device has."""
+    assert by_code(tree("tiny", hw__allocator_slack=0.0), "value_in_range") == []
+    bad = by_code(tree("tiny", hw__allocator_slack=-0.5), "value_in_range")
+    assert [p.key for p in bad] == ["hw.allocator_slack"]
