@@ -1,0 +1,229 @@
+"""Packed sequences (several documents in one row, no padding) through Qwen3.5's Gated DeltaNet layers without the
+`causal-conv1d` package.
+
+transformers' GDN layer keeps packed documents apart only through its kernels: the short convolution takes
+`seq_idx` from `causal-conv1d` and the recurrence takes `cu_seqlens` from flash-linear-attention (fla). Without
+`causal-conv1d` (a CUDA extension that does not build everywhere) the convolution falls back to a plain
+depthwise `F.conv1d`, so the first kernel-width - 1 tokens of each document see the previous document's tail
+(transformers 5.24 refuses the packed call instead); without fla the torch recurrence carries its state from
+one document into the next. `enable_packing` swaps the modeling modules' `causal_conv1d_fn` (always) and
+`torch_chunk_gated_delta_rule` (only where it is the torch fallback) for versions that honour the boundaries:
+fla's varlen convolution on CUDA, exact torch versions elsewhere. The GDN forward looks these module globals up
+at call time, so the swap reaches models that are already built. Full-attention layers need nothing: transformers
+derives a block-diagonal mask from the restarting position ids (or uses the varlen flash-attention kernels).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.util
+import inspect
+from types import ModuleType
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+MODELING_MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5",
+                    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+CONV = "causal_conv1d_fn"
+CHUNK_RULE = "torch_chunk_gated_delta_rule"
+
+# modeling module name -> {global name: the function enable_packing replaced}
+_ORIGINALS: Dict[str, Dict[str, Callable]] = {}
+
+
+# ------------------------------------------------------------------------------------------ boundaries
+def cu_seqlens_from_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:
+    """[0, start of document 1, ..., T] from per-token document ids ([T] or [1, T], constant within a document)."""
+    s = seq_idx.reshape(-1) if seq_idx.dim() == 1 or seq_idx.shape[0] == 1 else None
+    if s is None:
+        raise ValueError(f"seq_idx of shape {tuple(seq_idx.shape)}: packed sequences live in one row")
+    starts = torch.nonzero(s[1:] != s[:-1]).flatten() + 1
+    edges = [starts.new_zeros(1), starts, starts.new_full((1,), s.numel())]
+    return torch.cat(edges).to(torch.int32)
+
+
+def packing_boundaries(kwargs: Dict[str, Any]) -> Optional[torch.Tensor]:
+    """cu_seqlens of a packed call (transformers' `cu_seq_lens_q`, else derived from `seq_idx`), None otherwise."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        return cu
+    seq_idx = kwargs.get("seq_idx")
+    return None if seq_idx is None else cu_seqlens_from_seq_idx(seq_idx)
+
+
+def _fla_usable(x: torch.Tensor) -> bool:
+    return x.is_cuda and importlib.util.find_spec("fla") is not None
+
+
+# ------------------------------------------------------------------------------------------ convolution
+def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
+    if activation is None:
+        return y
+    if activation in ("silu", "swish"):
+        return F.silu(y)
+    raise ValueError(f"activation={activation!r}: expected silu, swish or None")
+
+
+def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                         activation: Optional[str] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Depthwise causal convolution of x [B, D, T] with weight [D, W], where no output sees an input of another
+    document: `cu_seqlens` ([N + 1], from 0 to T) splits the time axis of every row into documents.
+
+    CUDA with fla: fla's Triton kernel (varlen with cu_seqlens, then B must be 1). Otherwise the `F.conv1d` a single
+    document gets, run once over the row with W - 1 zeros inserted before each document: before the activation,
+    outputs and input gradients equal the per-document convolution bit for bit; memory O(D * (T + N * (W - 1))).
+    Same dtype rules as transformers' `causal_conv1d_fn`: computed in weight's dtype, returned in x's.
+    """
+    batch, dim, length = x.shape
+    width = weight.shape[-1]
+    if _fla_usable(x) and activation in (None, "silu", "swish"):
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        if cu_seqlens is not None and batch != 1:
+            raise ValueError(f"packed convolution over {batch} rows: fla's varlen kernel takes one packed row")
+        y, _ = causal_conv1d(x.to(weight.dtype).transpose(1, 2).contiguous(), weight, bias, activation=activation,
+                             cu_seqlens=cu_seqlens)
+        return y.transpose(1, 2).to(x.dtype)
+
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, length])
+    cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+    if int(cu[0]) != 0 or int(cu[-1]) != length:
+        raise ValueError(f"cu_seqlens must run from 0 to the sequence length {length}, got {cu.tolist()}")
+    lengths = cu[1:] - cu[:-1]
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), lengths)
+    # token t of document i goes to column t + (i + 1) * (W - 1): each document starts after W - 1 zeros
+    dest = torch.arange(length, device=x.device) + (doc + 1) * (width - 1)
+    spread = x.new_zeros(batch, dim, length + len(lengths) * (width - 1), dtype=weight.dtype)
+    spread = spread.index_copy(2, dest, x.to(weight.dtype))
+    y = F.conv1d(spread, weight.unsqueeze(1), bias, groups=dim)  # output column c sees spread[c : c + W]
+    y = y.index_select(2, dest - (width - 1))
+    return _activate(y, activation).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------ recurrence
+def dispatches_to_torch(fn: Callable) -> bool:
+    """Whether a transformers kernel-or-fallback function (`use_kernel_func_from_hub_with_fallback`) runs its torch
+    reference: its wrapper closes over the implementation picked at import, the package's or the wrapped one."""
+    torch_fn = getattr(fn, "__wrapped__", None)
+    if torch_fn is None:
+        return True  # the torch function itself
+    try:
+        impl = inspect.getclosurevars(fn).nonlocals.get("implementation", torch_fn)
+    except (TypeError, ValueError):
+        return importlib.util.find_spec("fla") is None
+    return impl is torch_fn
+
+
+def _default_chunk_rule() -> Callable:
+    module = importlib.import_module(MODELING_MODULES[0])
+    return original(module, CHUNK_RULE)
+
+
+def packed_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = 64, initial_state=None,
+                                  output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                                  cu_seqlens: Optional[torch.Tensor] = None, *, reference: Optional[Callable] = None,
+                                  **kwargs):
+    """transformers' `torch_chunk_gated_delta_rule` (`reference`, by default the dense model's) that honours
+    `cu_seqlens` (or `seq_idx` in kwargs) when that reference is the torch fallback: the recurrence runs once per
+    document (state from `initial_state[i]`, none by default) and the outputs are concatenated; final states come
+    back as [N, ...] as fla returns them. Correct but slow (CPU runs, tests). Without packing information, or when
+    the reference is fla's kernel (which takes cu_seqlens itself), the call goes to the reference unchanged."""
+    reference = reference or _default_chunk_rule()
+    if cu_seqlens is None and kwargs.get("seq_idx") is not None:
+        cu_seqlens = cu_seqlens_from_seq_idx(kwargs["seq_idx"])
+    args = dict(chunk_size=chunk_size, initial_state=initial_state, output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    if cu_seqlens is None or not dispatches_to_torch(reference):
+        return reference(query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, **args, **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"packed recurrence over {query.shape[0]} rows: packed documents live in one row")
+    outs: List[torch.Tensor] = []
+    states: List[torch.Tensor] = []
+    bounds = cu_seqlens.tolist()
+    for i, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
+        doc = slice(start, stop)
+        args["initial_state"] = None if initial_state is None else initial_state[i:i + 1]
+        out, state = reference(query[:, doc], key[:, doc], value[:, doc], g=g[:, doc], beta=beta[:, doc], **args)
+        outs.append(out)
+        if state is not None:
+            states.append(state)
+    return torch.cat(outs, 1), (torch.cat(states, 0) if output_final_state else None)
+
+
+# ------------------------------------------------------------------------------------------ patching
+def _packing_conv(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        cu = packing_boundaries(kwargs)
+        if cu is None:  # padded batches, prefill with a cache
+            return orig(hidden_states, weight, bias, activation=activation, **kwargs)
+        return packed_causal_conv1d(hidden_states, weight, bias, activation, cu_seqlens=cu)
+
+    return causal_conv1d_fn
+
+
+def _packing_chunk_rule(orig: Callable) -> Callable:
+    return functools.wraps(orig)(functools.partial(packed_chunk_gated_delta_rule, reference=orig))
+
+
+def modeling_modules() -> List[ModuleType]:
+    """The Qwen3.5 modeling modules this transformers has (dense, MoE)."""
+    out = []
+    for name in MODELING_MODULES:
+        try:
+            out.append(importlib.import_module(name))
+        except ImportError:
+            pass
+    return out
+
+
+def original(module: ModuleType, name: str) -> Callable:
+    """The module's function `name` as transformers defined it, whether or not packing is enabled."""
+    return _ORIGINALS.get(module.__name__, {}).get(name, getattr(module, name))
+
+
+def is_packing_enabled(module: ModuleType) -> bool:
+    return module.__name__ in _ORIGINALS
+
+
+def enable_packing(*modules: ModuleType) -> None:
+    """Make packed calls (kwargs `cu_seq_lens_q`/`seq_idx`) of these modeling modules' GDN layers keep documents
+    apart (default: every Qwen3.5 modeling module). Idempotent; `disable_packing` undoes it."""
+    for module in modules or modeling_modules():
+        if is_packing_enabled(module):
+            continue
+        saved = {CONV: getattr(module, CONV)}
+        if dispatches_to_torch(getattr(module, CHUNK_RULE)):
+            saved[CHUNK_RULE] = getattr(module, CHUNK_RULE)
+        setattr(module, CONV, _packing_conv(saved[CONV]))
+        if CHUNK_RULE in saved:
+            setattr(module, CHUNK_RULE, _packing_chunk_rule(saved[CHUNK_RULE]))
+        _ORIGINALS[module.__name__] = saved
+
+
+def disable_packing(*modules: ModuleType) -> None:
+    """Put back transformers' own functions (default: in every module where packing is enabled)."""
+    names = [m.__name__ for m in modules] if modules else list(_ORIGINALS)
+    for name in names:
+        saved = _ORIGINALS.pop(name, None)
+        if saved is not None:
+            module = importlib.import_module(name)
+            for attr, fn in saved.items():
+                setattr(module, attr, fn)
+
+
+@contextlib.contextmanager
+def packing_enabled(*modules: ModuleType) -> Iterator[None]:
+    """`enable_packing` for the duration of the block; modules already enabled before it stay enabled."""
+    targets = list(modules or modeling_modules())
+    fresh = [m for m in targets if not is_packing_enabled(m)]
+    enable_packing(*targets)
+    try:
+        yield
+    finally:
+        if fresh:
+            disable_packing(*fresh)

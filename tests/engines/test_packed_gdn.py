@@ -1,0 +1,263 @@
+import importlib.util
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qwen35rl.config.compose import compose
+from qwen35rl.engines.fsdp_engine import PolicyWithLogProbs
+from qwen35rl.engines.packed_gdn import (CHUNK_RULE, CONV, cu_seqlens_from_seq_idx, disable_packing,
+                                         dispatches_to_torch, enable_packing, is_packing_enabled, modeling_modules,
+                                         original, packed_causal_conv1d, packed_chunk_gated_delta_rule,
+                                         packing_enabled)
+from qwen35rl.models.build import build_model
+
+W = 4  # Qwen3.5's linear_conv_kernel_dim
+LAYOUTS = [[7], [3, 1, 5], [1, 1, 1], [2, 9, 1, 4, 70], [70, 2]]
+
+
+# The model and recurrence tests run transformers' torch GDN on CPU; with fla installed it would pick fla's kernels.
+torch_gdn = pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="fla replaces the torch GDN rule")
+
+
+def _state():
+    return {m.__name__: (is_packing_enabled(m), getattr(m, CONV), getattr(m, CHUNK_RULE)) for m in modeling_modules()}
+
+
+@pytest.fixture(autouse=True)
+def transformers_left_as_found():
+    """Every test leaves the modeling modules as it found them."""
+    before = _state()
+    yield
+    assert _state() == before
+
+
+def _cu(lengths):
+    return F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32)
+
+
+def _per_document_conv(x, weight, bias, activation, lengths):
+    """What each document gets alone: transformers' causal_conv1d_fn fallback on its own tokens."""
+    outs, start = [], 0
+    for n in lengths:
+        doc = x[:, :, start:start + n].to(weight.dtype)
+        y = F.conv1d(doc, weight.unsqueeze(1), bias, padding=W - 1, groups=x.shape[1])[:, :, :n]
+        outs.append((F.silu(y) if activation else y).to(x.dtype))
+        start += n
+    return torch.cat(outs, 2)
+
+
+# ------------------------------------------------------------------------------------------ convolution
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("lengths", LAYOUTS, ids=str)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_conv_equals_per_document_conv(lengths, activation, dtype, rows):
+    g = torch.Generator().manual_seed(len(lengths))
+    dim, length = 24, sum(lengths)
+    x = torch.randn(rows, dim, length, generator=g).to(dtype).requires_grad_()
+    weight = torch.randn(dim, W, generator=g).to(dtype).requires_grad_()
+    bias = torch.randn(dim, generator=g).to(dtype).requires_grad_()
+    y = packed_causal_conv1d(x, weight, bias, activation, cu_seqlens=_cu(lengths))
+    ref = _per_document_conv(x, weight, bias, activation, lengths)
+    dy = torch.randn(y.shape, generator=g).to(dtype)
+    grads = torch.autograd.grad(y, (x, weight, bias), dy)
+    ref_grads = torch.autograd.grad(ref, (x, weight, bias), dy)
+    assert y.dtype == dtype
+    if activation is None:  # the same conv kernel on the same numbers: bit for bit
+        assert torch.equal(y, ref)
+        assert torch.equal(grads[0], ref_grads[0])
+    else:  # silu vectorises differently over one long row than over short ones: last-bit differences
+        torch.testing.assert_close(y, ref)
+        torch.testing.assert_close(grads[0], ref_grads[0])
+    # weight and bias gradients sum over documents in another order: in bf16 that rounds at the summands' scale
+    for got, want in zip(grads[1:], ref_grads[1:]):
+        atol = 2 * torch.finfo(dtype).eps * float(want.abs().max()) if dtype == torch.bfloat16 else None
+        torch.testing.assert_close(got, want, atol=atol, rtol=None if atol is None else 1.6e-2)
+
+
+def test_conv_without_boundaries_is_the_plain_causal_conv():
+    x, weight = torch.randn(2, 8, 11), torch.randn(8, W)
+    assert torch.equal(packed_causal_conv1d(x, weight), _per_document_conv(x, weight, None, None, [11]))
+
+
+def test_conv_rejects_boundaries_that_do_not_cover_the_row():
+    with pytest.raises(ValueError, match="from 0 to the sequence length 9"):
+        packed_causal_conv1d(torch.randn(1, 8, 9), torch.randn(8, W), cu_seqlens=_cu([3, 4]))
+
+
+def test_cu_seqlens_from_seq_idx():
+    seq_idx = torch.tensor([[0, 0, 0, 1, 2, 2, 3]], dtype=torch.int32)
+    assert cu_seqlens_from_seq_idx(seq_idx).tolist() == [0, 3, 4, 6, 7]
+    assert cu_seqlens_from_seq_idx(torch.zeros(5, dtype=torch.int32)).tolist() == [0, 5]
+    with pytest.raises(ValueError, match="one row"):
+        cu_seqlens_from_seq_idx(torch.zeros(2, 5, dtype=torch.int32))
+
+
+# ------------------------------------------------------------------------------------------ recurrence
+def _gdn_inputs(length, seed=0, heads=2, dk=8, dv=8):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(1, length, heads, dk, generator=g) for _ in range(2))
+    v = torch.randn(1, length, heads, dv, generator=g)
+    decay = -torch.rand(1, length, heads, generator=g)
+    beta = torch.rand(1, length, heads, generator=g)
+    return q, k, v, decay, beta
+
+
+@torch_gdn
+def test_chunk_rule_keeps_documents_apart():
+    lengths = [5, 1, 70, 3]
+    q, k, v, decay, beta = _gdn_inputs(sum(lengths))
+    kw = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
+    out, state = packed_chunk_gated_delta_rule(q, k, v, decay, beta, cu_seqlens=_cu(lengths), **kw)
+    # the rule that transformers' GDN layer calls when it runs the torch recurrence
+    reference = original(modeling_modules()[0], CHUNK_RULE)
+    leaky, _ = reference(q, k, v, g=decay, beta=beta, **kw)
+    assert state.shape[0] == len(lengths)
+    start = 0
+    for i, n in enumerate(lengths):
+        doc = slice(start, start + n)
+        alone, alone_state = reference(q[:, doc], k[:, doc], v[:, doc], g=decay[:, doc], beta=beta[:, doc], **kw)
+        torch.testing.assert_close(out[:, doc], alone, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(state[i:i + 1], alone_state, rtol=1e-6, atol=1e-6)
+        if i > 0:  # the unpacked recurrence carries the previous documents' state into this one
+            assert not torch.allclose(leaky[:, doc], alone, atol=1e-4)
+        start += n
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    by_seq_idx, _ = packed_chunk_gated_delta_rule(q, k, v, decay, beta, seq_idx=seq_idx, **kw)
+    assert torch.equal(by_seq_idx, out)
+
+
+@torch_gdn
+def test_chunk_rule_without_boundaries_is_the_reference():
+    q, k, v, decay, beta = _gdn_inputs(9)
+    reference = original(modeling_modules()[0], CHUNK_RULE)
+    out, _ = packed_chunk_gated_delta_rule(q, k, v, decay, beta, use_qk_l2norm_in_kernel=True)
+    assert torch.equal(out, reference(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)[0])
+
+
+# ------------------------------------------------------------------------------------------ patching
+def test_enable_and_disable_packing():
+    modules = modeling_modules()
+    assert [m.__name__.rsplit(".", 1)[-1] for m in modules] == ["modeling_qwen3_5", "modeling_qwen3_5_moe"]
+    transformers_own = {m.__name__: (getattr(m, CONV), getattr(m, CHUNK_RULE)) for m in modules}
+    enable_packing()
+    patched = {m.__name__: (getattr(m, CONV), getattr(m, CHUNK_RULE)) for m in modules}
+    enable_packing(*modules)  # idempotent: the originals stay reachable, not the first wrappers
+    try:
+        for m in modules:
+            own_conv, own_rule = transformers_own[m.__name__]
+            assert getattr(m, CONV) is patched[m.__name__][0] is not own_conv
+            assert original(m, CONV) is own_conv
+            # the recurrence is replaced only where it is transformers' torch fallback (always, without fla)
+            assert (getattr(m, CHUNK_RULE) is not own_rule) == dispatches_to_torch(own_rule)
+            assert original(m, CHUNK_RULE) is own_rule
+    finally:
+        disable_packing(*modules)
+    with packing_enabled(modules[0]):
+        assert is_packing_enabled(modules[0]) and not is_packing_enabled(modules[1])
+    assert not is_packing_enabled(modules[0])
+
+
+# ------------------------------------------------------------------------------------------ the model
+def _model(name="qwen3_5_tiny"):
+    cfg = compose([f"model={name}", "hw=cpu"])
+    return build_model(cfg.model, dtype=torch.float32, seed=3).eval()
+
+
+def _rows(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g) for n in lengths]
+
+
+def _next_token_logp(logits, ids):
+    """log p(ids[t] | ids[:t]) for t >= 1."""
+    return logits[:-1].log_softmax(-1).gather(-1, ids[1:, None])[:, 0]
+
+
+def _packed_call(model, rows):
+    """The call `PolicyWithLogProbs._hidden(..., pack=True)` makes, with the LM head on top."""
+    lengths = torch.tensor([len(r) for r in rows])
+    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    seq_idx = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), lengths)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    logits = model(input_ids=torch.cat(rows)[None], position_ids=positions[None], attention_mask=None, use_cache=False,
+                   cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=int(lengths.max()),
+                   max_length_k=int(lengths.max()), seq_idx=seq_idx[None]).logits[0]
+    return [_next_token_logp(logits[s:e], r) for s, e, r in zip(cu[:-1], cu[1:], rows)]
+
+
+def _alone(model, rows):
+    return [_next_token_logp(model(input_ids=r[None], use_cache=False).logits[0], r) for r in rows]
+
+
+ROW_LENGTHS = [9, 2, 1, 70, 3]  # documents shorter than the conv window, a 1-token one, one across a 64-token chunk
+
+
+@torch_gdn
+@pytest.mark.parametrize("name", ["qwen3_5_tiny", "qwen3_5_tiny_moe"])
+@torch.no_grad()
+def test_packed_model_equals_each_row_alone(name):
+    model = _model(name)
+    rows = _rows(ROW_LENGTHS)
+    alone = _alone(model, rows)
+    with packing_enabled():
+        packed = _packed_call(model, rows)
+    for i, (p, a) in enumerate(zip(packed, alone)):
+        torch.testing.assert_close(p, a, rtol=1e-5, atol=1e-5, msg=f"row {i}")
+
+
+@torch_gdn
+@torch.no_grad()
+def test_without_packing_the_packed_call_mixes_documents():
+    model = _model()
+    rows = _rows(ROW_LENGTHS)
+    alone = _alone(model, rows)
+    try:
+        packed = _packed_call(model, rows)
+    except ValueError as e:  # transformers 5.24 refuses packed GDN calls without causal-conv1d / fla
+        assert "packed sequences" in str(e)
+        return
+    # transformers 5.17: the conv and the recurrence run across document boundaries
+    assert torch.allclose(packed[0], alone[0], rtol=1e-5, atol=1e-5)  # the first document has nothing before it
+    assert not all(torch.allclose(p, a, rtol=1e-5, atol=1e-5) for p, a in zip(packed[1:], alone[1:]))
+
+
+@torch_gdn
+def test_engine_packed_forward_equals_padded():
+    """`PolicyWithLogProbs` with pack=True (what FsdpTrainEngine does when it packs) against pack=False on a
+    right-padded batch: the same response log-probs, entropies and parameter gradients."""
+    model = _model()
+    policy = PolicyWithLogProbs(model, chunk_size=16)
+    rows = _rows(ROW_LENGTHS, seed=1)
+    width = max(ROW_LENGTHS)
+    input_ids = torch.full((len(rows), width), 259)
+    attention_mask = torch.zeros(len(rows), width, dtype=torch.long)
+    response_mask = torch.zeros_like(attention_mask)
+    for i, r in enumerate(rows):
+        input_ids[i, :len(r)] = r
+        attention_mask[i, :len(r)] = 1
+        response_mask[i, len(r) // 2:len(r)] = 1  # the second half of each row is its response
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+
+    def run(pack):
+        model.zero_grad(set_to_none=True)
+        logp, ent = policy(input_ids, attention_mask, position_ids, response_mask, 1.0, True, pack=pack)
+        (logp.sum() + ent.sum()).backward()
+        return logp, ent, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    padded = run(pack=False)
+    with packing_enabled():
+        packed = run(pack=True)
+    mask = response_mask.bool()
+    assert mask[:, 1:].sum() > 0
+    torch.testing.assert_close(packed[0], padded[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed[1], padded[1], rtol=1e-5, atol=1e-5)
+    assert packed[2].keys() == padded[2].keys()
+    conv_grads = [n for n in padded[2] if "conv1d" in n]
+    assert conv_grads and all(padded[2][n].abs().sum() > 0 for n in conv_grads)
+    for name in padded[2]:
+        torch.testing.assert_close(packed[2][name], padded[2][name], rtol=1e-4, atol=1e-6, msg=name)
