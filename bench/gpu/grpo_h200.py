@@ -390,7 +390,9 @@ def measure_group(ckpt: bool, kl: bool, shapes, args, port: int, results: List[D
             peak(lambda: worker.generate(prompt_ids, params), "generate_after_update")
         res["measured_train_peak_gib"] = max(res[k]["peak_gib"] for k in ("log_probs", "ref_log_probs", "update")
                                              if k in res)
-        res["measured_rollout_peak_gib"] = res["generate"]["peak_gib"]
+        from bench.gpu.report import rollout_measurement
+
+        res["measured_rollout_peak_gib"] = rollout_measurement(res)["peak_gib"]
         if mem.cuda:
             res["train_error"] = est.train_peak_gib / res["measured_train_peak_gib"] - 1
             res["rollout_error"] = est.rollout_peak_gib / res["measured_rollout_peak_gib"] - 1

@@ -22,7 +22,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh torch|fla|megatron|scale}
+stage=${1:?usage: run_all.sh torch|fla|megatron|megatron-dense|scale}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -36,6 +36,8 @@ MCORE_PATH=/tmp/site-mcore:/tmp/site-fla:$BASE     # megatron-core (its GDN modu
 MCORE_GDN_PATH=/tmp/site-mcore:$FLA_PATH           # megatron-core with fla + TileLang
 G="python3 bench/gpu/grpo_h200.py"
 t0=$(date +%s)
+NGPU=$(nvidia-smi -L | wc -l)
+left() { echo $(( ${1:-570} - ($(date +%s) - t0) )); }  # seconds left of a call's budget (default 570)
 elapsed() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 env_info() {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -53,38 +55,45 @@ RUNS=/tmp/runs
 [ "$(df --output=avail -B1G /dev/shm 2>/dev/null | tail -1)" -gt 60 ] 2>/dev/null && RUNS=/dev/shm/runs
 mkdir -p "$RUNS"
 peaks() {
-  PYTHONPATH=$BASE CUDA_VISIBLE_DEVICES=0 $G peak --out "$LOGS/peak0.json" > /dev/null 2>&1 &
-  PYTHONPATH=$BASE CUDA_VISIBLE_DEVICES=1 $G peak --out "$LOGS/peak1.json" > /dev/null 2>&1 &
+  local i
+  for ((i = 0; i < NGPU; i++)); do
+    PYTHONPATH=$BASE CUDA_VISIBLE_DEVICES=$i $G peak --out "$LOGS/peak$i.json" > /dev/null 2>&1 &
+  done
   wait
-  python3 -c "import json; print(json.dumps([json.load(open('$LOGS/peak%d.json' % i)) for i in (0, 1)]))" > "$OUT/peak.json"
+  python3 -c "import json; print(json.dumps([json.load(open('$LOGS/peak%d.json' % i)) for i in range($NGPU)]))" > "$OUT/peak.json"
   PEAK=$(python3 -c "import json; print(round(json.load(open('$LOGS/peak0.json'))['bf16_matmul_tflops'], 1))")
   elapsed "bf16 matmul peak $PEAK TFLOP/s (GPU 0); $(cat "$OUT/peak.json")"
 }
-# qwen35rl (GPU 0) next to TRL (GPU 1) on the same workload; $1: label (torch | fla), $2: PYTHONPATH, the rest:
-# more qwen35rl overrides
+# qwen35rl (GPU 0) next to TRL (GPU 1) on the same workload, or one after the other on GPU 0 of a 1-GPU machine;
+# $1: label (torch | fla), $2: PYTHONPATH, the rest: more qwen35rl overrides
 pair() {
   local label=$1 path=$2; shift 2
+  local trl_gpu=1 limit=220
+  [ "$NGPU" -ge 2 ] || { trl_gpu=0; limit=200; }
   mkdir -p "$OUT/$label"
   cp "$OUT/peak.json" "$OUT/$label/peak.json"
-  (
+  q_job() {
     PYTHONPATH=$path CUDA_VISIBLE_DEVICES=0 $G qwen35rl --out "$OUT/$label/q1.json" --run-dir "$RUNS/q1-$label" \
-      --steps 3 --peak-tflops "$PEAK" --timeout 220 -- "$@" > "$LOGS/q1-$label.log" 2>&1
+      --steps 3 --peak-tflops "$PEAK" --timeout $limit -- "$@" > "$LOGS/q1-$label.log" 2>&1
     elapsed "qwen35rl 1 GPU ($label) done: $(grep -c '\[qwen35rl\] step' "$LOGS/q1-$label.log") steps"
     rm -rf "$RUNS/q1-$label"
-  ) &
-  (
-    PYTHONPATH=$path CUDA_VISIBLE_DEVICES=1 timeout 220 $G trl --out "$OUT/$label/trl.json" --work-dir "/tmp/trl-$label" \
-      --steps 3 > "$LOGS/trl-$label.log" 2>&1
+  }
+  trl_job() {
+    PYTHONPATH=$path CUDA_VISIBLE_DEVICES=$trl_gpu timeout $limit $G trl --out "$OUT/$label/trl.json" \
+      --work-dir "/tmp/trl-$label" --steps 3 > "$LOGS/trl-$label.log" 2>&1
     elapsed "TRL ($label) done: $(grep -c '^trl step' "$LOGS/trl-$label.log") steps"
-  ) &
-  wait
+  }
+  if [ "$NGPU" -ge 2 ]; then q_job "$@" & trl_job & wait; else q_job "$@"; trl_job; fi
 }
-# GRPO with backend=megatron through the CLI; $1: name, $2: model, $3: time limit (s), the rest: overrides
+# GRPO with backend=megatron through the CLI; $1: name, $2: model, $3: time limit (s), then options of grpo_h200.py
+# qwen35rl, `--`, and the overrides
 megatron_grpo() {
-  local name=$1 model=$2 limit=$3; shift 3
+  local name=$1 model=$2 limit=$3 opts=(); shift 3
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do opts+=("$1"); shift; done
+  [ $# -gt 0 ] && shift
   PYTHONPATH=$MCORE_PATH CUDA_VISIBLE_DEVICES=0,1 $G qwen35rl --out "$OUT/megatron/$name.json" --run-dir "$RUNS/$name" \
     --model "$model" --backend megatron --devices 2 --steps 3 --response-len 256 --micro 8 --peak-tflops "$PEAK" \
-    --timeout "$limit" -- model.num_hidden_layers=4 backend.megatron_core_version=0.19.2 \
+    --timeout "$limit" "${opts[@]}" -- model.num_hidden_layers=4 backend.megatron_core_version=0.19.2 \
     +backend.transformer_overrides.deterministic_mode=true "$@" \
     > "$LOGS/$name.log" 2>&1
   elapsed "megatron GRPO $name done: $(grep -c '\[qwen35rl\] step' "$LOGS/$name.log") steps"
@@ -131,31 +140,49 @@ fla)
   peaks
   pair fla "$FLA_PATH" trainer.launcher=local
   mkdir -p "$OUT/torch-local" "$OUT/megatron"
-  (
-    PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout 200 $G memory --out "$OUT/fla/memory.json" --decode-bench \
-      --decode-tokens 16 > "$LOGS/memory.log" 2>&1
-    elapsed "memory calibration (fla) done"
-  ) &
-  (
-    PYTHONPATH=$TORCH_PATH CUDA_VISIBLE_DEVICES=1 $G qwen35rl --out "$OUT/torch-local/q1.json" \
-      --run-dir "$RUNS/q1-torch-local" --steps 3 --peak-tflops "$PEAK" --timeout 200 -- trainer.launcher=local \
-      > "$LOGS/q1-torch-local.log" 2>&1
-    elapsed "qwen35rl torch GDN, launcher local: $(grep -c '\[qwen35rl\] step' "$LOGS/q1-torch-local.log") steps"
-  ) &
-  wait
-  PYTHONPATH=$MCORE_GDN_PATH timeout 150 torchrun --standalone --nproc_per_node=2 bench/gpu/megatron_numerics.py \
-    --steps 3 --models moe --layouts ep2,tp1 --rows 4 --peak-tflops "$PEAK" --out "$OUT/megatron/numerics_moe.json" \
-    > "$LOGS/numerics_moe.log" 2>&1
-  elapsed "megatron numerics (MoE) done (exit $?)"
+  if [ "$NGPU" -ge 2 ]; then
+    (
+      PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout 200 $G memory --out "$OUT/fla/memory.json" --decode-bench \
+        --decode-tokens 16 > "$LOGS/memory.log" 2>&1
+      elapsed "memory calibration (fla) done"
+    ) &
+    (
+      PYTHONPATH=$TORCH_PATH CUDA_VISIBLE_DEVICES=1 $G qwen35rl --out "$OUT/torch-local/q1.json" \
+        --run-dir "$RUNS/q1-torch-local" --steps 3 --peak-tflops "$PEAK" --timeout 200 -- trainer.launcher=local \
+        > "$LOGS/q1-torch-local.log" 2>&1
+      elapsed "qwen35rl torch GDN, launcher local: $(grep -c '\[qwen35rl\] step' "$LOGS/q1-torch-local.log") steps"
+    ) &
+    wait
+    PYTHONPATH=$MCORE_GDN_PATH timeout 150 torchrun --standalone --nproc_per_node=2 bench/gpu/megatron_numerics.py \
+      --steps 3 --models moe --layouts ep2,tp1 --rows 4 --peak-tflops "$PEAK" --out "$OUT/megatron/numerics_moe.json" \
+      > "$LOGS/numerics_moe.log" 2>&1
+    elapsed "megatron numerics (MoE) done (exit $?)"
+  else  # one GPU: the MoE numerics at TP1, then the memory calibration in what is left of the call
+    PYTHONPATH=$MCORE_GDN_PATH timeout 120 torchrun --standalone --nproc_per_node=1 bench/gpu/megatron_numerics.py \
+      --steps 3 --models moe --layouts tp1 --rows 4 --peak-tflops "$PEAK" --out "$OUT/megatron/numerics_moe.json" \
+      > "$LOGS/numerics_moe.log" 2>&1
+    elapsed "megatron numerics (MoE, TP1) done (exit $?)"
+    PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout "$(left)" $G memory --out "$OUT/fla/memory.json" \
+      --decode-bench --decode-tokens 16 > "$LOGS/memory.log" 2>&1
+    elapsed "memory calibration (fla) done (exit $?)"
+  fi
   ;;
 megatron)
   install_base
   peaks
   mkdir -p "$OUT/megatron"
-  megatron_grpo dense_pp2 qwen3_5_0_8b 200 parallelism.pp=2
-  megatron_grpo dense_tp2 qwen3_5_0_8b 150 parallelism.tp=2
-  megatron_grpo moe_tp2_ep2 qwen3_5_35b_a3b 200 model.num_experts=64 parallelism.tp=2 parallelism.ep=2 \
+  # the first job pays fla's Triton compilation for the hf rollout (~45 s); the dense jobs share its cache
+  megatron_grpo dense_pp2 qwen3_5_0_8b 170 -- parallelism.pp=2
+  megatron_grpo dense_tp2 qwen3_5_0_8b 120 -- parallelism.tp=2
+  megatron_grpo moe_tp2_ep2 qwen3_5_35b_a3b "$(left 580)" -- model.num_experts=64 parallelism.tp=2 parallelism.ep=2 \
     parallelism.etp=1 rollout.n=4
+  ;;
+megatron-dense)  # the dense layouts again, sized so that the first step (compilation included) fits its limit
+  install_base
+  peaks
+  mkdir -p "$OUT/megatron"
+  megatron_grpo dense_pp2 qwen3_5_0_8b 220 --prompts 8 -- parallelism.pp=2 rollout.n=4
+  megatron_grpo dense_tp2 qwen3_5_0_8b "$(left 470)" --prompts 8 -- parallelism.tp=2 rollout.n=4
   ;;
 scale)
   install_base

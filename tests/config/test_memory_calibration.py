@@ -1,9 +1,9 @@
-"""The memory estimate against peaks measured on an H200 (tests/config/data/memory_h200_2026_11_29b.json, from
-bench/gpu/results/2026-11-29b), and its per-token activation formula against the tensors transformers' decoder
-layers really keep for backward.
+"""The memory estimate against peaks measured on an H200, and its per-token activation formula against the tensors
+transformers' decoder layers really keep for backward.
 
-The measured runs used transformers' torch GDN fallback (no flash-linear-attention), so the estimate is asked for
-that kernel path (`gdn="torch"`); the plan itself assumes fla on accelerators.
+Fixtures (tests/config/data/): memory_h200_2026_11_29b.json (bench/gpu/results/2026-11-29b) ran transformers' torch
+GDN fallback, memory_h200_2026_11_30b_fla.json (bench/gpu/results/2026-11-30b) flash-linear-attention + TileLang.
+Each is checked against the estimate for its own kernel path (`gdn`); the plan itself assumes fla on accelerators.
 """
 import json
 import os
@@ -19,35 +19,44 @@ from qwen35rl.config.compose import compose
 from qwen35rl.config.layout import derive_layout
 
 TOLERANCE = 0.10
-FIXTURE = json.loads((Path(__file__).parent / "data" / "memory_h200_2026_11_29b.json").read_text())
+DATA = Path(__file__).parent / "data"
+FIXTURE = json.loads((DATA / "memory_h200_2026_11_29b.json").read_text())  # torch GDN: spans every knob
+FLA_FIXTURE = json.loads((DATA / "memory_h200_2026_11_30b_fla.json").read_text())
 CASES = FIXTURE["cases"]
+ALL_CASES = [(f, c) for f in (FIXTURE, FLA_FIXTURE) for c in f["cases"]]
+ALL_RUNS = [(f, r) for f in (FIXTURE, FLA_FIXTURE) for r in f["runs"]]
 _estimates = {}
 
 
-def measured_config(overrides):
-    key = tuple(overrides)
+def measured_config(overrides, fixture=FIXTURE):
+    key = (fixture["gdn"], tuple(overrides))
     if key not in _estimates:
-        tree = M.as_tree(compose(FIXTURE["common_overrides"] + list(overrides)))
+        tree = M.as_tree(compose(fixture["common_overrides"] + list(overrides)))
         layout = derive_layout(tree)
-        _estimates[key] = tree, layout, M.estimate(tree, layout, gdn=FIXTURE["gdn"])
+        _estimates[key] = tree, layout, M.estimate(tree, layout, gdn=fixture["gdn"])
     return _estimates[key]
+
+
+def case_id(fixture_and_case):
+    fixture, case = fixture_and_case
+    return f"{fixture['gdn']}-{case['name']}"
 
 
 def off_by(estimated, measured):
     return estimated / measured - 1
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
-def test_training_peak_within_10_percent(case):
-    _, _, est = measured_config(case["overrides"])
+@pytest.mark.parametrize("fixture, case", ALL_CASES, ids=[case_id(fc) for fc in ALL_CASES])
+def test_training_peak_within_10_percent(fixture, case):
+    _, _, est = measured_config(case["overrides"], fixture)
     err = off_by(est.train_peak_gib, case["train_allocated_gib"])
     assert abs(err) <= TOLERANCE, f"{case['name']}: estimate {est.train_peak_gib:.2f} GiB vs allocated " \
                                   f"{case['train_allocated_gib']:.2f} GiB ({err:+.1%}); terms {est.terms}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
-def test_hf_rollout_peak_within_10_percent(case):
-    tree, layout, est = measured_config(case["overrides"])
+@pytest.mark.parametrize("fixture, case", ALL_CASES, ids=[case_id(fc) for fc in ALL_CASES])
+def test_hf_rollout_peak_within_10_percent(fixture, case):
+    tree, layout, est = measured_config(case["overrides"], fixture)
     expected = est.rollout_peak_gib
     if case["generation_before_first_update"]:
         # The estimate is the steady state. This generation ran before the worker's first update and first
@@ -71,11 +80,11 @@ def test_the_fixture_spans_the_calibrated_knobs():
     assert {e.terms["train/optimizer_step"] > 0 for _, _, e in configs} == {True, False}
 
 
-def test_cli_run_peak_within_10_percent():
-    """The whole CLI run (128 prompts x 384 tokens, 8 micro batches): max_memory_allocated after step 1 (no AdamW
-    states during its update) and after later steps (steady state) against the estimate's higher phase."""
-    run = FIXTURE["runs"][0]
-    tree, layout, est = measured_config(run["overrides"])
+@pytest.mark.parametrize("fixture, run", ALL_RUNS, ids=[case_id(fr) for fr in ALL_RUNS])
+def test_cli_run_peak_within_10_percent(fixture, run):
+    """A whole CLI run (128 rows, 8 micro batches): max_memory_allocated after step 1 (no AdamW states during its
+    update) and after later steps (steady state) against the estimate's higher phase."""
+    tree, layout, est = measured_config(run["overrides"], fixture)
     first, *later = run["max_allocated_gib_by_step"]
     steady = max(est.train_peak_gib, est.rollout_peak_gib)
     assert abs(off_by(steady, max(later))) <= TOLERANCE
