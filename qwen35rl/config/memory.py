@@ -100,9 +100,9 @@ def _fsdp_on_host(cfg: Any) -> bool:
 
 def gdn_kernels(cfg: Any, override: Optional[str] = None) -> str:
     """Which Gated DeltaNet kernels the transformers modules (FSDP trainer, hf rollout) run: 'fla'
-    (flash-linear-attention chunk kernels + causal-conv1d) or 'torch' (transformers' pure-PyTorch fallback). The
-    plan assumes the cluster has fla on its accelerators (CUDA; the Ascend image ships it too) and the fallback in
-    CPU processes; a measurement without fla (the H200 calibration) passes override='torch'."""
+    (flash-linear-attention chunk kernels; the short convolution is torch's either way) or 'torch' (transformers'
+    pure-PyTorch fallback). The plan assumes the cluster has fla on its accelerators (CUDA; the Ascend image ships it
+    too) and the fallback in CPU processes; a measurement without fla passes override='torch'."""
     if override is not None:
         if override not in ("fla", "torch"):
             raise ValueError(f"gdn kernels {override!r}: expected 'fla' or 'torch'")
@@ -292,9 +292,10 @@ def gdn_bytes_per_token(m: Any, cb: int, kernels: str) -> float:
     """Gated DeltaNet mixer per token. torch fallback (counted on the 0.8B modules: 189 KB): qkv projection, conv
     output and the gated norm's three outputs in the compute dtype; in fp32 the q/k copies, the l2-normed q, padded
     q/k/v, two triangular solves, decayed q/k, the gated norm's input/gate/silu, v_new, five [64, 64] intra-chunk
-    matrices per head and one recurrent state per 64-token chunk. fla + causal-conv1d (not measured; what fla
-    0.6's chunk_gated_delta_rule saves): the conv input, l2-normed q and k, the contiguous v, beta and the solved
-    [64]-wide chunk matrix A in the compute dtype, g and the q/k rstd in fp32, and the gated norm as above."""
+    matrices per head and one recurrent state per 64-token chunk. fla (what fla 0.6's chunk_gated_delta_rule saves;
+    the H200 run of 2026-11-30b came within 5% of this estimate): the conv input, l2-normed q and k, the contiguous v,
+    beta and the solved [64]-wide chunk matrix A in the compute dtype, g and the q/k rstd in fp32, and the gated norm
+    as above."""
     nk, nv = int(m["linear_num_key_heads"]), int(m["linear_num_value_heads"])
     dk, dv = int(m["linear_key_head_dim"]), int(m["linear_value_head_dim"])
     value_dim, conv_dim = nv * dv, 2 * nk * dk + nv * dv

@@ -21,6 +21,7 @@ from torch import nn
 from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics
 from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
 from qwen35rl.engines.logprob import chunked_logprobs_entropy
+from qwen35rl.engines.packed_gdn import enable_packing
 from qwen35rl.models.build import build_model, init_rotary_buffers, torch_dtype, trains_vision
 
 log = logging.getLogger(__name__)
@@ -28,10 +29,10 @@ log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------------- helpers
 def packing_supported(device: torch.device) -> bool:
-    """Packed sequences (no padding) keep documents apart only with flash-linear-attention's GDN kernel and the
-    causal-conv1d kernel (both take sequence boundaries); the torch fallbacks would leak state across documents."""
-    return (device.type == "cuda" and importlib.util.find_spec("fla") is not None
-            and importlib.util.find_spec("causal_conv1d") is not None)
+    """Packed sequences (no padding) pay off where flash-linear-attention's GDN kernel takes the sequence boundaries
+    (CUDA). The short convolution keeps documents apart through `packed_gdn.enable_packing`; without fla the
+    recurrence would run once per document, slower than a padded batch."""
+    return device.type == "cuda" and importlib.util.find_spec("fla") is not None
 
 
 def _on(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
@@ -136,8 +137,10 @@ class FsdpTrainEngine(TrainEngine):
         self.temperature = float(cfg.rollout.temperature) if cfg.rollout.temperature > 0 else 1.0
         self.text_only = not trains_vision(cfg.model, cfg.data)
         self.pack = bool(self.backend.remove_padding) and packing_supported(self.device)
-        if self.backend.remove_padding and not self.pack:
-            log.info("backend.remove_padding: padded batches (packing needs flash-linear-attention and causal-conv1d on CUDA)")
+        if self.pack:
+            enable_packing()
+        elif self.backend.remove_padding:
+            log.info("backend.remove_padding: padded batches (packing needs flash-linear-attention on CUDA)")
         self.skipped_steps = 0
         # FSDP2's CPU offload keeps parameter shards, gradients and optimizer states on the host (one policy)
         b = self.backend

@@ -8,8 +8,8 @@ depthwise `F.conv1d`, so the first kernel-width - 1 tokens of each document see 
 (transformers 5.24 refuses the packed call instead); without fla the torch recurrence carries its state from
 one document into the next. `enable_packing` swaps the modeling modules' `causal_conv1d_fn` (always) and
 `torch_chunk_gated_delta_rule` (only where it is the torch fallback) for versions that honour the boundaries:
-fla's varlen convolution on CUDA, exact torch versions elsewhere. The GDN forward looks these module globals up
-at call time, so the swap reaches models that are already built. Full-attention layers need nothing: transformers
+an exact torch convolution, and a per-document torch recurrence where fla is missing. The GDN forward looks these
+module globals up at call time, so the swap reaches models that are already built. Full-attention layers need nothing: transformers
 derives a block-diagonal mask from the restarting position ids (or uses the varlen flash-attention kernels).
 """
 from __future__ import annotations
@@ -54,10 +54,6 @@ def packing_boundaries(kwargs: Dict[str, Any]) -> Optional[torch.Tensor]:
     return None if seq_idx is None else cu_seqlens_from_seq_idx(seq_idx)
 
 
-def _fla_usable(x: torch.Tensor) -> bool:
-    return x.is_cuda and importlib.util.find_spec("fla") is not None
-
-
 # ------------------------------------------------------------------------------------------ convolution
 def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
     if activation is None:
@@ -72,22 +68,14 @@ def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     """Depthwise causal convolution of x [B, D, T] with weight [D, W], where no output sees an input of another
     document: `cu_seqlens` ([N + 1], from 0 to T) splits the time axis of every row into documents.
 
-    CUDA with fla: fla's Triton kernel (varlen with cu_seqlens, then B must be 1). Otherwise the `F.conv1d` a single
-    document gets, run once over the row with W - 1 zeros inserted before each document: before the activation,
-    outputs and input gradients equal the per-document convolution bit for bit; memory O(D * (T + N * (W - 1))).
-    Same dtype rules as transformers' `causal_conv1d_fn`: computed in weight's dtype, returned in x's.
+    It runs the `F.conv1d` a single document gets, once over the row with W - 1 zeros inserted before each
+    document: before the activation, outputs and input gradients equal the per-document convolution bit for bit;
+    memory O(D * (T + N * (W - 1))). The same torch ops run on every device (a depthwise conv with a 4-wide kernel is
+    cheap next to the layer's projections), so what the CPU tests pin is what a GPU run computes. Same dtype rules as
+    transformers' `causal_conv1d_fn`: computed in weight's dtype, returned in x's.
     """
     batch, dim, length = x.shape
     width = weight.shape[-1]
-    if _fla_usable(x) and activation in (None, "silu", "swish"):
-        from fla.modules.causal_conv1d import causal_conv1d
-
-        if cu_seqlens is not None and batch != 1:
-            raise ValueError(f"packed convolution over {batch} rows: fla's varlen kernel takes one packed row")
-        y, _ = causal_conv1d(x.to(weight.dtype).transpose(1, 2).contiguous(), weight, bias, activation=activation,
-                             cu_seqlens=cu_seqlens)
-        return y.transpose(1, 2).to(x.dtype)
-
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, length])
     cu = cu_seqlens.to(device=x.device, dtype=torch.long)
