@@ -262,6 +262,7 @@ def _dp2_worker(rank, init_file, out_file):
         results["ckpt"] = (_step_capturing_grads(a, _micro_batches(share, 2)), _step_capturing_grads(b, _micro_batches(share, 2)))
         if rank == 0:
             torch.save(results, out_file)
+        dist.barrier()  # a rank that leaves the group while its peer still talks to it aborts at exit (gloo)
     finally:
         dist.destroy_process_group()
 

@@ -111,6 +111,7 @@ def _worker(rank, world, port, cfg, batch, agg, out):
             p.data = data
         res["steps"] = [eng.train_mini_batch([batch], {}) for _ in range(3)]
         out[rank] = res
+        dist.barrier()  # a rank that leaves the group while its peer still talks to it aborts at exit (gloo)
     finally:
         dist.destroy_process_group()
 
@@ -179,6 +180,7 @@ def _checkpoint_worker(rank, world, port, cfg, batch, path, out):
         weights = {k: v for b in second.export_weights(1) for k, v in b}
         out[rank] = (expected, resumed, second.steps,
                      max((weights[k] - expected_weights[k]).abs().max().item() for k in weights))
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

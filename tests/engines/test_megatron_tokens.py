@@ -59,6 +59,7 @@ def _worker(rank, world, port, logits, labels, grad_lp, grad_ent, out):
                                                  chunk_tokens=3)
         ((lp * grad_lp).sum() + (ent * grad_ent).sum()).backward()
         out[rank] = (lp.detach(), ent.detach(), local.grad)
+        dist.barrier()  # a rank that leaves the group while its peer still talks to it aborts at exit (gloo)
     finally:
         dist.destroy_process_group()
 
