@@ -142,7 +142,7 @@ fla)
   mkdir -p "$OUT/torch-local" "$OUT/megatron"
   if [ "$NGPU" -ge 2 ]; then
     (
-      PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout 200 $G memory --out "$OUT/fla/memory.json" --decode-bench \
+      PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout 200 $G memory --out "$OUT/fla/memory.json" --profile --decode-bench \
         --decode-tokens 16 > "$LOGS/memory.log" 2>&1
       elapsed "memory calibration (fla) done"
     ) &
