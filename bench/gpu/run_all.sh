@@ -163,7 +163,7 @@ fla)
       > "$LOGS/numerics_moe.log" 2>&1
     elapsed "megatron numerics (MoE, TP1) done (exit $?)"
     PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout "$(left)" $G memory --out "$OUT/fla/memory.json" \
-      --decode-bench --decode-tokens 16 > "$LOGS/memory.log" 2>&1
+      --profile --decode-bench --decode-tokens 16 > "$LOGS/memory.log" 2>&1
     elapsed "memory calibration (fla) done (exit $?)"
   fi
   ;;
