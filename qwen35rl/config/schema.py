@@ -129,7 +129,9 @@ class BackendConfig:
     dynamic_batch_size: bool = False
     """Pack micro batches up to `max_tokens_per_device` instead of a fixed count of responses."""
     remove_padding: bool = True
-    """Pack sequences without padding (needs GDN kernels that honour sequence boundaries)."""
+    """Pack each micro batch's sequences into one row, without padding. FSDP packs where flash-linear-attention runs
+    the GDN recurrence (CUDA) and keeps padded batches elsewhere; the Megatron engine always trains padded batches
+    (the plan checks the megatron-core version facts for packing: GDN needs >= 0.18)."""
     gradient_checkpointing: bool = True
     param_offload: bool = False
     optimizer_offload: bool = False
