@@ -5,12 +5,17 @@
 #   bash bench/gpu/run_all.sh torch     (carry .whl .whl-x; ~8.5 min; ran 2026-11-30)
 #       transformers' torch GDN code on both sides: GPU 0 qwen35rl GRPO through its CLI, GPU 1 at the same time
 #       TRL's GRPOTrainer on the same workload; then the Megatron engine's numerics against transformers
-#   bash bench/gpu/run_all.sh fla       (carry .whl-gdn .whl-x; no Ray: qwen35rl runs trainer.launcher=local; ~9 min)
+#   bash bench/gpu/run_all.sh fla       (carry .whl-gdn .whl-x; no Ray: qwen35rl runs trainer.launcher=local; ~9.5 min;
+#                                        ran 2026-11-30b on a 1-GPU machine, where its jobs run one after another)
 #       the same pair with flash-linear-attention + TileLang on both sides; then the memory calibration with fla
 #       (GPU 0) next to the qwen35rl run without fla but with trainer.launcher=local (GPU 1: the launcher's own
 #       effect against stage torch); then the Megatron numerics of the MoE model
-#   bash bench/gpu/run_all.sh megatron  (carry .whl .whl-x; ~9 min)
+#   bash bench/gpu/run_all.sh megatron  (carry .whl .whl-x; ~9 min; ran 2026-11-30b: only the MoE run got its steps)
 #       GRPO with backend=megatron through the CLI: dense at PP2 and TP2, MoE at TP2 + EP2
+#   bash bench/gpu/run_all.sh megatron-dense  (carry .whl .whl-x; ~6 min; ran 2026-11-30b)
+#       the dense Megatron GRPO runs with 8 prompts x 4, so that the first step (compilation) fits
+#   bash bench/gpu/run_all.sh moe-numerics    (carry .whl .whl-x; ~8 min)
+#       the MoE model's log-probs against transformers at EP2 and TP1, with the whole call's time
 #   bash bench/gpu/run_all.sh scale     (carry .whl .whl-x; ~5 min; ran 2026-11-30 with the Megatron jobs)
 #       qwen35rl on both GPUs (FSDP over NCCL), twice the prompts
 #
@@ -22,7 +27,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh torch|fla|megatron|megatron-dense|scale}
+stage=${1:?usage: run_all.sh torch|fla|megatron|megatron-dense|moe-numerics|scale}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -183,6 +188,15 @@ megatron-dense)  # the dense layouts again, sized so that the first step (compil
   mkdir -p "$OUT/megatron"
   megatron_grpo dense_pp2 qwen3_5_0_8b 220 --prompts 8 -- parallelism.pp=2 rollout.n=4
   megatron_grpo dense_tp2 qwen3_5_0_8b "$(left 470)" --prompts 8 -- parallelism.tp=2 rollout.n=4
+  ;;
+moe-numerics)  # the MoE model's log-probs against transformers at EP2 and TP1 (DP2), alone in a call
+  install_base
+  peaks
+  mkdir -p "$OUT/megatron"
+  PYTHONPATH=$MCORE_PATH timeout "$(left)" torchrun --standalone --nproc_per_node=2 bench/gpu/megatron_numerics.py \
+    --steps 3 --models moe --layouts ep2,tp1 --rows 4 --peak-tflops "$PEAK" --out "$OUT/megatron/numerics_moe.json" \
+    > "$LOGS/numerics_moe.log" 2>&1
+  elapsed "megatron numerics (MoE) done (exit $?)"
   ;;
 scale)
   install_base
