@@ -21,6 +21,7 @@ from torch import nn
 from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics
 from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
 from qwen35rl.engines.logprob import chunked_logprobs_entropy
+from qwen35rl.engines.packed_attention import use_packed_attention
 from qwen35rl.engines.packed_gdn import enable_packing
 from qwen35rl.models.build import build_model, init_rotary_buffers, torch_dtype, trains_vision
 
@@ -30,8 +31,9 @@ log = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------------------- helpers
 def packing_supported(device: torch.device) -> bool:
     """Packed sequences (no padding) pay off where flash-linear-attention's GDN kernel takes the sequence boundaries
-    (CUDA). The short convolution keeps documents apart through `packed_gdn.enable_packing`; without fla the
-    recurrence would run once per document, slower than a padded batch."""
+    (CUDA). The short convolution keeps documents apart through `packed_gdn.enable_packing`, full attention through
+    `packed_attention` (per-document kernels instead of sdpa over an [N, N] mask); without fla the recurrence would
+    run once per document, slower than a padded batch."""
     return device.type == "cuda" and importlib.util.find_spec("fla") is not None
 
 
@@ -155,6 +157,8 @@ class FsdpTrainEngine(TrainEngine):
         else:
             lm = build_model(cfg.model, dtype=param_dtype, device=self.device, seed=seed, text_only=self.text_only)
         lm.config.use_cache = False
+        if self.pack:
+            use_packed_attention(lm)
         if self.backend.gradient_checkpointing and not reference:
             enable = getattr(lm, "activation_checkpointing_enable", None)  # transformers >= 5.2x; older: gradient_*
             if enable is not None:
