@@ -9,8 +9,8 @@ depthwise `F.conv1d`, so the first kernel-width - 1 tokens of each document see 
 one document into the next. `enable_packing` swaps the modeling modules' `causal_conv1d_fn` (always) and
 `torch_chunk_gated_delta_rule` (only where it is the torch fallback) for versions that honour the boundaries:
 an exact torch convolution, and a per-document torch recurrence where fla is missing. The GDN forward looks these
-module globals up at call time, so the swap reaches models that are already built. Full-attention layers need nothing: transformers
-derives a block-diagonal mask from the restarting position ids (or uses the varlen flash-attention kernels).
+module globals up at call time, so the swap reaches models that are already built. The full-attention layers
+keep documents apart through `packed_attention`.
 """
 from __future__ import annotations
 
