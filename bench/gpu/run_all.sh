@@ -14,6 +14,9 @@
 #       GRPO with backend=megatron through the CLI: dense at PP2 and TP2, MoE at TP2 + EP2
 #   bash bench/gpu/run_all.sh megatron-dense  (carry .whl .whl-x; ~6 min; ran 2026-11-30b)
 #       the dense Megatron GRPO runs with 8 prompts x 4, so that the first step (compilation) fits
+#   bash bench/gpu/run_all.sh packing         (carry .whl-gdn .whl-x; ~9 min; one GPU is enough)
+#       fla + TileLang: the GPU tests of packing, bench/gpu/packing.py (packed against padded micro batches with
+#       spread response lengths), then the memory job with a kernel profile of one update
 #   bash bench/gpu/run_all.sh moe-numerics    (carry .whl .whl-x; ~8 min)
 #       the MoE model's log-probs against transformers at EP2 and TP1, with the whole call's time
 #   bash bench/gpu/run_all.sh scale     (carry .whl .whl-x; ~5 min; ran 2026-11-30 with the Megatron jobs)
@@ -27,7 +30,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh torch|fla|megatron|megatron-dense|moe-numerics|scale}
+stage=${1:?usage: run_all.sh torch|fla|megatron|megatron-dense|moe-numerics|packing|scale}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -188,6 +191,22 @@ megatron-dense)  # the dense layouts again, sized so that the first step (compil
   mkdir -p "$OUT/megatron"
   megatron_grpo dense_pp2 qwen3_5_0_8b 220 --prompts 8 -- parallelism.pp=2 rollout.n=4
   megatron_grpo dense_tp2 qwen3_5_0_8b "$(left 470)" --prompts 8 -- parallelism.tp=2 rollout.n=4
+  ;;
+packing)  # the GPU tests of packing and the FSDP engine, packed against padded batches, the fla memory shapes
+  rm -rf /tmp/w /tmp/site /tmp/site-gdn && mkdir -p /tmp/w/base
+  cp .whl-x/* /tmp/w/base/ && rm -f /tmp/w/base/megatron_core-* || { echo "wheel split failed"; exit 1; }
+  install_into /tmp/site /tmp/w/base && install_into /tmp/site-gdn .whl-gdn
+  env_info > "$OUT/env-packing.txt" 2>&1
+  mkdir -p "$OUT/packing"
+  PYTHONPATH=$FLA_PATH timeout 200 python3 -m pytest -q -p no:cacheprovider tests/engines/test_fsdp_gpu.py \
+    tests/engines/test_packed_attention.py tests/engines/test_packed_gdn.py > "$LOGS/gpu-tests.log" 2>&1
+  elapsed "GPU tests (exit $?): $(tail -1 "$LOGS/gpu-tests.log")"
+  PYTHONPATH=$FLA_PATH timeout 200 python3 bench/gpu/packing.py --out "$OUT/packing/packing.json" \
+    > "$LOGS/packing.log" 2>&1
+  elapsed "packed against padded (exit $?)"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout "$(left)" $G memory --out "$OUT/packing/memory.json" \
+    --profile > "$LOGS/memory.log" 2>&1
+  elapsed "memory calibration (fla) done (exit $?)"
   ;;
 moe-numerics)  # the MoE model's log-probs against transformers at EP2 and TP1 (DP2), alone in a call
   install_base
