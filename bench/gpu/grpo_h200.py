@@ -398,8 +398,12 @@ def measure_group(ckpt: bool, kl: bool, shapes, args, port: int, results: List[D
             res["rollout_error"] = est.rollout_peak_gib / res["measured_rollout_peak_gib"] - 1
         print(f"memory {name}: train est {est.train_peak_gib:.2f} vs {res['measured_train_peak_gib']:.2f} GiB, "
               f"rollout est {est.rollout_peak_gib:.2f} vs {res['measured_rollout_peak_gib']:.2f} GiB", flush=True)
-        if args.profile and i == 0:
-            res["profile"] = profile_update(worker, seqs, scale)
+        if args.profile and i == 0:  # one update, one reference pass, one generation of 64 tokens (graph replays)
+            res["profile"] = profile_call(lambda: worker.update_actor(seqs, scale))
+            if worker.ref is not None:
+                res["profile_ref"] = profile_call(lambda: worker.compute_log_probs(seqs, reference=True))
+            short = dict(params, max_new_tokens=min(64, r_len))
+            res["profile_generate"] = profile_call(lambda: worker.generate(prompt_ids, short))
         if args.decode_bench and i == 0:
             res["decode_bench"] = bench_decode(worker, prompt_ids, N, args.decode_tokens)
         write_json(args.out, results)
@@ -408,15 +412,17 @@ def measure_group(ckpt: bool, kl: bool, shapes, args, port: int, results: List[D
     mem.empty_cache()
 
 
-def profile_update(worker, seqs, scale) -> str:
-    """Top CUDA kernels of one update step (time share), as text."""
+def profile_call(fn) -> str:
+    """Top kernels of one call (time share), as text: CUDA kernels and the host ops that launched them."""
     from torch.profiler import ProfilerActivity, profile
 
     mem = DeviceMemory()
-    with profile(activities=[ProfilerActivity.CUDA] if mem.cuda else [ProfilerActivity.CPU]) as prof:
-        worker.update_actor(seqs, scale)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if mem.cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
         mem.sync()
-    return prof.key_averages().table(sort_by="cuda_time_total" if mem.cuda else "cpu_time_total", row_limit=25, max_name_column_width=70)
+    return prof.key_averages().table(sort_by="cuda_time_total" if mem.cuda else "cpu_time_total", row_limit=30,
+                                     max_name_column_width=70)
 
 
 def bench_decode(worker, prompts, n, new_tokens: int) -> Dict[str, Any]:
