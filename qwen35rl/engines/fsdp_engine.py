@@ -37,6 +37,15 @@ def packing_supported(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("fla") is not None
 
 
+def packed_call_kwargs(lengths: torch.Tensor) -> Dict[str, Any]:
+    """The document boundaries a transformers model takes with one packed row of documents of these lengths:
+    cumulative lengths (int32, as flash-attention kernels want them), the longest document and per-token ids."""
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    max_len = int(lengths.max())
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device, dtype=torch.int32), lengths)
+    return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len, seq_idx=seq_idx[None])
+
+
 def _on(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
     return None if t is None else t.to(device)
 
@@ -106,13 +115,8 @@ class PolicyWithLogProbs(nn.Module):
             return base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                         use_cache=False, **multimodal).last_hidden_state
         valid = attention_mask.bool()
-        lengths = valid.sum(1)
-        cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-        max_len = int(lengths.max())
-        seq_idx = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device, dtype=torch.int32), lengths)
         packed = base(input_ids=input_ids[valid][None], position_ids=position_ids[valid][None], attention_mask=None,
-                      use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len,
-                      seq_idx=seq_idx[None]).last_hidden_state
+                      use_cache=False, **packed_call_kwargs(valid.sum(1))).last_hidden_state
         hidden = packed.new_zeros(*input_ids.shape, packed.shape[-1])
         hidden[valid] = packed[0]
         return hidden

@@ -19,12 +19,13 @@ from qwen35rl.engines.packed_attention import (NAME, cu_seqlens_from_position_id
 from qwen35rl.engines.packed_gdn import disable_packing, is_packing_enabled, modeling_modules, packing_enabled
 from qwen35rl.models.build import build_model
 from qwen35rl.runtime.batching import Sequences, build_batch
+from tests.engines import packed_models as pm
 
 # The model tests run transformers' torch GDN on CPU; with fla installed it would pick fla's kernels.
 torch_gdn = pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="fla replaces the torch GDN rule")
 
 PAD = 259
-ROW_LENGTHS = [9, 2, 1, 70, 3]  # a 1-token document, one longer than the rest together
+ROW_LENGTHS = pm.ROW_LENGTHS
 
 
 @pytest.fixture(autouse=True)
@@ -35,10 +36,6 @@ def registries_left_as_found():
     for mapping, before in saved:
         mapping.clear()
         mapping.update(before)
-
-
-def _cu(lengths):
-    return F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32)
 
 
 # ------------------------------------------------------------------------------------------ the function
@@ -75,7 +72,7 @@ def test_function_equals_per_document_causal_sdpa(lengths, kv_heads):
     q, k, v = _qkv(sum(lengths), kv_heads=kv_heads)
     scale = 0.3
     out, weights = packed_sdpa_attention_forward(_Attn(4 // kv_heads), q, k, v, None, scaling=scale,
-                                                 cu_seq_lens_q=_cu(lengths), cu_seq_lens_k=_cu(lengths),
+                                                 cu_seq_lens_q=pm.cu(lengths), cu_seq_lens_k=pm.cu(lengths),
                                                  max_length_q=max(lengths), max_length_k=max(lengths))
     ref = _per_document_reference(q, k, v, lengths, scale)
     assert weights is None and out.shape == ref.shape == (1, sum(lengths), 4, 16)
@@ -89,7 +86,7 @@ def test_documents_from_position_ids_without_cu_seq_lens():
     lengths = [4, 1, 6]
     q, k, v = _qkv(sum(lengths))
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    assert cu_seqlens_from_position_ids(positions).tolist() == _cu(lengths).tolist()
+    assert cu_seqlens_from_position_ids(positions).tolist() == pm.cu(lengths).tolist()
     assert cu_seqlens_from_position_ids(torch.arange(5)) is None
     by_positions, _ = packed_sdpa_attention_forward(_Attn(2), q, k, v, None, position_ids=positions)
     torch.testing.assert_close(by_positions, _per_document_reference(q, k, v, lengths, None), rtol=1e-6, atol=1e-6)
@@ -112,9 +109,9 @@ def test_calls_that_are_not_packed_are_transformers_sdpa():
 def test_packed_calls_must_be_causal_and_cover_the_row():
     q, k, v = _qkv(6)
     with pytest.raises(ValueError, match="causal"):
-        packed_sdpa_attention_forward(_Attn(2), q, k, v, None, cu_seq_lens_q=_cu([3, 3]), is_causal=False)
+        packed_sdpa_attention_forward(_Attn(2), q, k, v, None, cu_seq_lens_q=pm.cu([3, 3]), is_causal=False)
     with pytest.raises(ValueError, match="row length 6"):
-        packed_sdpa_attention_forward(_Attn(2), q, k, v, None, cu_seq_lens_q=_cu([3, 2]))
+        packed_sdpa_attention_forward(_Attn(2), q, k, v, None, cu_seq_lens_q=pm.cu([3, 2]))
 
 
 def test_varlen_api_is_used_only_in_its_causal_form():
@@ -151,7 +148,7 @@ def test_varlen_call_as_documented(takes_gqa, monkeypatch):
     monkeypatch.setattr(packed_attention, "uses_varlen", lambda query, dropout: True)
     lengths = [5, 1, 9]
     q, k, v = _qkv(sum(lengths))
-    out, _ = packed_sdpa_attention_forward(_Attn(2), q, k, v, None, scaling=0.25, cu_seq_lens_q=_cu(lengths).long(),
+    out, _ = packed_sdpa_attention_forward(_Attn(2), q, k, v, None, scaling=0.25, cu_seq_lens_q=pm.cu(lengths).long(),
                                            max_length_q=torch.tensor(max(lengths)))
     ref = _per_document_reference(q, k, v, lengths, 0.25)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
@@ -168,7 +165,7 @@ def test_varlen_kernel_equals_per_document_sdpa_on_cuda():
     lengths = [300, 1, 17, 768, 64]
     q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_() for t in _qkv(sum(lengths), heads=8, dim=256))
     assert packed_attention.uses_varlen(q, 0.0)
-    kw = dict(scaling=256 ** -0.5, cu_seq_lens_q=_cu(lengths).cuda(), max_length_q=max(lengths))
+    kw = dict(scaling=256 ** -0.5, cu_seq_lens_q=pm.cu(lengths).cuda(), max_length_q=max(lengths))
     out, _ = packed_sdpa_attention_forward(_Attn(4), q, k, v, None, **kw)
     ref = packed_attention._per_document_sdpa(_Attn(4), q, k, v, kw["cu_seq_lens_q"], 0.0, kw["scaling"])
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
@@ -178,35 +175,6 @@ def test_varlen_kernel_equals_per_document_sdpa_on_cuda():
 
 
 # ------------------------------------------------------------------------------------------ the model
-def _model(name="qwen3_5_tiny", impl=None):
-    cfg = compose([f"model={name}", "hw=cpu"])
-    model = build_model(cfg.model, dtype=torch.float32, seed=3).eval()
-    if impl is not None:
-        use_packed_attention(model)
-    return model
-
-
-def _rows(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=g) for n in lengths]
-
-
-def _next_token_logp(logits, ids):
-    return logits[:-1].log_softmax(-1).gather(-1, ids[1:, None])[:, 0]
-
-
-def _packed_call(model, rows):
-    """The call `PolicyWithLogProbs._hidden(..., pack=True)` makes, with the LM head on top."""
-    lengths = torch.tensor([len(r) for r in rows])
-    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-    seq_idx = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), lengths)
-    positions = torch.cat([torch.arange(n) for n in lengths])
-    logits = model(input_ids=torch.cat(rows)[None], position_ids=positions[None], attention_mask=None, use_cache=False,
-                   cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=int(lengths.max()),
-                   max_length_k=int(lengths.max()), seq_idx=seq_idx[None]).logits[0]
-    return [_next_token_logp(logits[s:e], r) for s, e, r in zip(cu[:-1], cu[1:], rows)]
-
-
 class _SquareTensors(TorchDispatchMode):
     """Records every tensor an op produces whose last two dims are both `n` (an [.., N, N] mask or score matrix)."""
 
@@ -238,21 +206,21 @@ def _count_documents_attended(monkeypatch):
 @pytest.mark.parametrize("name", ["qwen3_5_tiny", "qwen3_5_tiny_moe"])
 @torch.no_grad()
 def test_packed_model_equals_each_row_alone_without_an_n_by_n_mask(name, monkeypatch):
-    rows = _rows(ROW_LENGTHS)
+    rows = pm.rows(ROW_LENGTHS)
     n = sum(ROW_LENGTHS)
-    plain = _model(name)
-    alone = [_next_token_logp(plain(input_ids=r[None], use_cache=False).logits[0], r) for r in rows]
+    plain = pm.tiny_model(name)
+    alone = pm.alone(plain, rows)
     with packing_enabled():
         with _SquareTensors(n) as sdpa_watch:
-            _packed_call(plain, rows)
-        model = _model(name, impl=NAME)
+            pm.packed_call(plain, rows)
+        model = pm.tiny_model(name, packed_attention=True)
         full_attention = sum(t == "full_attention" for t in model.config.layer_types)
         calls = _count_documents_attended(monkeypatch)
         with _SquareTensors(n) as watch:
-            packed = _packed_call(model, rows)
+            packed = pm.packed_call(model, rows)
     assert sdpa_watch.seen  # plain sdpa builds the block-diagonal [1, 1, N, N] mask
     assert watch.seen == []
-    assert calls == [_cu(ROW_LENGTHS).tolist()] * full_attention
+    assert calls == [pm.cu(ROW_LENGTHS).tolist()] * full_attention
     for i, (p, a) in enumerate(zip(packed, alone)):
         torch.testing.assert_close(p, a, rtol=1e-5, atol=1e-5, msg=f"row {i}")
 
@@ -270,9 +238,9 @@ def _padded(rows, left=False):
 @pytest.mark.parametrize("name", ["qwen3_5_tiny", "qwen3_5_tiny_moe"])
 @torch.no_grad()
 def test_padded_calls_and_generation_are_unchanged_bit_for_bit(name):
-    plain, model = _model(name), _model(name, impl=NAME)
+    plain, model = pm.tiny_model(name), pm.tiny_model(name, packed_attention=True)
     assert model.config._attn_implementation == NAME and plain.config._attn_implementation == "sdpa"
-    rows = _rows([7, 3, 12], seed=2)
+    rows = pm.rows([7, 3, 12], seed=2)
     for left in (False, True):
         ids, mask = _padded(rows, left)
         assert torch.equal(model(input_ids=ids, attention_mask=mask).logits,

@@ -7,13 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qwen35rl.config.compose import compose
 from qwen35rl.engines.fsdp_engine import PolicyWithLogProbs
 from qwen35rl.engines.packed_gdn import (CHUNK_RULE, CONV, cu_seqlens_from_seq_idx, disable_packing,
                                          dispatches_to_torch, enable_packing, is_packing_enabled, modeling_modules,
                                          original, packed_causal_conv1d, packed_chunk_gated_delta_rule,
                                          packing_enabled)
-from qwen35rl.models.build import build_model
+from tests.engines import packed_models as pm
 
 W = 4  # Qwen3.5's linear_conv_kernel_dim
 LAYOUTS = [[7], [3, 1, 5], [1, 1, 1], [2, 9, 1, 4, 70], [70, 2]]
@@ -33,10 +32,6 @@ def transformers_left_as_found():
     before = _state()
     yield
     assert _state() == before
-
-
-def _cu(lengths):
-    return F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32)
 
 
 def _per_document_conv(x, weight, bias, activation, lengths):
@@ -61,7 +56,7 @@ def test_conv_equals_per_document_conv(lengths, activation, dtype, rows):
     x = torch.randn(rows, dim, length, generator=g).to(dtype).requires_grad_()
     weight = torch.randn(dim, W, generator=g).to(dtype).requires_grad_()
     bias = torch.randn(dim, generator=g).to(dtype).requires_grad_()
-    y = packed_causal_conv1d(x, weight, bias, activation, cu_seqlens=_cu(lengths))
+    y = packed_causal_conv1d(x, weight, bias, activation, cu_seqlens=pm.cu(lengths))
     ref = _per_document_conv(x, weight, bias, activation, lengths)
     dy = torch.randn(y.shape, generator=g).to(dtype)
     grads = torch.autograd.grad(y, (x, weight, bias), dy)
@@ -86,7 +81,7 @@ def test_conv_without_boundaries_is_the_plain_causal_conv():
 
 def test_conv_rejects_boundaries_that_do_not_cover_the_row():
     with pytest.raises(ValueError, match="from 0 to the sequence length 9"):
-        packed_causal_conv1d(torch.randn(1, 8, 9), torch.randn(8, W), cu_seqlens=_cu([3, 4]))
+        packed_causal_conv1d(torch.randn(1, 8, 9), torch.randn(8, W), cu_seqlens=pm.cu([3, 4]))
 
 
 def test_cu_seqlens_from_seq_idx():
@@ -112,7 +107,7 @@ def test_chunk_rule_keeps_documents_apart():
     lengths = [5, 1, 70, 3]
     q, k, v, decay, beta = _gdn_inputs(sum(lengths))
     kw = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
-    out, state = packed_chunk_gated_delta_rule(q, k, v, decay, beta, cu_seqlens=_cu(lengths), **kw)
+    out, state = packed_chunk_gated_delta_rule(q, k, v, decay, beta, cu_seqlens=pm.cu(lengths), **kw)
     # the rule that transformers' GDN layer calls when it runs the torch recurrence
     reference = original(modeling_modules()[0], CHUNK_RULE)
     leaky, _ = reference(q, k, v, g=decay, beta=beta, **kw)
@@ -163,49 +158,18 @@ def test_enable_and_disable_packing():
 
 
 # ------------------------------------------------------------------------------------------ the model
-def _model(name="qwen3_5_tiny"):
-    cfg = compose([f"model={name}", "hw=cpu"])
-    return build_model(cfg.model, dtype=torch.float32, seed=3).eval()
-
-
-def _rows(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=g) for n in lengths]
-
-
-def _next_token_logp(logits, ids):
-    """log p(ids[t] | ids[:t]) for t >= 1."""
-    return logits[:-1].log_softmax(-1).gather(-1, ids[1:, None])[:, 0]
-
-
-def _packed_call(model, rows):
-    """The call `PolicyWithLogProbs._hidden(..., pack=True)` makes, with the LM head on top."""
-    lengths = torch.tensor([len(r) for r in rows])
-    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-    seq_idx = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), lengths)
-    positions = torch.cat([torch.arange(n) for n in lengths])
-    logits = model(input_ids=torch.cat(rows)[None], position_ids=positions[None], attention_mask=None, use_cache=False,
-                   cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=int(lengths.max()),
-                   max_length_k=int(lengths.max()), seq_idx=seq_idx[None]).logits[0]
-    return [_next_token_logp(logits[s:e], r) for s, e, r in zip(cu[:-1], cu[1:], rows)]
-
-
-def _alone(model, rows):
-    return [_next_token_logp(model(input_ids=r[None], use_cache=False).logits[0], r) for r in rows]
-
-
-ROW_LENGTHS = [9, 2, 1, 70, 3]  # documents shorter than the conv window, a 1-token one, one across a 64-token chunk
+ROW_LENGTHS = pm.ROW_LENGTHS  # documents shorter than the conv window, a 1-token one, one across a 64-token chunk
 
 
 @torch_gdn
 @pytest.mark.parametrize("name", ["qwen3_5_tiny", "qwen3_5_tiny_moe"])
 @torch.no_grad()
 def test_packed_model_equals_each_row_alone(name):
-    model = _model(name)
-    rows = _rows(ROW_LENGTHS)
-    alone = _alone(model, rows)
+    model = pm.tiny_model(name)
+    rows = pm.rows(ROW_LENGTHS)
+    alone = pm.alone(model, rows)
     with packing_enabled():
-        packed = _packed_call(model, rows)
+        packed = pm.packed_call(model, rows)
     for i, (p, a) in enumerate(zip(packed, alone)):
         torch.testing.assert_close(p, a, rtol=1e-5, atol=1e-5, msg=f"row {i}")
 
@@ -213,11 +177,11 @@ def test_packed_model_equals_each_row_alone(name):
 @torch_gdn
 @torch.no_grad()
 def test_without_packing_the_packed_call_mixes_documents():
-    model = _model()
-    rows = _rows(ROW_LENGTHS)
-    alone = _alone(model, rows)
+    model = pm.tiny_model()
+    rows = pm.rows(ROW_LENGTHS)
+    alone = pm.alone(model, rows)
     try:
-        packed = _packed_call(model, rows)
+        packed = pm.packed_call(model, rows)
     except ValueError as e:  # transformers 5.24 refuses packed GDN calls without causal-conv1d / fla
         assert "packed sequences" in str(e)
         return
@@ -230,9 +194,9 @@ def test_without_packing_the_packed_call_mixes_documents():
 def test_engine_packed_forward_equals_padded():
     """`PolicyWithLogProbs` with pack=True (what FsdpTrainEngine does when it packs) against pack=False on a
     right-padded batch: the same response log-probs, entropies and parameter gradients."""
-    model = _model()
+    model = pm.tiny_model()
     policy = PolicyWithLogProbs(model, chunk_size=16)
-    rows = _rows(ROW_LENGTHS, seed=1)
+    rows = pm.rows(ROW_LENGTHS, seed=1)
     width = max(ROW_LENGTHS)
     input_ids = torch.full((len(rows), width), 259)
     attention_mask = torch.zeros(len(rows), width, dtype=torch.long)
