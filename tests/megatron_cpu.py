@@ -4,13 +4,30 @@ reduce-scatter / all-gather-into-tensor emulations, the model-parallel RNG fork 
 RNG as the device one, the alltoall MoE dispatcher's split sizes stay on the host, and flash-linear-attention is
 replaced by modules that make megatron's GatedDeltaNet use its own torch recurrence
 (`transformer_overrides.deterministic_mode`, which CPU runs must set). Call `megatron_on_cpu()` in each
-worker process before building an engine."""
+worker process before building an engine.
+
+Importing this module is also the test modules' common prelude: one torch thread (two worker processes share a
+2-core machine), torch.compile off, and the importing test module skipped where megatron-core is not installed.
+Import it before torch."""
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron wraps small fusions in torch.compile
+
 import contextlib
 import functools
+import importlib.util
 import sys
 import types
 
+import pytest
 import torch
+
+torch.set_num_threads(1)  # one thread per worker process (two share this 2-core machine)
+
+if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+    pytest.skip("megatron-core is not installed", allow_module_level=True)
+
 import torch._dynamo
 import torch.distributed as dist
 

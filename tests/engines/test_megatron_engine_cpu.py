@@ -4,22 +4,13 @@ transformers, bitwise weight export, and a few GRPO steps, at TP2 / PP2 / EP2 ov
 megatron-core comes with the `[test]` extra (python < 3.12); without it this module skips. The CPU stand-ins of
 `tests/megatron_cpu.py` are installed in the workers after the transformers reference ran (so the reference keeps
 transformers' GDN recurrence)."""
-import os
-
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron wraps small fusions in torch.compile
+from tests.megatron_cpu import CPU_TRANSFORMER_OVERRIDES, megatron_on_cpu  # first: the prelude (skips without megatron)
 
 import functools
-import importlib.util
+import os
 
 import pytest
 import torch
-
-torch.set_num_threads(1)  # one thread per worker process (two share this 2-core machine)
-
-if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-    pytest.skip("megatron-core is not installed", allow_module_level=True)
-
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
@@ -29,7 +20,6 @@ from qwen35rl.config.compose import compose
 from qwen35rl.engines.base import Batch
 from qwen35rl.models.build import build_model
 from qwen35rl.runtime.cluster import free_port
-from tests.megatron_cpu import CPU_TRANSFORMER_OVERRIDES, megatron_on_cpu
 
 pytestmark = pytest.mark.slow
 

@@ -10,22 +10,13 @@ layouts (responses, log-probs, update metrics, updated weights). fp32 (backend.b
 tight; one bf16 case (the GPU default) holds the exact parts (sync, checkpoint, resume, export) and looser
 log-prob tolerances. The MoE router's auxiliary losses are off because they are computed per rank (layouts would
 differ)."""
-import os
+from tests.megatron_cpu import CPU_TRANSFORMER_OVERRIDES, megatron_on_cpu  # first: the prelude (skips without megatron)
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron wraps small fusions in torch.compile
-
-import importlib.util
 import math
+import os
 
 import pytest
 import torch
-
-torch.set_num_threads(1)  # one thread per worker process (two share this 2-core machine)
-
-if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-    pytest.skip("megatron-core is not installed", allow_module_level=True)
-
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
@@ -37,7 +28,6 @@ from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST
 from qwen35rl.runtime.batching import Sequences, split_even, split_sequences
 from qwen35rl.runtime.driver import step_seed
 from qwen35rl.runtime.cluster import free_port
-from tests.megatron_cpu import CPU_TRANSFORMER_OVERRIDES, megatron_on_cpu
 
 pytestmark = pytest.mark.slow
 
