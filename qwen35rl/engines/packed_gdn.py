@@ -20,7 +20,7 @@ import importlib
 import importlib.util
 import inspect
 from types import ModuleType
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +63,32 @@ def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
     raise ValueError(f"activation={activation!r}: expected silu, swish or None")
 
 
+def _build_spread_index(cu_seqlens: torch.Tensor, length: int, width: int,
+                        device: torch.device) -> Tuple[torch.Tensor, int]:
+    """Column of every token when W - 1 zeros precede each document, and the number of documents."""
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    if int(cu[0]) != 0 or int(cu[-1]) != length:
+        raise ValueError(f"cu_seqlens must run from 0 to the sequence length {length}, got {cu.tolist()}")
+    lengths = cu[1:] - cu[:-1]
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+    # token t of document i goes to column t + (i + 1) * (W - 1): each document starts after W - 1 zeros
+    return torch.arange(length, device=device) + (doc + 1) * (width - 1), len(lengths)
+
+
+# the last boundaries tensor and its spread index: one packed forward hands the same cu_seqlens tensor to every GDN
+# layer, and building the index waits for the device (the checks and repeat_interleave read values)
+_LAST_SPREAD: Dict[str, Any] = {}
+
+
+def _spread_index(cu_seqlens: torch.Tensor, length: int, width: int, device: torch.device) -> Tuple[torch.Tensor, int]:
+    key = (length, width, torch.device(device))
+    if _LAST_SPREAD.get("cu") is not cu_seqlens or _LAST_SPREAD.get("key") != key:
+        _LAST_SPREAD.clear()  # a failed check below leaves nothing behind
+        index = _build_spread_index(cu_seqlens, length, width, device)
+        _LAST_SPREAD.update(cu=cu_seqlens, key=key, index=index)
+    return _LAST_SPREAD["index"]
+
+
 def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                          activation: Optional[str] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Depthwise causal convolution of x [B, D, T] with weight [D, W], where no output sees an input of another
@@ -78,14 +104,8 @@ def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     width = weight.shape[-1]
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, length])
-    cu = cu_seqlens.to(device=x.device, dtype=torch.long)
-    if int(cu[0]) != 0 or int(cu[-1]) != length:
-        raise ValueError(f"cu_seqlens must run from 0 to the sequence length {length}, got {cu.tolist()}")
-    lengths = cu[1:] - cu[:-1]
-    doc = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), lengths)
-    # token t of document i goes to column t + (i + 1) * (W - 1): each document starts after W - 1 zeros
-    dest = torch.arange(length, device=x.device) + (doc + 1) * (width - 1)
-    spread = x.new_zeros(batch, dim, length + len(lengths) * (width - 1), dtype=weight.dtype)
+    dest, docs = _spread_index(cu_seqlens, length, width, x.device)
+    spread = x.new_zeros(batch, dim, length + docs * (width - 1), dtype=weight.dtype)
     spread = spread.index_copy(2, dest, x.to(weight.dtype))
     y = F.conv1d(spread, weight.unsqueeze(1), bias, groups=dim)  # output column c sees spread[c : c + W]
     y = y.index_select(2, dest - (width - 1))

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen35rl.engines.fsdp_engine import PolicyWithLogProbs
+from qwen35rl.engines import packed_gdn
 from qwen35rl.engines.packed_gdn import (CHUNK_RULE, CONV, cu_seqlens_from_seq_idx, disable_packing,
                                          dispatches_to_torch, enable_packing, is_packing_enabled, modeling_modules,
                                          original, packed_causal_conv1d, packed_chunk_gated_delta_rule,
@@ -82,6 +83,25 @@ def test_conv_without_boundaries_is_the_plain_causal_conv():
 def test_conv_rejects_boundaries_that_do_not_cover_the_row():
     with pytest.raises(ValueError, match="from 0 to the sequence length 9"):
         packed_causal_conv1d(torch.randn(1, 8, 9), torch.randn(8, W), cu_seqlens=pm.cu([3, 4]))
+
+
+def test_conv_builds_the_spread_index_once_per_boundaries_tensor(monkeypatch):
+    """A packed forward hands every GDN layer the same cu_seqlens tensor: the index (whose checks wait for the device)
+    is built for the first layer only; another tensor, even with equal values, gets its own."""
+    built = []
+    build = packed_gdn._build_spread_index
+    monkeypatch.setattr(packed_gdn, "_build_spread_index", lambda *a: built.append(a) or build(*a))
+    x, weight = torch.randn(1, 8, 9), torch.randn(8, W)
+    cu = pm.cu([4, 5])
+    first = [packed_causal_conv1d(x, weight, cu_seqlens=cu) for _ in range(3)]
+    assert len(built) == 1 and all(torch.equal(y, first[0]) for y in first)
+    assert torch.equal(packed_causal_conv1d(x, weight, cu_seqlens=pm.cu([4, 5])), first[0])
+    assert len(built) == 2
+    bad = pm.cu([3, 4])
+    for _ in range(2):  # a rejected tensor is checked again, not remembered
+        with pytest.raises(ValueError, match="from 0 to the sequence length 9"):
+            packed_causal_conv1d(x, weight, cu_seqlens=bad)
+    assert len(built) == 4
 
 
 def test_cu_seqlens_from_seq_idx():
