@@ -323,6 +323,7 @@ def measure_group(ckpt: bool, kl: bool, shapes, args, port: int, results: List[D
     states exist); peak allocator memory per phase, against the estimate of that shape's config."""
     from omegaconf import OmegaConf
 
+    from bench.gpu.report import rollout_measurement
     from qwen35rl.config.compose import compose
     from qwen35rl.config.layout import derive_layout
     from qwen35rl.config.memory import estimate
@@ -390,8 +391,6 @@ def measure_group(ckpt: bool, kl: bool, shapes, args, port: int, results: List[D
             peak(lambda: worker.generate(prompt_ids, params), "generate_after_update")
         res["measured_train_peak_gib"] = max(res[k]["peak_gib"] for k in ("log_probs", "ref_log_probs", "update")
                                              if k in res)
-        from bench.gpu.report import rollout_measurement
-
         res["measured_rollout_peak_gib"] = rollout_measurement(res)["peak_gib"]
         if mem.cuda:
             res["train_error"] = est.train_peak_gib / res["measured_train_peak_gib"] - 1

@@ -84,7 +84,6 @@ def measure(cfg, seqs, args, packed: bool) -> Dict[str, Any]:
     res["response_log_probs"] = [v for lp, b in zip(logp, batches) for row in response_values(lp, b) for v in row]
     if device == "cuda":
         res["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    del engine
     return res
 
 
@@ -130,8 +129,9 @@ def main(argv=None) -> None:
                 torch.cuda.empty_cache()
         dist.destroy_process_group()
     padded, packed = results["modes"]
+    a = torch.tensor(padded.pop("response_log_probs"))
     if "error" not in packed:
-        a, b = torch.tensor(padded.pop("response_log_probs")), torch.tensor(packed.pop("response_log_probs"))
+        b = torch.tensor(packed.pop("response_log_probs"))
         results["log_prob_diff"] = {"max": float((a - b).abs().max()), "mean": float((a - b).abs().mean())}
         steady = lambda r, k: min(r[k][1:] or r[k])  # noqa: E731 - best steady repeat
         results["speedup"] = {k: steady(padded, k) / steady(packed, k) for k in ("log_probs_s", "update_s")}
