@@ -41,7 +41,6 @@ BASE=/tmp/site:$PWD
 TORCH_PATH=$BASE                                   # transformers' torch GDN fallback
 FLA_PATH=/tmp/site-gdn:$BASE                       # fla + TileLang
 MCORE_PATH=/tmp/site-mcore:/tmp/site-fla:$BASE     # megatron-core (its GDN module imports fla)
-MCORE_GDN_PATH=/tmp/site-mcore:$FLA_PATH           # megatron-core with fla + TileLang
 G="python3 bench/gpu/grpo_h200.py"
 t0=$(date +%s)
 NGPU=$(nvidia-smi -L | wc -l)
@@ -122,6 +121,13 @@ install_base() {
   PYTHONPATH=$TORCH_PATH python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('fla') is not None)" \
     || { echo "fla is importable from $TORCH_PATH: the torch-GDN runs would not be"; exit 1; }
 }
+# .whl-gdn + .whl-x without megatron-core: Hydra, TRL into /tmp/site; fla + TileLang into /tmp/site-gdn (no Ray: its
+# wheels and TileLang's do not fit one call's 64 MiB together)
+install_gdn() {
+  rm -rf /tmp/w /tmp/site /tmp/site-gdn && mkdir -p /tmp/w/base
+  cp .whl-x/* /tmp/w/base/ && rm -f /tmp/w/base/megatron_core-* || { echo "wheel split failed"; exit 1; }
+  install_into /tmp/site /tmp/w/base && install_into /tmp/site-gdn .whl-gdn
+}
 summary() {
   tar czf "$OUT/logs-$stage.tar.gz" -C /tmp/logs "$stage"
   grep -h "\[qwen35rl\] step\|trl step {\|^memory \|^decode bench\|^| \|Error\|error:" "$LOGS"/*.log | cut -c1-300 | tail -60
@@ -140,15 +146,12 @@ torch)
   elapsed "megatron numerics done (exit $?)"
   ;;
 fla)
-  # no Ray here: its wheels and TileLang's do not fit one call's 64 MiB together
-  rm -rf /tmp/w /tmp/site /tmp/site-gdn /tmp/site-mcore && mkdir -p /tmp/w/base /tmp/w/mcore
-  cp .whl-x/* /tmp/w/base/ && mv /tmp/w/base/megatron_core-* /tmp/w/mcore/ || { echo "wheel split failed"; exit 1; }
-  install_into /tmp/site /tmp/w/base && install_into /tmp/site-gdn .whl-gdn && install_into /tmp/site-mcore /tmp/w/mcore
+  install_gdn
   env_info > "$OUT/env-fla.txt" 2>&1
   elapsed "installed: $(tail -3 "$OUT/env-fla.txt" | tr '\n' ' ')"
   peaks
   pair fla "$FLA_PATH" trainer.launcher=local
-  mkdir -p "$OUT/torch-local" "$OUT/megatron"
+  mkdir -p "$OUT/torch-local"
   if [ "$NGPU" -ge 2 ]; then
     (
       PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout "$(left)" $G memory --out "$OUT/fla/memory.json" --profile --decode-bench \
@@ -186,9 +189,7 @@ megatron-dense)  # the dense layouts again, sized so that the first step (compil
   megatron_grpo dense_tp2 qwen3_5_0_8b "$(left 470)" --prompts 8 -- parallelism.tp=2 rollout.n=4
   ;;
 packing)  # the GPU tests of packing and the FSDP engine, packed against padded batches, the fla memory shapes
-  rm -rf /tmp/w /tmp/site /tmp/site-gdn && mkdir -p /tmp/w/base
-  cp .whl-x/* /tmp/w/base/ && rm -f /tmp/w/base/megatron_core-* || { echo "wheel split failed"; exit 1; }
-  install_into /tmp/site /tmp/w/base && install_into /tmp/site-gdn .whl-gdn
+  install_gdn
   env_info > "$OUT/env-packing.txt" 2>&1
   mkdir -p "$OUT/packing"
   PYTHONPATH=$FLA_PATH timeout 200 python3 -m pytest -q -p no:cacheprovider tests/engines/test_fsdp_gpu.py \
