@@ -81,10 +81,17 @@ def measure(cfg, seqs, args, packed: bool) -> Dict[str, Any]:
         res["log_probs_s"].append(s)
         _, s = timed(lambda: engine.train_mini_batch(batches, {}))
         res["update_s"].append(s)
+        print(f"[{time.strftime('%H:%M:%S')}] packed={packed} log-probs {res['log_probs_s'][-1]:.2f} s, "
+              f"update {s:.2f} s", flush=True)
     res["response_log_probs"] = [v for lp, b in zip(logp, batches) for row in response_values(lp, b) for v in row]
     if device == "cuda":
         res["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return res
+
+
+def write(path: str, results: Dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(results, indent=1, default=str))
 
 
 def main(argv=None) -> None:
@@ -124,6 +131,7 @@ def main(argv=None) -> None:
         results: Dict[str, Any] = {"args": vars(args), "overrides": workload(args), "modes": []}
         for packed in (False, True):
             results["modes"].append(measure(compose(workload(args)), seqs, args, packed))
+            write(args.out, results)  # a run cut short by its time limit keeps the finished mode
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
@@ -135,8 +143,7 @@ def main(argv=None) -> None:
         results["log_prob_diff"] = {"max": float((a - b).abs().max()), "mean": float((a - b).abs().mean())}
         steady = lambda r, k: min(r[k][1:] or r[k])  # noqa: E731 - best steady repeat
         results["speedup"] = {k: steady(padded, k) / steady(packed, k) for k in ("log_probs_s", "update_s")}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    write(args.out, results)
     print(json.dumps({k: v for k, v in results.items() if k != "overrides"}, default=str)[:2000], flush=True)
 
 
