@@ -22,6 +22,8 @@
 #   bash bench/gpu/run_all.sh scale     (carry .whl .whl-x; ~5 min; ran 2026-11-30 with the Megatron jobs)
 #       qwen35rl on both GPUs (FSDP over NCCL), twice the prompts
 #
+# Carry .kcache as well where it exists: Triton's autotuning results that an earlier call brought back
+# ($OUT/triton-autotune.tar.gz, copied to .kcache/), so that fla's kernels compile without autotuning again.
 # Installs (no network there): /tmp/site (Ray, Hydra, TRL, datasets), /tmp/site-fla (flash-linear-attention
 # alone, for megatron-core), /tmp/site-mcore (megatron-core 0.19.2), /tmp/site-gdn (fla + TileLang). Which of them
 # a job sees is its PYTHONPATH: without fla, transformers runs its torch GDN fallback.
@@ -37,6 +39,7 @@ export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilela
 OUT=${OUT:-/tmp/out}
 LOGS=/tmp/logs/$stage
 mkdir -p "$OUT" "$LOGS" /tmp/kcache
+[ -f .kcache/triton-autotune.tar.gz ] && mkdir -p "$TRITON_CACHE_DIR" && tar xzf .kcache/triton-autotune.tar.gz -C "$TRITON_CACHE_DIR"
 BASE=/tmp/site:$PWD
 TORCH_PATH=$BASE                                   # transformers' torch GDN fallback
 FLA_PATH=/tmp/site-gdn:$BASE                       # fla + TileLang
@@ -130,6 +133,9 @@ install_gdn() {
 }
 summary() {
   tar czf "$OUT/logs-$stage.tar.gz" -C /tmp/logs "$stage"
+  # Triton's autotuning results (1 KB JSON files, no binaries): kept in .kcache/ and carried in, they spare the next
+  # machine the autotuning of fla's kernels, most of a first step's compile time
+  (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' | tar czf "$OUT/triton-autotune.tar.gz" -T -)
   grep -h "\[qwen35rl\] step\|trl step {\|^memory \|^decode bench\|^| \|Error\|error:" "$LOGS"/*.log | cut -c1-300 | tail -60
 }
 
@@ -202,8 +208,6 @@ packing)  # packed against padded on the 0.8B shapes, then the GPU tests of pack
     tests/engines/test_packed_attention.py::test_varlen_kernel_equals_per_document_sdpa_on_cuda \
     "tests/engines/test_fsdp_gpu.py::test_packed_equals_padded[fp32-0.001]" > "$LOGS/gpu-tests.log" 2>&1
   elapsed "GPU tests (exit $?): $(tail -1 "$LOGS/gpu-tests.log")"
-  # Triton's autotuning results (small JSON files): carried back in, they spare a later machine the autotuning
-  (cd "$TRITON_CACHE_DIR" && find . -name '*.json' | tar czf "$OUT/packing/triton-autotune.tar.gz" -T -)
   ;;
 moe-numerics)  # the MoE model's log-probs against transformers at EP2 and TP1 (DP2), alone in a call
   install_base
