@@ -127,7 +127,8 @@ class BackendConfig:
     max_tokens_per_device: int = 16384
     """Token budget of one micro batch when `dynamic_batch_size` is on."""
     dynamic_batch_size: bool = False
-    """Pack micro batches up to `max_tokens_per_device` instead of a fixed count of responses."""
+    """Fill micro batches up to `max_tokens_per_device` tokens (as the engine lays them out: packed, padded, or the
+    Megatron engine's uniform shape) instead of a fixed count of responses; every rank runs the same number."""
     remove_padding: bool = True
     """Pack each micro batch's sequences into one row, without padding. FSDP packs where flash-linear-attention runs
     the GDN recurrence (CUDA) and keeps padded batches elsewhere; the Megatron engine always trains padded batches

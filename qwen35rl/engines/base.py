@@ -70,6 +70,11 @@ class Batch:
 class TrainEngine(abc.ABC):
     """One data-parallel rank's shard of the policy (and optimizer)."""
 
+    @property
+    def micro_batch_layout(self) -> str:
+        """What a micro batch costs in tokens (`runtime.micro_batches`): "packed", "padded" or "uniform"."""
+        return "padded"
+
     @abc.abstractmethod
     def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Per-token log-probs [B, T] (and entropy) of batch.input_ids, zero outside response_mask, fp32, under

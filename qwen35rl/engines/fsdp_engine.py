@@ -224,6 +224,10 @@ class FsdpTrainEngine(TrainEngine):
             return contextlib.nullcontext()  # FSDP's mixed-precision policy (or plain fp32) already decides
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
+    @property
+    def micro_batch_layout(self) -> str:
+        return "packed" if self.pack else "padded"
+
     def _forward(self, batch: Batch, with_entropy: bool):
         pack = self.pack and not batch.multimodal
         mm = {k: v.to(self.device) for k, v in batch.multimodal.items()}

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, TypeVar
 import torch
 
 from qwen35rl.engines.base import Batch
+from qwen35rl.runtime.micro_batches import fixed_groups
 
 T = TypeVar("T")
 
@@ -64,8 +65,8 @@ def split_even(items: Sequence[T], parts: int) -> List[List[T]]:
 
 
 def chunk(seqs: Sequences, size: int) -> List[Sequences]:
-    """Consecutive pieces of at most `size` rows (the micro batches of one rank)."""
-    return [seqs.select(i, min(i + size, len(seqs))) for i in range(0, len(seqs), size)]
+    """Consecutive pieces of at most `size` rows (fixed-size micro batches)."""
+    return [seqs.take(rows) for rows in fixed_groups(len(seqs), size)]
 
 
 def split_sequences(seqs: Sequences, parts: int) -> List[Sequences]:

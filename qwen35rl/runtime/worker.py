@@ -22,8 +22,9 @@ from qwen35rl.config.layout import derive_layout
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult, TrainEngine
 from qwen35rl.models.build import trains_vision
 from qwen35rl.runtime import checkpoint as ckpt
-from qwen35rl.runtime.batching import Sequences, build_batch, chunk, response_values
+from qwen35rl.runtime.batching import Sequences, build_batch, response_values
 from qwen35rl.runtime.cluster import connected_ray, free_port, node_ip
+from qwen35rl.runtime.micro_batches import fixed_groups, token_budget_groups
 from qwen35rl.runtime.platform import device_module, require_stack, resolve_platform
 
 log = logging.getLogger(__name__)
@@ -184,26 +185,45 @@ class PolicyWorker:
     def compute_log_probs(self, seqs: Sequences, reference: bool = False) -> List[List[float]]:
         """Collective: per-response log-probs of the response tokens under the policy (or the reference)."""
         engine = self.ref if reference else self.actor
+        groups = self.micro_batch_groups(seqs, engine)
         computed = []
         with torch.no_grad():
-            for micro in chunk(seqs, self._micro_size()):
-                batch = build_batch(micro, self.pad_token_id, self.device, self._image_processor)
+            for rows in groups:
+                batch = build_batch(seqs.take(rows), self.pad_token_id, self.device, self._image_processor)
                 computed.append((engine.compute_log_probs(batch)[0], batch))
         # read back once at the end: a read per micro batch would idle the device while the next one is launched
-        return [row for log_probs, batch in computed for row in response_values(log_probs, batch)]
+        out: List[List[float]] = [[] for _ in range(len(seqs))]
+        for rows, (log_probs, batch) in zip(groups, computed):
+            for i, values in zip(rows, response_values(log_probs, batch)):
+                out[i] = values
+        return out
 
     def update_actor(self, seqs: Sequences, global_scale: Dict[str, float]) -> Dict[str, float]:
         """Collective: one optimizer step over this rank's share of a mini batch, in micro batches."""
-        micro_batches = [build_batch(m, self.pad_token_id, self.device, self._image_processor)
-                         for m in chunk(seqs, self._micro_size())]
+        micro_batches = [build_batch(seqs.take(rows), self.pad_token_id, self.device, self._image_processor)
+                         for rows in self.micro_batch_groups(seqs, self.actor)]
         return self.actor.train_mini_batch(micro_batches, dict(global_scale))
 
     @property
     def _image_processor(self) -> Any:
         return None if self.processor is None else self.processor.image_processor
 
-    def _micro_size(self) -> int:
-        return max(int(self.cfg.backend.micro_batch_size_per_device), 1)
+    def micro_batch_groups(self, seqs: Sequences, engine: Any) -> List[List[int]]:
+        """Collective with `backend.dynamic_batch_size`: the row indices of each micro batch of this share
+        (`runtime.micro_batches`)."""
+        b = self.cfg.backend
+        if not b.dynamic_batch_size:
+            return fixed_groups(len(seqs), int(b.micro_batch_size_per_device))
+        lengths = [len(p) + len(r) for p, r in zip(seqs.prompt_ids, seqs.response_ids)]
+        return token_budget_groups(lengths, int(b.max_tokens_per_device), engine.micro_batch_layout,
+                                   self._largest_over_ranks)
+
+    def _largest_over_ranks(self, count: int) -> int:
+        if not dist.is_initialized():
+            return count
+        t = torch.tensor([count], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str) -> None:

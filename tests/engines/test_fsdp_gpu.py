@@ -1,5 +1,5 @@
 """The FSDP engine and the rollout engine on a CUDA device: bf16 mixed precision under FSDP2 (one NCCL rank),
-and packed sequences when flash-linear-attention and causal-conv1d are installed."""
+and packed sequences when flash-linear-attention is installed."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")

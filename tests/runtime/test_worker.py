@@ -96,6 +96,36 @@ def test_rollout_cuda_graph_key_reaches_the_hf_engine_and_cpu_decodes_eagerly(wo
         worker.cfg.rollout.cuda_graph = True
 
 
+def test_dynamic_batch_size_cuts_by_tokens_and_keeps_row_order(worker, monkeypatch):
+    """backend.dynamic_batch_size: micro batches hold as many rows as backend.max_tokens_per_device allows at the
+    engine's layout (padded on CPU); log-probs come back in the share's row order, equal to fixed micro batches'."""
+    lengths = [1, 9, 2, 8, 1, 7]
+    seqs = Sequences([[104, 105]] * len(lengths), [[40 + k for k in range(n)] for n in lengths])
+    backend = worker.cfg.backend
+    saved = {k: backend[k] for k in ("micro_batch_size_per_device", "dynamic_batch_size", "max_tokens_per_device")}
+    try:
+        backend.micro_batch_size_per_device = 1
+        assert worker.micro_batch_groups(seqs, worker.actor) == [[0], [1], [2], [3], [4], [5]]
+        fixed = worker.compute_log_probs(seqs)
+        backend.dynamic_batch_size, backend.max_tokens_per_device = True, 24
+        assert worker.actor.micro_batch_layout == "padded"
+        groups = worker.micro_batch_groups(seqs, worker.actor)
+        assert sorted(i for g in groups for i in g) == list(range(6)) and len(groups) < len(lengths)
+        assert all(len(g) * max(2 + lengths[i] for i in g) <= 24 for g in groups)
+        dynamic = worker.compute_log_probs(seqs)
+        assert [len(r) for r in dynamic] == lengths
+        for a, b in zip(dynamic, fixed):
+            assert a == pytest.approx(b, abs=1e-5)
+        seen = []
+        monkeypatch.setattr(worker.actor, "train_mini_batch", lambda micro, scale: seen.extend(micro) or {})
+        seqs.advantages, seqs.old_log_probs = [1.0] * 6, dynamic
+        worker.update_actor(seqs, _scale(seqs))
+        assert [int(b.response_mask.sum()) for b in seen] == [sum(lengths[i] for i in g) for g in groups]
+    finally:
+        for k, v in saved.items():
+            backend[k] = v
+
+
 def test_checkpoint_round_trip_restores_policy_optimizer_and_rng(worker, tmp_path):
     worker.save_checkpoint(str(tmp_path))
     saved, draw = _policy(worker), torch.rand(3)

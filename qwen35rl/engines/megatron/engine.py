@@ -81,6 +81,9 @@ class MegatronTrainEngine(TrainEngine):
     `hf_state`: HF tensors to start from instead of `model.init` (tests, weight hand-over).
     """
 
+    # the pipeline schedule runs every micro batch of a step at the largest one's rows and columns
+    micro_batch_layout = "uniform"
+
     def __init__(self, cfg: Any, *, rank: int, world_size: int, device: Any, reference: bool = False,
                  total_steps: Optional[int] = None, hf_state: Optional[Dict[str, torch.Tensor]] = None):
         self.cfg, self.reference, self.total_steps = cfg, reference, total_steps
