@@ -1,7 +1,9 @@
 """Packed against padded micro batches in the FSDP engine on one device (`backend.remove_padding`): a log-prob pass
 and an update over the same rows, whose response lengths are spread uniformly between --min-response and
---max-response as a GRPO batch's are (rows end at different lengths). Reports seconds per phase, real (unpadded)
-tokens per second, peak memory and how far the two modes' log-probs are apart. Results: bench/results/h200.md.
+--max-response as a GRPO batch's are (rows end at different lengths). Three modes: padded and packed micro batches
+of --micro rows, and packed micro batches filled up to the tokens of --micro padded rows
+(`backend.dynamic_batch_size`: fewer, fuller forward calls). Reports seconds per phase, peak memory and how far each
+mode's log-probs are from the padded ones. Results: bench/results/h200.md.
 
   python bench/gpu/packing.py --out packing.json            (CUDA with flash-linear-attention: the 0.8B architecture)
   python bench/gpu/packing.py --out packing.json --tiny     (the flow on a CPU: tiny model, packing forced on)
@@ -42,24 +44,38 @@ def rows(args, vocab: int):
     return Sequences(prompts, responses, advantages=[(-1.0) ** k for k in range(args.rows)])
 
 
-def measure(cfg, seqs, args, packed: bool) -> Dict[str, Any]:
+MODES = ("padded", "packed", "packed_by_tokens")
+
+
+def micro_groups(seqs, args, mode: str) -> List[List[int]]:
+    from qwen35rl.runtime.micro_batches import fixed_groups, token_budget_groups
+
+    if mode != "packed_by_tokens":
+        return fixed_groups(len(seqs), args.micro)
+    lengths = [len(p) + len(r) for p, r in zip(seqs.prompt_ids, seqs.response_ids)]
+    return token_budget_groups(lengths, args.micro * (args.prompt_len + args.max_response), "packed")
+
+
+def measure(cfg, seqs, args, mode: str) -> Dict[str, Any]:
     import torch
 
     from qwen35rl.engines import fsdp_engine
     from qwen35rl.engines.packed_attention import use_packed_attention
     from qwen35rl.engines.packed_gdn import enable_packing
-    from qwen35rl.runtime.batching import build_batch, chunk, response_values
+    from qwen35rl.runtime.batching import build_batch, response_values
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    packed = mode != "padded"
     cfg.backend.remove_padding = packed
     engine = fsdp_engine.FsdpTrainEngine(cfg, rank=0, world_size=1, device=device)
     if packed and not engine.pack:
         if not args.tiny:
-            return {"packed": True, "error": "packing is not supported here (CUDA with flash-linear-attention)"}
+            return {"mode": mode, "error": "packing is not supported here (CUDA with flash-linear-attention)"}
         engine.pack = True  # the CPU flow check: the torch paths of packed_gdn and packed_attention
         enable_packing()
         use_packed_attention(engine.lm)
-    batches = [build_batch(m, 0, device) for m in chunk(seqs, args.micro)]
+    groups = micro_groups(seqs, args, mode)
+    batches = [build_batch(seqs.take(g), 0, device) for g in groups]
     real = sum(int(b.attention_mask.sum()) for b in batches)
     padded = sum(b.attention_mask.numel() for b in batches)
 
@@ -72,8 +88,8 @@ def measure(cfg, seqs, args, packed: bool) -> Dict[str, Any]:
             torch.cuda.synchronize()
         return out, time.perf_counter() - t
 
-    res: Dict[str, Any] = {"packed": packed, "engine_packs": engine.pack, "tokens": real, "padded_tokens": padded,
-                           "log_probs_s": [], "update_s": []}
+    res: Dict[str, Any] = {"mode": mode, "engine_packs": engine.pack, "micro_batches": len(batches), "tokens": real,
+                           "padded_tokens": padded, "log_probs_s": [], "update_s": []}
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for _ in range(args.repeats):  # the first repeat compiles and autotunes kernels
@@ -81,9 +97,13 @@ def measure(cfg, seqs, args, packed: bool) -> Dict[str, Any]:
         res["log_probs_s"].append(s)
         _, s = timed(lambda: engine.train_mini_batch(batches, {}))
         res["update_s"].append(s)
-        print(f"[{time.strftime('%H:%M:%S')}] packed={packed} log-probs {res['log_probs_s'][-1]:.2f} s, "
+        print(f"[{time.strftime('%H:%M:%S')}] {mode}: log-probs {res['log_probs_s'][-1]:.2f} s, "
               f"update {s:.2f} s", flush=True)
-    res["response_log_probs"] = [v for lp, b in zip(logp, batches) for row in response_values(lp, b) for v in row]
+    by_row: List[List[float]] = [[] for _ in range(len(seqs))]
+    for g, lp, b in zip(groups, logp, batches):
+        for i, row in zip(g, response_values(lp, b)):
+            by_row[i] = row
+    res["response_log_probs"] = [v for row in by_row for v in row]
     if device == "cuda":
         res["max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return res
@@ -100,18 +120,17 @@ def main(argv=None) -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--model", default=None)
     ap.add_argument("--rows", type=int, default=None)
-    ap.add_argument("--micro", type=int, default=16)
+    ap.add_argument("--micro", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--min-response", type=int, default=None)
     ap.add_argument("--max-response", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
-    big = dict(model="qwen3_5_0_8b", rows=128, prompt_len=256, min_response=32, max_response=512)
-    small = dict(model="qwen3_5_tiny", rows=8, prompt_len=8, min_response=2, max_response=24)
+    big = dict(model="qwen3_5_0_8b", rows=128, micro=16, prompt_len=256, min_response=32, max_response=512)
+    small = dict(model="qwen3_5_tiny", rows=8, micro=3, prompt_len=8, min_response=2, max_response=24)
     for k, v in (small if args.tiny else big).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    args.micro = min(args.micro, args.rows) if args.tiny else args.micro
     args.hw = "cpu" if args.tiny else "gpu_1x"
 
     import gc
@@ -129,20 +148,22 @@ def main(argv=None) -> None:
         cfg = compose(workload(args))
         seqs = rows(args, min(int(cfg.model.vocab_size), 256))
         results: Dict[str, Any] = {"args": vars(args), "overrides": workload(args), "modes": []}
-        for packed in (False, True):
-            results["modes"].append(measure(compose(workload(args)), seqs, args, packed))
+        for mode in MODES:
+            results["modes"].append(measure(compose(workload(args)), seqs, args, mode))
             write(args.out, results)  # a run cut short by its time limit keeps the finished mode
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
         dist.destroy_process_group()
-    padded, packed = results["modes"]
+    padded, *others = results["modes"]
     a = torch.tensor(padded.pop("response_log_probs"))
-    if "error" not in packed:
-        b = torch.tensor(packed.pop("response_log_probs"))
-        results["log_prob_diff"] = {"max": float((a - b).abs().max()), "mean": float((a - b).abs().mean())}
-        steady = lambda r, k: min(r[k][1:] or r[k])  # noqa: E731 - best steady repeat
-        results["speedup"] = {k: steady(padded, k) / steady(packed, k) for k in ("log_probs_s", "update_s")}
+    steady = lambda r, k: min(r[k][1:] or r[k])  # noqa: E731 - best steady repeat
+    for other in others:
+        if "error" in other:
+            continue
+        b = torch.tensor(other.pop("response_log_probs"))
+        other["log_prob_diff_vs_padded"] = {"max": float((a - b).abs().max()), "mean": float((a - b).abs().mean())}
+        other["speedup_vs_padded"] = {k: steady(padded, k) / steady(other, k) for k in ("log_probs_s", "update_s")}
     write(args.out, results)
     print(json.dumps({k: v for k, v in results.items() if k != "overrides"}, default=str)[:2000], flush=True)
 

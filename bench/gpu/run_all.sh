@@ -14,9 +14,12 @@
 #       GRPO with backend=megatron through the CLI: dense at PP2 and TP2, MoE at TP2 + EP2
 #   bash bench/gpu/run_all.sh megatron-dense  (carry .whl .whl-x; ~6 min; ran 2026-11-30b)
 #       the dense Megatron GRPO runs with 8 prompts x 4, so that the first step (compilation) fits
-#   bash bench/gpu/run_all.sh packing         (carry .whl-gdn .whl-x; ~9 min; one GPU is enough)
-#       fla + TileLang: bench/gpu/packing.py (packed against padded micro batches with spread response lengths),
-#       then the GPU tests of packing; brings back Triton's autotuning results
+#   bash bench/gpu/run_all.sh packing         (carry .whl-gdn .whl-x .kcache; ~9 min; one GPU is enough)
+#       fla + TileLang: bench/gpu/packing.py (padded, packed, and packed micro batches filled by tokens, with spread
+#       response lengths), then the GPU tests of packing
+#   bash bench/gpu/run_all.sh profile         (carry .whl-gdn .whl-x .kcache; ~9 min; one GPU is enough)
+#       fla + TileLang: the memory job with kernel profiles of an update, a reference pass and a generation, and the
+#       decode benchmark, on its first shape; then the other memory shapes in what is left of the call
 #   bash bench/gpu/run_all.sh moe-numerics    (carry .whl .whl-x; ~8 min)
 #       the MoE model's log-probs against transformers at EP2 and TP1, with the whole call's time
 #   bash bench/gpu/run_all.sh scale     (carry .whl .whl-x; ~5 min; ran 2026-11-30 with the Megatron jobs)
@@ -32,7 +35,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh torch|fla|megatron|megatron-dense|moe-numerics|packing|scale}
+stage=${1:?usage: run_all.sh torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -200,7 +203,7 @@ packing)  # packed against padded on the 0.8B shapes, then the GPU tests of pack
   install_gdn
   mkdir -p "$OUT/packing"
   export PYTHONFAULTHANDLER=1
-  PYTHONPATH=$FLA_PATH timeout -s ABRT "$(left 400)" python3 bench/gpu/packing.py --out "$OUT/packing/packing.json" \
+  PYTHONPATH=$FLA_PATH timeout -s ABRT "$(left 450)" python3 bench/gpu/packing.py --out "$OUT/packing/packing.json" \
     > "$LOGS/packing.log" 2>&1
   elapsed "packed against padded (exit $?)"
   PYTHONPATH=$FLA_PATH timeout -s ABRT "$(left 560)" python3 -m pytest -v -p no:cacheprovider --durations=0 \
@@ -208,6 +211,14 @@ packing)  # packed against padded on the 0.8B shapes, then the GPU tests of pack
     tests/engines/test_packed_attention.py::test_varlen_kernel_equals_per_document_sdpa_on_cuda \
     "tests/engines/test_fsdp_gpu.py::test_packed_equals_padded[fp32-0.001]" > "$LOGS/gpu-tests.log" 2>&1
   elapsed "GPU tests (exit $?): $(tail -1 "$LOGS/gpu-tests.log")"
+  ;;
+profile)  # where the time of the training phases and of a decode step goes, with fla + TileLang
+  install_gdn
+  mkdir -p "$OUT/profile"
+  export PYTHONFAULTHANDLER=1
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left)" $G memory --out "$OUT/profile/memory.json" \
+    --profile --decode-bench --decode-tokens 16 > "$LOGS/memory.log" 2>&1
+  elapsed "memory job with profiles done (exit $?)"
   ;;
 moe-numerics)  # the MoE model's log-probs against transformers at EP2 and TP1 (DP2), alone in a call
   install_base
