@@ -105,9 +105,13 @@ def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, length])
     dest, docs = _spread_index(cu_seqlens, length, width, x.device)
-    spread = x.new_zeros(batch, dim, length + docs * (width - 1), dtype=weight.dtype)
-    spread = spread.index_copy(2, dest, x.to(weight.dtype))
-    y = F.conv1d(spread, weight.unsqueeze(1), bias, groups=dim)  # output column c sees spread[c : c + W]
+    # spread time-major: the GDN layer hands over its projection [B, T, D] transposed, so copying whole token rows
+    # reads and writes contiguous memory (copying along T of the [B, D, T] view would stride by D on every element)
+    xt = x.transpose(1, 2)
+    spread = xt.new_zeros(batch, length + docs * (width - 1), dim, dtype=weight.dtype)
+    spread = spread.index_copy(1, dest, xt.to(weight.dtype))
+    # the [B, D, T'] view is the layout transformers' padded call gives conv1d too
+    y = F.conv1d(spread.transpose(1, 2), weight.unsqueeze(1), bias, groups=dim)  # column c sees spread[c : c + W]
     y = y.index_select(2, dest - (width - 1))
     return _activate(y, activation).to(x.dtype)
 
