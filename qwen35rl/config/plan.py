@@ -115,7 +115,8 @@ def render_text(plan: Dict[str, Any]) -> str:
         f" {b['optimizer_steps_per_rollout_batch']} optimizer step(s) per rollout batch;"
         f" {b['responses_per_mini_batch_per_dp_rank']} responses per DP rank per mini batch"
         + (f" in {b['micro_batches_per_device']} micro batch(es) of {b['micro_batch_size_per_device']}"
-           if b["micro_batches_per_device"] is not None else f" packed to {b['max_tokens_per_device']} tokens/device"),
+           if b["micro_batches_per_device"] is not None
+           else f" in micro batches of at most {b['max_tokens_per_device']} tokens"),
         f"  memory     train peak {_fmt_gib(m.get('train_peak'))}, rollout peak {_fmt_gib(m.get('rollout_peak'))},"
         f" usable {_fmt_gib(m.get('capacity'))} per device -> {'fits' if m.get('fits') else 'DOES NOT FIT'}",
         f"  output     {plan['output_dir']}",
