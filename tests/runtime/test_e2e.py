@@ -257,10 +257,12 @@ def test_sigterm_to_the_driver_checkpoints_and_exits(tmp_path):
 def test_dapo_end_to_end(tmp_path):
     """algorithm=dapo: no reference (no KL), clip higher, dynamic sampling (groups of two samples often score the
     same and are dropped, more prompts are drawn, within the bound on rounds), overlong shaping (responses over
-    max_response_length - buffer_len are penalised)."""
+    max_response_length - buffer_len are penalised). Micro batches by tokens (backend.dynamic_batch_size): within 40
+    tokens a rank's two rows of a mini batch take one or two micro batches, and the two ranks agree on the count."""
     run = tmp_path / "dapo"
     max_rounds, batch = 3, 4
-    _ok(train(run, "algorithm=dapo", "rollout.n=2", "backend.micro_batch_size_per_device=2", f"algorithm.dynamic_sampling.max_rounds={max_rounds}",
+    _ok(train(run, "algorithm=dapo", "rollout.n=2", "backend.dynamic_batch_size=true", "backend.max_tokens_per_device=40",
+              f"algorithm.dynamic_sampling.max_rounds={max_rounds}",
               "algorithm.overlong_shaping.buffer_len=4", "trainer.total_steps=3", "trainer.test_freq=-1",
               "trainer.save_freq=-1", "trainer.export_hf=false"))
     rows = read_metrics(run / "metrics.jsonl")
