@@ -140,6 +140,8 @@ class BackendConfig:
     logprob_chunk_size: int = 1024
     """Tokens per chunk of the vocab projection when computing log-probs and entropy (the vocab is 248k)."""
     use_torch_compile: bool = False
+    """The FSDP engine's per-chunk log-prob and entropy math through torch.compile (fused upcast and reductions over
+    the [chunk, vocab] logits); the Megatron engine does not apply it."""
     lr: float = 1e-6
     lr_warmup_steps: int = 0
     lr_scheduler: str = "constant"

@@ -88,10 +88,10 @@ def lr_lambda(warmup: int, scheduler: str, total_steps: Optional[int], min_lr_ra
 class PolicyWithLogProbs(nn.Module):
     """The FSDP root: decoder forward plus the chunked log-prob head, so lm_head is gathered for it."""
 
-    def __init__(self, lm: nn.Module, chunk_size: int):
+    def __init__(self, lm: nn.Module, chunk_size: int, compiled: bool = False):
         super().__init__()
         self.lm = lm
-        self.chunk_size = chunk_size
+        self.chunk_size, self.compiled = chunk_size, compiled
 
     def forward(self, input_ids, attention_mask, position_ids, response_mask, temperature: float, with_entropy: bool,
                 pack: bool = False, multimodal: Optional[Dict[str, torch.Tensor]] = None):
@@ -100,7 +100,8 @@ class PolicyWithLogProbs(nn.Module):
         sel = response_mask[:, 1:].bool()
         h = hidden[:, :-1][sel]
         labels = input_ids[:, 1:][sel]
-        logp, ent = chunked_logprobs_entropy(h, self.lm.lm_head.weight, labels, self.chunk_size, temperature, with_entropy)
+        logp, ent = chunked_logprobs_entropy(h, self.lm.lm_head.weight, labels, self.chunk_size, temperature, with_entropy,
+                                             self.compiled)
         out_logp = hidden.new_zeros(input_ids.shape, dtype=torch.float32)
         out_logp[:, 1:][sel] = logp
         out_ent = None
@@ -170,7 +171,8 @@ class FsdpTrainEngine(TrainEngine):
             else:
                 lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lm = lm
-        self.module: nn.Module = PolicyWithLogProbs(lm, int(self.backend.logprob_chunk_size))
+        self.module: nn.Module = PolicyWithLogProbs(lm, int(self.backend.logprob_chunk_size),
+                                                    bool(self.backend.use_torch_compile))
         if self.distributed:
             self._shard()
             self._materialise(param_dtype, seed)

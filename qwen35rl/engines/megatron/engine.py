@@ -140,6 +140,9 @@ class MegatronTrainEngine(TrainEngine):
         for name in ("param_offload", "grad_offload"):
             if b.get(name):
                 log.warning("backend.%s is not applied by the megatron engine (megatron-core has no such offload)", name)
+        if b.get("use_torch_compile"):
+            log.warning("backend.use_torch_compile is not applied by the megatron engine: its vocab-parallel log-probs "
+                        "reduce over the tensor-parallel group chunk by chunk (the FSDP engine compiles its log-probs)")
         self.te_options, disabled = te_gated_options(b, self.caps.has_te)
         if disabled:
             log.warning("Transformer Engine is not installed: %s turned off", ", ".join(disabled))
