@@ -230,6 +230,9 @@ class RolloutConfig:
     """rollout.engine=hf only: capture its decode step as a CUDA graph on CUDA devices (ignored on CPU / NPU); a
     failed capture decodes eagerly and is reported (metric `rollout/cuda_graph`, a warning). vLLM's graphs are
     set by enforce_eager / cudagraph_mode / cudagraph_capture_sizes."""
+    compile_decode: bool = False
+    """rollout.engine=hf only: run its decode step through torch.compile (fused norms, gates and casts; compiled once
+    with dynamic shapes, then captured into the CUDA graph). The first generation pays the compilation."""
     engine_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Extra `vllm.LLM` arguments; names are checked against the known set."""
     val_temperature: float = 0.0

@@ -9,6 +9,11 @@ computed, and the sampled token's log-prob is taken per step, so nothing of size
 The CUDA graph is on unless `cuda_graphs=False` (config key `rollout.cuda_graph`; bench/results/h200.md has H200
 timings of both ways, in the colocated worker next to FSDP2). Off, on a device other than CUDA, or after a failed
 capture, the same static-cache loop runs eagerly; `stats` tells which way the last generation ran.
+
+A graph removes the launch cost, not the kernels: a 0.8B step is about 1,500 small ones (bench/results/
+decode_ops_cpu.md). `compile_decode=True` (`rollout.compile_decode`) runs the decode step's decoder through
+torch.compile, which fuses the elementwise chains (norms, gates, casts); it is compiled once per engine with dynamic
+shapes (rows and cache length change between generations), and on CUDA captured into the graph like the eager step.
 """
 from __future__ import annotations
 
@@ -53,7 +58,7 @@ class DecodeStats:
 class HfRolloutEngine(RolloutEngine):
     def __init__(self, model: Any, tokenizer: Any, *, device: Any, pad_token_id: int,
                  eos_token_id: Union[int, Sequence[int]], processor: Optional[Any] = None,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, compile_decode: bool = False):
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.tokenizer, self.processor = tokenizer, processor
@@ -61,6 +66,8 @@ class HfRolloutEngine(RolloutEngine):
         self.eos_token_ids = [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
         self.cuda_graphs = cuda_graphs
         """Capture the decode step when the device is CUDA (checked per generation)."""
+        self.compile_decode = compile_decode
+        self._compiled_decoder: Optional[Callable] = None
         self.stats = DecodeStats()
 
     # ------------------------------------------------------------------------------------------ generate
@@ -141,9 +148,11 @@ class HfRolloutEngine(RolloutEngine):
         # generated tokens are text: one position, next after the prompt's last (the largest of its 3-D ones)
         step_pos = (positions if positions.dim() == 2 else positions.amax(0))[:, -1:].clone()
 
+        step_decoder = self._step_decoder(decoder)
+
         def step() -> torch.Tensor:
-            h = decoder(input_ids=step_ids, position_ids=step_pos, use_cache=True, **cache,
-                        attention_mask={"full_attention": keys, "linear_attention": None}).last_hidden_state
+            h = step_decoder(input_ids=step_ids, position_ids=step_pos, use_cache=True, **cache,
+                             attention_mask={"full_attention": keys, "linear_attention": None}).last_hidden_state
             return lm_head(h)[:, -1]
 
         runner = StepRunner(step, self.cuda_graphs and dev.type == "cuda")
@@ -168,6 +177,15 @@ class HfRolloutEngine(RolloutEngine):
                 break
         self.stats = DecodeStats(rows=n_rows, steps=steps, cuda_graph=runner.captured, graph_error=runner.error)
         return tokens.cpu(), log_probs.cpu()
+
+    def _step_decoder(self, decoder: torch.nn.Module) -> Callable:
+        """The decoder the decode step calls: itself, or (compile_decode) its torch.compile wrapper, built once; the
+        weights stay the module's own, so a weight sync reaches the compiled step."""
+        if not self.compile_decode:
+            return decoder
+        if self._compiled_decoder is None:
+            self._compiled_decoder = torch.compile(decoder, dynamic=True)
+        return self._compiled_decoder
 
     # ------------------------------------------------------------------------------------------ weights
     @torch.no_grad()

@@ -139,7 +139,8 @@ class PolicyWorker:
                 eos = model.generation_config.eos_token_id
             return HfRolloutEngine(model, self.tokenizer, device=self.device, pad_token_id=self.pad_token_id,
                                    eos_token_id=eos, processor=self.processor,
-                                   cuda_graphs=bool(self.cfg.rollout.cuda_graph))
+                                   cuda_graphs=bool(self.cfg.rollout.cuda_graph),
+                                   compile_decode=bool(self.cfg.rollout.compile_decode))
         if engine == "vllm":
             from qwen35rl.engines.vllm_rollout import VllmRolloutEngine
 

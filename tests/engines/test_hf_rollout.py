@@ -131,3 +131,27 @@ def test_cuda_graph_is_on_by_default_and_never_tried_off_cuda(monkeypatch):
     assert (eng.stats.rows, eng.stats.cuda_graph, eng.stats.graph_error) == (6, False, "")
     eng.generate(RolloutRequest(prompt_ids=[], n=2))
     assert eng.stats.rows == 0
+
+
+def test_compiled_decode_step_samples_as_eager_and_compiles_once_per_row_count():
+    """rollout.compile_decode: the decode step through torch.compile gives the eager tokens and log-probs, a new
+    prompt width (a new cache length) reuses the compiled step, and a weight sync reaches it."""
+    from torch._dynamo.utils import counters
+
+    cfg = _cfg()
+    model = build_model(cfg.model, dtype=torch.float32, seed=0)
+    eager = HfRolloutEngine(model, None, device="cpu", pad_token_id=PAD, eos_token_id=[IM_END, EOS])
+    compiled = HfRolloutEngine(model, None, device="cpu", pad_token_id=PAD, eos_token_id=[IM_END, EOS],
+                               compile_decode=True)
+    graphs = counters["stats"]["unique_graphs"]
+    for i, prompts in enumerate(([[5, 6, 7], [9]], [[5, 6, 7, 8, 9, 10], [9, 4]])):
+        if i:  # new weights in place, as a sync writes them
+            with torch.no_grad():
+                model.lm_head.weight.mul_(1.5)
+        req = RolloutRequest(prompt_ids=prompts, n=2, temperature=1.0, max_new_tokens=5, seed=3)
+        a, b = eager.generate(req), compiled.generate(req)
+        assert a.response_ids == b.response_ids
+        for x, y in zip(a.log_probs, b.log_probs):
+            assert x == pytest.approx(y, abs=1e-5)
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert eager._compiled_decoder is None

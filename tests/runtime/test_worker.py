@@ -81,7 +81,7 @@ def test_sync_fills_every_rollout_weight_from_the_policy(worker):
     assert worker.rollout.eos_token_ids == [IM_END, EOS]
 
 
-def test_rollout_cuda_graph_key_reaches_the_hf_engine_and_cpu_decodes_eagerly(worker):
+def test_rollout_keys_reach_the_hf_engine_and_cpu_decodes_eagerly(worker):
     """rollout.cuda_graph (default true) is the hf engine's cuda_graphs; on CPU no graph is captured, and the decode
     stats the driver reads say so (a rank without prompts reports none)."""
     assert worker.cfg.rollout.cuda_graph is True and worker.rollout.cuda_graphs is True
@@ -89,11 +89,13 @@ def test_rollout_cuda_graph_key_reaches_the_hf_engine_and_cpu_decodes_eagerly(wo
     stats = worker.generate(PROMPTS, params).decode
     assert (stats["rows"], stats["steps"], stats["cuda_graph"], stats["graph_error"]) == (4, 4, False, "")
     assert worker.generate([], params).decode == {}
-    worker.cfg.rollout.cuda_graph = False
+    assert worker.rollout.compile_decode is False
+    worker.cfg.rollout.cuda_graph, worker.cfg.rollout.compile_decode = False, True
     try:
-        assert worker._rollout_engine().cuda_graphs is False
+        engine = worker._rollout_engine()
+        assert engine.cuda_graphs is False and engine.compile_decode is True
     finally:
-        worker.cfg.rollout.cuda_graph = True
+        worker.cfg.rollout.cuda_graph, worker.cfg.rollout.compile_decode = True, False
 
 
 def test_dynamic_batch_size_cuts_by_tokens_and_keeps_row_order(worker, monkeypatch):
