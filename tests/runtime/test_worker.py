@@ -82,8 +82,8 @@ def test_sync_fills_every_rollout_weight_from_the_policy(worker):
 
 
 def test_rollout_keys_reach_the_hf_engine_and_cpu_decodes_eagerly(worker):
-    """rollout.cuda_graph (default true) is the hf engine's cuda_graphs; on CPU no graph is captured, and the decode
-    stats the driver reads say so (a rank without prompts reports none)."""
+    """rollout.cuda_graph (default true) and rollout.compile_decode (default false) reach the hf engine; on CPU no
+    graph is captured, and the decode stats the driver reads say so (a rank without prompts reports none)."""
     assert worker.cfg.rollout.cuda_graph is True and worker.rollout.cuda_graphs is True
     params = dict(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, seed=5)
     stats = worker.generate(PROMPTS, params).decode
