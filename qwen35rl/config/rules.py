@@ -774,6 +774,16 @@ def transformer_overrides_not_owned(cfg: Any, layout: Layout) -> List[Problem]:
 
 
 @rule("config")
+def compile_decode_is_hf_only(cfg: Any, layout: Layout) -> List[Problem]:
+    """rollout.compile_decode compiles the hf engine's decode step; vLLM compiles by its own configuration."""
+    if val(cfg, "rollout.engine") == "hf" or not val(cfg, "rollout.compile_decode"):
+        return []
+    return [Problem("compile_decode_is_hf_only", "rollout.compile_decode", f"rollout.compile_decode applies to "
+                    f"rollout.engine=hf; rollout.engine={val(cfg, 'rollout.engine')} ignores it",
+                    "remove rollout.compile_decode; vLLM takes rollout.engine_kwargs.compilation_config", WARNING)]
+
+
+@rule("config")
 def quirk_overridden(cfg: Any, layout: Layout) -> List[Problem]:
     """A user value for a key a platform quirk sets wins over the quirk: warn, with the quirk's reason."""
     if val(cfg, "rollout.engine") != "vllm":

@@ -133,6 +133,7 @@ CASES = [
      {"algorithm__loss_agg_mode": "token_mean"}, "algorithm.loss_agg_mode", ERROR),
     ("value_in_range", "tiny", {"rollout__gpu_memory_utilization": 1.0}, {"rollout__gpu_memory_utilization": 1.5},
      "rollout.gpu_memory_utilization", ERROR),
+    ("compile_decode_is_hf_only", "mg35", {}, {"rollout__compile_decode": True}, "rollout.compile_decode", WARNING),
     ("engine_kwargs_known", "mg35", {"rollout__engine_kwargs": {"swap_space": 4}},
      {"rollout__engine_kwargs": {"swap_spce": 4}}, "rollout.engine_kwargs.swap_spce", ERROR),
     ("engine_kwargs_not_owned", "mg35", {"rollout__engine_kwargs": {"kv_cache_dtype": "auto"}},
