@@ -404,6 +404,7 @@ def measure_group(ckpt: bool, kl: bool, shapes, args, port: int, results: List[D
             short = dict(params, max_new_tokens=min(64, r_len))
             res["profile_generate"] = profile_call(lambda: worker.generate(prompt_ids, short))
         if args.decode_bench and i == 0:
+            write_json(args.out, results)  # the profiles stay if the benchmark's compilation outlasts the time limit
             res["decode_bench"] = bench_decode(worker, prompt_ids, N, args.decode_tokens)
         write_json(args.out, results)
     worker.actor = worker.ref = worker.rollout = None  # free the device for the next worker
