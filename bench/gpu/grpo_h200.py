@@ -473,6 +473,7 @@ def bench_decode(worker, prompts, n, new_tokens: int) -> Dict[str, Any]:
         out[label].update(prefill_s=first, total_s=total, ms_per_step=(total - first) / (new_tokens - 1) * 1e3)
         if graphs is not None:
             out[label].update(captured=eng.stats.cuda_graph, graph_error=eng.stats.graph_error)
+        print(f"decode bench {label}", json.dumps(out[label]), flush=True)
     eng.cuda_graphs, eng.compile_decode = True, False
     print("decode bench", json.dumps(out), flush=True)
     return out
