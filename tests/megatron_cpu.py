@@ -7,12 +7,12 @@ replaced by modules that make megatron's GatedDeltaNet use its own torch recurre
 worker process before building an engine.
 
 Importing this module is also the test modules' common prelude: one torch thread (two worker processes share a
-2-core machine), torch.compile off, and the importing test module skipped where megatron-core is not installed.
+2-core machine) and the importing test module skipped where megatron-core is not installed. torch.compile goes off
+in the worker processes only (`megatron_on_cpu`): in the pytest process it would stay off for every later test.
 Import it before torch."""
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron wraps small fusions in torch.compile
 
 import contextlib
 import functools
@@ -73,7 +73,9 @@ def _uncoalesced(group):
 
 
 def megatron_on_cpu():
-    torch._dynamo.config.disable = True  # also when torch was imported before TORCHDYNAMO_DISABLE was set
+    # megatron wraps small fusions in torch.compile; off in this worker and the processes it starts
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    torch._dynamo.config.disable = True
     fla = {name: types.ModuleType(name) for name in
            ("fla", "fla.modules", "fla.modules.l2norm", "fla.modules.convolution", "fla.ops", "fla.ops.gated_delta_rule")}
     fla["fla.modules.l2norm"].l2norm = lambda x, dim=-1, eps=1e-6, **_: x * torch.rsqrt((x * x).sum(dim, keepdim=True) + eps)
