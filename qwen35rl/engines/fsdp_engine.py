@@ -20,6 +20,7 @@ from torch import nn
 
 from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics
 from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
+from qwen35rl.config.ignored_keys import ignored_settings
 from qwen35rl.engines.logprob import chunked_logprobs_entropy
 from qwen35rl.engines.packed_attention import use_packed_attention
 from qwen35rl.engines.packed_gdn import enable_packing
@@ -143,6 +144,8 @@ class FsdpTrainEngine(TrainEngine):
         self.compute_dtype = mixed_precision_dtype(self.backend.mixed_precision, self.device)
         self.temperature = float(cfg.rollout.temperature) if cfg.rollout.temperature > 0 else 1.0
         self.text_only = not trains_vision(cfg.model, cfg.data)
+        for key, why in ([] if reference else ignored_settings(self.backend)):
+            log.warning("%s is not applied by the FSDP engine: %s", key, why)
         self.pack = bool(self.backend.remove_padding) and packing_supported(self.device)
         if self.pack:
             enable_packing()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics
+from qwen35rl.config.ignored_keys import ignored_settings
 from qwen35rl.config.layout import Layout, derive_layout
 from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
 from qwen35rl.engines.megatron import ascend, version
@@ -137,12 +138,8 @@ class MegatronTrainEngine(TrainEngine):
         _import_megatron()
         if b.remove_padding:
             log.info("backend=megatron: padded (right-aligned) batches; packed sequences are not implemented here")
-        for name in ("param_offload", "grad_offload"):
-            if b.get(name):
-                log.warning("backend.%s is not applied by the megatron engine (megatron-core has no such offload)", name)
-        if b.get("use_torch_compile"):
-            log.warning("backend.use_torch_compile is not applied by the megatron engine: its vocab-parallel log-probs "
-                        "reduce over the tensor-parallel group chunk by chunk (the FSDP engine compiles its log-probs)")
+        for key, why in ignored_settings(b):
+            log.warning("%s is not applied by the megatron engine: %s", key, why)
         self.te_options, disabled = te_gated_options(b, self.caps.has_te)
         if disabled:
             log.warning("Transformer Engine is not installed: %s turned off", ", ".join(disabled))
