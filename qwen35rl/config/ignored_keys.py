@@ -1,18 +1,11 @@
 """Settings a training engine accepts (the reference runs set them) but does not apply, with the reason; the engine
-logs them at start.
-
-The memory estimate (`memory.train_state_during_rollout_gib`) still counts the Megatron engine's param / grad /
-optimizer offload between phases as done; the engine does not do it yet."""
+logs them at start."""
 from __future__ import annotations
 
 from typing import Any, List, Tuple
 
 # (backend, key under `backend.`, the value the engine does not apply, why)
 IGNORED: List[Tuple[str, str, Any, str]] = [
-    ("megatron", "param_offload", True, "megatron-core has no parameter offload"),
-    ("megatron", "grad_offload", True, "megatron-core has no gradient offload"),
-    ("megatron", "optimizer_offload", True, "the engine keeps its optimizer states on the device between phases "
-     "(backend.optimizer_cpu_offload keeps a share of them on the host throughout)"),
     ("megatron", "use_torch_compile", True, "its vocab-parallel log-probs reduce over the tensor-parallel group chunk "
      "by chunk; the FSDP engine compiles its log-probs"),
     ("megatron", "use_dist_checkpointing", True, "checkpoints are torch.distributed.checkpoint shards of the engine's "

@@ -75,6 +75,13 @@ class TrainEngine(abc.ABC):
         """What a micro batch costs in tokens (`runtime.micro_batches`): "packed", "padded" or "uniform"."""
         return "padded"
 
+    def offload_states(self) -> None:
+        """Between phases (while the rollout engine generates): move what the backend's offload settings name to the
+        host. No-op by default (FSDP keeps offloaded states on the host throughout)."""
+
+    def reload_states(self) -> None:
+        """Undo `offload_states` before the engine's next use (idempotent)."""
+
     @abc.abstractmethod
     def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Per-token log-probs [B, T] (and entropy) of batch.input_ids, zero outside response_mask, fp32, under

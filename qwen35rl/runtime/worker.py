@@ -161,6 +161,7 @@ class PolicyWorker:
         """This rank's share of prompts, `params` = RolloutRequest fields (n, temperature, seed, ...)."""
         if not prompt_ids:
             return RolloutResult(response_ids=[], log_probs=[], finish_reasons=[])
+        self._trainers(lambda e: e.offload_states())  # backend.*_offload: the trainer's states wait on the host
         self.rollout.wake_up()
         result = self.rollout.generate(RolloutRequest(prompt_ids=prompt_ids, **params))
         stats = getattr(self.rollout, "stats", None)  # the hf engine's DecodeStats; the vLLM engine has none
@@ -173,6 +174,7 @@ class PolicyWorker:
     def sync_weights(self) -> None:
         """Collective: stream the policy's full weights into the rollout engine bucket by bucket (an engine that
         sleeps takes them asleep and wakes for the next generation)."""
+        self._trainers_on_device()
         bucket_mb = int(self.cfg.rollout.weight_sync_bucket_mb)
         if str(self.cfg.rollout.engine) == "hf":
             # the hf engine shares the trainer's device: both train engines hand the gathered tensors over there,
@@ -186,6 +188,7 @@ class PolicyWorker:
     def compute_log_probs(self, seqs: Sequences, reference: bool = False) -> List[List[float]]:
         """Collective: per-response log-probs of the response tokens under the policy (or the reference)."""
         engine = self.ref if reference else self.actor
+        self._trainers_on_device()
         groups = self.micro_batch_groups(seqs, engine)
         computed = []
         with torch.no_grad():
@@ -201,9 +204,19 @@ class PolicyWorker:
 
     def update_actor(self, seqs: Sequences, global_scale: Dict[str, float]) -> Dict[str, float]:
         """Collective: one optimizer step over this rank's share of a mini batch, in micro batches."""
+        self._trainers_on_device()
         micro_batches = [build_batch(seqs.take(rows), self.pad_token_id, self.device, self._image_processor)
                          for rows in self.micro_batch_groups(seqs, self.actor)]
         return self.actor.train_mini_batch(micro_batches, dict(global_scale))
+
+    def _trainers(self, fn) -> None:
+        for engine in (self.actor, self.ref):
+            if engine is not None:
+                fn(engine)
+
+    def _trainers_on_device(self) -> None:
+        """Before any use of the train engines: what `generate` moved to the host comes back (no-op otherwise)."""
+        self._trainers(lambda e: e.reload_states())
 
     @property
     def _image_processor(self) -> Any:
@@ -229,12 +242,14 @@ class PolicyWorker:
     # ------------------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str) -> None:
         """Collective: model + optimizer shards (DCP) and this rank's RNG into the (temporary) checkpoint dir."""
+        self._trainers_on_device()
         ckpt.save_engine_state(Path(path), self.actor)
         ckpt.save_rng(Path(path), self.rank, self._device_rng_module())
         self._barrier()
 
     def load_checkpoint(self, path: str) -> bool:
         """Collective. Returns whether this rank's RNG state was restored (False: saved with another world)."""
+        self._trainers_on_device()
         ckpt.load_engine_state(Path(path), self.actor)
         restored = ckpt.load_rng(Path(path), self.rank, self._device_rng_module())
         self._barrier()
@@ -256,6 +271,7 @@ class PolicyWorker:
         from qwen35rl.models.build import build_model, generation_config, save_hf
         from qwen35rl.models.export import export_over_source, source_weight_files
 
+        self._trainers_on_device()
         state: Dict[str, torch.Tensor] = {}
         for bucket in self.actor.export_weights(int(self.cfg.rollout.weight_sync_bucket_mb)):
             if self.rank == 0:

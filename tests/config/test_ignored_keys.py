@@ -7,12 +7,10 @@ def _keys(*overrides):
     return [key for key, _ in ignored_settings(compose(list(overrides)).backend)]
 
 
-def test_megatron_reference_settings_it_does_not_apply():
-    # the reference runs' megatron backend turns every offload between phases on; the engine does none of them
-    assert _keys("backend=megatron") == ["backend.param_offload", "backend.grad_offload", "backend.optimizer_offload"]
-    assert "backend.use_torch_compile" in _keys("backend=megatron", "backend.use_torch_compile=true")
-    assert _keys("backend=megatron", "backend.param_offload=false", "backend.grad_offload=false",
-                 "backend.optimizer_offload=false") == []
+def test_megatron_applies_its_reference_settings_and_names_the_rest():
+    assert _keys("backend=megatron") == []  # the reference runs' offloads between phases are applied
+    assert _keys("backend=megatron", "backend.use_torch_compile=true", "backend.use_dist_checkpointing=true") == [
+        "backend.use_torch_compile", "backend.use_dist_checkpointing"]
 
 
 def test_fsdp_applies_its_defaults_and_names_unchunked_entropy():

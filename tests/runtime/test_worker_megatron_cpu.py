@@ -143,7 +143,12 @@ def _drive(rank, world, port, cfg, run_dir, out):
         res["ref_after_update"], _ = _log_probs(w, shards, seqs, reference=True)
 
         seqs2, res["rollout_lp2"] = _generate(w, shards, SEED + 1)
+        # backend.param/grad/optimizer_offload (on in the megatron recipe): the trainers' states waited on the host
+        # during generation (storages of zero bytes on the device) and come back for the next log-probs
+        res["offloaded"] = (w.actor._host.offloaded_bytes, w.ref._host.offloaded_bytes,
+                            min(p.untyped_storage().nbytes() for c in w.actor.chunks for p in c.parameters()))
         res["policy_lp2"], _ = _log_probs(w, shards, seqs2)
+        res["offloaded"] += (w.actor._host.offloaded_bytes,)
         res["ref_lp2"], _ = _log_probs(w, shards, seqs2, reference=True)
 
         ckpt_dir = os.path.join(run_dir, "ckpt")
@@ -223,6 +228,9 @@ def _check_layout(cfg, out, hf_dir):
         for key in ("seqs", "rollout_lp", "policy_lp", "ref_lp", "metrics"):
             assert res[key] == first[key], (rank, key)
         assert res["rng_restored"] and res["weights_restored"] and res["step_replayed"], rank
+        actor_away, ref_away, smallest_param_storage, after_reload = res["offloaded"]
+        if cfg.backend.param_offload and cfg.backend.optimizer_offload:
+            assert actor_away > ref_away > 0 and smallest_param_storage == 0 and after_reload == 0, res["offloaded"]
 
     # the hf engine sampled from the policy: its log-probs are the megatron engine's for the same tokens
     assert _max_diff(first["rollout_lp"], first["policy_lp"]) < tol["logp"]

@@ -5,8 +5,12 @@ One instance per rank. The driver must hand the same micro batches to every rank
 different ones across data-parallel ranks (`dp_rank` / `dp_size`). Batches are left-aligned before the forward
 (megatron's GDN ignores the attention mask) and per-token results are put back in the batch's layout.
 
-What is not here: packed (THD) sequences and context parallelism (they need TE attention in the specs), the
-vision tower (the plan rejects image data with backend=megatron), and parameter / gradient offload between steps.
+Between phases the engine can move its parameters, gradients and optimizer states to the host
+(`backend.param_offload` / `grad_offload` / `optimizer_offload`, `host_offload`), as the colocated reference runs
+need while vLLM generates.
+
+What is not here: packed (THD) sequences and context parallelism (they need TE attention in the specs) and the
+vision tower (the plan rejects image data with backend=megatron).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics
 from qwen35rl.config.ignored_keys import ignored_settings
 from qwen35rl.config.layout import Layout, derive_layout
 from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
+from qwen35rl.engines.host_offload import HostOffload
 from qwen35rl.engines.megatron import ascend, version
 from qwen35rl.engines.megatron import mapping as mp
 from qwen35rl.engines.megatron.tokens import Aligned, left_align, pad_columns, vocab_parallel_logprobs
@@ -88,6 +93,7 @@ class MegatronTrainEngine(TrainEngine):
     def __init__(self, cfg: Any, *, rank: int, world_size: int, device: Any, reference: bool = False,
                  total_steps: Optional[int] = None, hf_state: Optional[Dict[str, torch.Tensor]] = None):
         self.cfg, self.reference, self.total_steps = cfg, reference, total_steps
+        self._host = HostOffload()  # what offload_states moved to the host
         self.backend, self.algo = cfg.backend, cfg.algorithm
         self.device = torch.device(device)
         self.layout = megatron_layout(cfg, world_size)
@@ -615,6 +621,30 @@ class MegatronTrainEngine(TrainEngine):
                         if torch.is_tensor(v):
                             out[f"{prefix}/{i}/{g}/{j}/{k}"] = v
         return out
+
+    # ------------------------------------------------------------------------------------------ offload
+    def _offloadable(self) -> Iterator[torch.Tensor]:
+        """The tensors the offload settings name: parameters (views into DDP's buffers), gradients (`main_grad`,
+        views into DDP's gradient buffers) and the optimizer's fp32 main parameters and moments."""
+        b = self.backend
+        params = [p for c in self.chunks for p in c.parameters()]
+        if b.param_offload:
+            yield from params
+        if b.grad_offload and not self.reference:
+            yield from (p.main_grad for p in params if getattr(p, "main_grad", None) is not None)
+        if b.optimizer_offload and self.optimizer is not None:
+            for opt in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
+                torch_opt = opt.optimizer
+                for group in torch_opt.param_groups:
+                    for p in group["params"]:
+                        yield p
+                        yield from (v for v in torch_opt.state.get(p, {}).values() if torch.is_tensor(v) and v.dim())
+
+    def offload_states(self) -> None:
+        self._host.offload(self._offloadable())
+
+    def reload_states(self) -> None:
+        self._host.reload()
 
     def state_dict_for_checkpoint(self) -> Dict[str, Any]:
         key = self._rank_key()
