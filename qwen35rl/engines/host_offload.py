@@ -9,7 +9,7 @@ after the reload without being told.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Tuple
+from typing import Dict, Iterable
 
 import torch
 
@@ -19,35 +19,47 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 class HostOffload:
-    """Storages currently held on the host, by storage identity (a storage shared by several tensors moves once)."""
+    """Storages currently held on the host, by storage identity (a storage shared by several tensors moves once).
+    The host buffers are kept from one offload to the next: pinning tens of GB anew each step would cost seconds."""
 
     def __init__(self) -> None:
-        self._away: Dict[int, Tuple[torch.UntypedStorage, torch.Tensor]] = {}
+        self._away: Dict[int, torch.UntypedStorage] = {}
+        self._host: Dict[int, torch.Tensor] = {}
 
     @property
     def offloaded_bytes(self) -> int:
-        return sum(host.numel() for _, host in self._away.values())
+        return sum(self._host[key].numel() for key in self._away)
 
     def offload(self, tensors: Iterable[torch.Tensor]) -> int:
-        """Copy the storages of these tensors to the host and free them on their device; returns the bytes moved
+        """Copy the storages of these tensors to the host and free them on their device (then the device's cached
+        blocks go back to the driver, for a rollout engine that allocates outside torch); returns the bytes moved
         now (storages already away, or empty, are skipped)."""
-        moved = 0
+        moved, devices = 0, set()
         for t in tensors:
             storage = t.untyped_storage()
             key = storage._cdata
             if key in self._away or storage.nbytes() == 0:
                 continue
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
-            host.copy_(_bytes(storage))
+            host = self._host.get(key)
+            if host is None or host.numel() != storage.nbytes():
+                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+                self._host[key] = host
+            host.copy_(_bytes(storage))  # blocking: the storage is freed right after
             storage.resize_(0)
-            self._away[key] = (storage, host)
+            self._away[key] = storage
             moved += host.numel()
+            devices.add(storage.device.type)
+        for device_type in devices - {"cpu"}:
+            module = getattr(torch, device_type, None)
+            if module is not None and hasattr(module, "empty_cache"):
+                module.empty_cache()
         return moved
 
     def reload(self) -> int:
         """Give every storage that is away its bytes back on its device; returns the bytes moved."""
         moved = 0
-        for storage, host in self._away.values():
+        for key, storage in self._away.items():
+            host = self._host[key]
             storage.resize_(host.numel())
             _bytes(storage).copy_(host)
             moved += host.numel()

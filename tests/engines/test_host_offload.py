@@ -23,3 +23,17 @@ def test_offload_frees_storages_and_reload_restores_them_in_place():
 
 def test_empty_storages_are_skipped():
     assert HostOffload().offload([torch.empty(0)]) == 0
+
+
+def test_host_buffers_are_reused_across_cycles():
+    t = torch.randn(6)
+    host = HostOffload()
+    host.offload([t])
+    first = host._host[t.untyped_storage()._cdata]
+    host.reload()
+    t.mul_(2)
+    expected = t.clone()
+    host.offload([t])
+    assert host._host[t.untyped_storage()._cdata] is first  # the same host buffer, refilled
+    host.reload()
+    assert torch.equal(t, expected)
