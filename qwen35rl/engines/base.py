@@ -75,12 +75,14 @@ class TrainEngine(abc.ABC):
         """What a micro batch costs in tokens (`runtime.micro_batches`): "packed", "padded" or "uniform"."""
         return "padded"
 
-    def offload_states(self) -> None:
+    def offload_states(self) -> int:
         """Between phases (while the rollout engine generates): move what the backend's offload settings name to the
-        host. No-op by default (FSDP keeps offloaded states on the host throughout)."""
+        host; returns the bytes moved. No-op by default (FSDP keeps offloaded states on the host throughout)."""
+        return 0
 
-    def reload_states(self) -> None:
-        """Undo `offload_states` before the engine's next use (idempotent)."""
+    def reload_states(self) -> int:
+        """Undo `offload_states` before the engine's next use (idempotent); returns the bytes moved."""
+        return 0
 
     @abc.abstractmethod
     def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -161,7 +162,7 @@ class PolicyWorker:
         """This rank's share of prompts, `params` = RolloutRequest fields (n, temperature, seed, ...)."""
         if not prompt_ids:
             return RolloutResult(response_ids=[], log_probs=[], finish_reasons=[])
-        self._trainers(lambda e: e.offload_states())  # backend.*_offload: the trainer's states wait on the host
+        self._move_trainer_states("to the host", lambda e: e.offload_states())  # backend.*_offload
         self.rollout.wake_up()
         result = self.rollout.generate(RolloutRequest(prompt_ids=prompt_ids, **params))
         stats = getattr(self.rollout, "stats", None)  # the hf engine's DecodeStats; the vLLM engine has none
@@ -209,14 +210,16 @@ class PolicyWorker:
                          for rows in self.micro_batch_groups(seqs, self.actor)]
         return self.actor.train_mini_batch(micro_batches, dict(global_scale))
 
-    def _trainers(self, fn) -> None:
-        for engine in (self.actor, self.ref):
-            if engine is not None:
-                fn(engine)
+    def _move_trainer_states(self, where: str, move) -> None:
+        """`move` (offload or reload) on the policy and the reference engine; logs what moved and how long it took."""
+        t0 = time.perf_counter()
+        moved = sum(move(engine) for engine in (self.actor, self.ref) if engine is not None)
+        if moved:
+            log.info("moved %.2f GiB of trainer state %s in %.2f s", moved / 2 ** 30, where, time.perf_counter() - t0)
 
     def _trainers_on_device(self) -> None:
         """Before any use of the train engines: what `generate` moved to the host comes back (no-op otherwise)."""
-        self._trainers(lambda e: e.reload_states())
+        self._move_trainer_states("back to the device", lambda e: e.reload_states())
 
     @property
     def _image_processor(self) -> Any:

@@ -640,11 +640,11 @@ class MegatronTrainEngine(TrainEngine):
                         yield p
                         yield from (v for v in torch_opt.state.get(p, {}).values() if torch.is_tensor(v) and v.dim())
 
-    def offload_states(self) -> None:
-        self._host.offload(self._offloadable())
+    def offload_states(self) -> int:
+        return self._host.offload(self._offloadable())
 
-    def reload_states(self) -> None:
-        self._host.reload()
+    def reload_states(self) -> int:
+        return self._host.reload()
 
     def state_dict_for_checkpoint(self) -> Dict[str, Any]:
         key = self._rank_key()
