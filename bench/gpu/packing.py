@@ -52,8 +52,7 @@ def micro_groups(seqs, args, mode: str) -> List[List[int]]:
 
     if mode != "packed_by_tokens":
         return fixed_groups(len(seqs), args.micro)
-    lengths = [len(p) + len(r) for p, r in zip(seqs.prompt_ids, seqs.response_ids)]
-    return token_budget_groups(lengths, args.micro * (args.prompt_len + args.max_response), "packed")
+    return token_budget_groups(seqs.lengths(), args.micro * (args.prompt_len + args.max_response), "packed")
 
 
 def measure(cfg, seqs, args, mode: str) -> Dict[str, Any]:

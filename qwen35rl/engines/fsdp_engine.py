@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics
-from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
 from qwen35rl.config.ignored_keys import ignored_settings
+from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
 from qwen35rl.engines.logprob import chunked_logprobs_entropy
 from qwen35rl.engines.packed_attention import use_packed_attention
 from qwen35rl.engines.packed_gdn import enable_packing

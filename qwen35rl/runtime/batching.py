@@ -8,14 +8,12 @@ column. The token predicted at column t is input_ids[:, t]; per-token values sit
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, TypeVar
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from qwen35rl.engines.base import Batch
-from qwen35rl.runtime.micro_batches import fixed_groups
-
-T = TypeVar("T")
+from qwen35rl.runtime.micro_batches import fixed_groups, split_even
 
 
 @dataclass
@@ -52,16 +50,9 @@ class Sequences:
     def token_count(self) -> int:
         return sum(len(r) for r in self.response_ids)
 
-
-def split_even(items: Sequence[T], parts: int) -> List[List[T]]:
-    """Contiguous, as even as possible (sizes differ by at most one, larger first)."""
-    base, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for p in range(parts):
-        size = base + (1 if p < extra else 0)
-        out.append(list(items[start:start + size]))
-        start += size
-    return out
+    def lengths(self) -> List[int]:
+        """Prompt + response tokens of each row."""
+        return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
 
 
 def chunk(seqs: Sequences, size: int) -> List[Sequences]:

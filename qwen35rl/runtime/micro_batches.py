@@ -15,9 +15,21 @@ each rank splits its groups until it has that many (splitting never raises a gro
 """
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
+from typing import Callable, List, Sequence, TypeVar
 
+T = TypeVar("T")
 LAYOUTS = ("packed", "padded", "uniform")
+
+
+def split_even(items: Sequence[T], parts: int) -> List[List[T]]:
+    """Contiguous, as even as possible (sizes differ by at most one, larger first)."""
+    base, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for p in range(parts):
+        size = base + (1 if p < extra else 0)
+        out.append(list(items[start:start + size]))
+        start += size
+    return out
 
 
 def fixed_groups(rows: int, size: int) -> List[List[int]]:
@@ -76,13 +88,7 @@ def split_to_count(groups: List[List[int]], lengths: Sequence[int], count: int, 
         raise ValueError(f"this rank holds {rows} rows but the ranks agreed on {count} micro batches: every rank must "
                          f"hold as many rows (data.train_batch_size * rollout.n divisible by the data-parallel size)")
     if layout == "uniform":
-        base, extra = divmod(rows, count)
-        out, start = [], 0
-        for p in range(count):
-            size = base + (1 if p < extra else 0)
-            out.append(list(range(start, start + size)))
-            start += size
-        return out
+        return split_even(range(rows), count)
     out = [list(g) for g in groups]
     cost = lambda g: group_cost([lengths[k] for k in g], layout)  # noqa: E731
     while len(out) < count:

@@ -231,8 +231,7 @@ class PolicyWorker:
         b = self.cfg.backend
         if not b.dynamic_batch_size:
             return fixed_groups(len(seqs), int(b.micro_batch_size_per_device))
-        lengths = [len(p) + len(r) for p, r in zip(seqs.prompt_ids, seqs.response_ids)]
-        return token_budget_groups(lengths, int(b.max_tokens_per_device), engine.micro_batch_layout,
+        return token_budget_groups(seqs.lengths(), int(b.max_tokens_per_device), engine.micro_batch_layout,
                                    self._largest_over_ranks)
 
     def _largest_over_ranks(self, count: int) -> int:

@@ -602,14 +602,17 @@ class MegatronTrainEngine(TrainEngine):
         r = self._rank_layout()
         return f"pp{self.mpu.get_pipeline_model_parallel_rank()}_tp{r.tp_rank}_ep{r.ep_rank}_etp{r.etp_rank}"
 
+    def _torch_optimizers(self) -> List[Any]:
+        """The torch optimizers over this rank's fp32 main-parameter shards (one per megatron optimizer: dense and
+        expert parameters are chained)."""
+        return [opt.optimizer for opt in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]]
+
     def _optimizer_tensors(self) -> Dict[str, torch.Tensor]:
         """Main (fp32) params and Adam moments of this rank's optimizer shards, as plain tensors under keys unique
         to this rank (DCP stores each once). Resuming needs the same parallel layout and world size."""
-        inner = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
         out: Dict[str, torch.Tensor] = {}
         prefix = f"rank{dist.get_rank()}"
-        for i, opt in enumerate(inner):
-            torch_opt = opt.optimizer
+        for i, torch_opt in enumerate(self._torch_optimizers()):
             for g, group in enumerate(torch_opt.param_groups):
                 for j, p in enumerate(group["params"]):
                     state = torch_opt.state[p]
@@ -633,8 +636,7 @@ class MegatronTrainEngine(TrainEngine):
         if b.grad_offload and not self.reference:
             yield from (p.main_grad for p in params if getattr(p, "main_grad", None) is not None)
         if b.optimizer_offload and self.optimizer is not None:
-            for opt in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
-                torch_opt = opt.optimizer
+            for torch_opt in self._torch_optimizers():
                 for group in torch_opt.param_groups:
                     for p in group["params"]:
                         yield p
