@@ -76,6 +76,9 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.001
     vision: Optional[VisionConfig] = None
     """The vision tower; null for a text-only model (which then rejects image data)."""
+    freeze_vision_tower: bool = False
+    """Train the language model only: the vision tower (when the policy includes it) gets no gradients and no
+    optimizer state, on both engines; it is still exported and checkpointed unchanged."""
 
 
 # ------------------------------------------------------------------------------------------------------------ hw
