@@ -94,12 +94,13 @@ def _worker(rank, world, port, cfg, batch, agg, out):
         eng.optimizer.prepare_grads()
         res["grad_norm"] = float(eng.optimizer.get_grad_norm())
         params = {p: p.data for c in eng.chunks for p in c.parameters()}
-        for p in params:
-            p.data = p.main_grad
+        for p in params:  # a frozen parameter has no gradient buffer: zeros
+            p.data = p.main_grad if getattr(p, "main_grad", None) is not None else torch.zeros_like(p.data)
         res["grads"] = {k: v for b in eng.export_weights(1) for k, v in b}
         for p, data in params.items():
             p.data = data
         res["steps"] = [eng.train_mini_batch([batch], {}) for _ in range(3)]
+        res["trained"] = {k: v for b in eng.export_weights(1) for k, v in b}
         out[rank] = res
         dist.barrier()  # a rank that leaves the group while its peer still talks to it aborts at exit (gloo)
     finally:
@@ -125,7 +126,9 @@ def _check(init, logp, grads, out):
         assert all(torch.equal(res["export"][k], init[k]) for k in res["export"]), rank
         torch.testing.assert_close(res["logp"], logp, atol=2e-5, rtol=0)
         for k, g in res["grads"].items():
-            torch.testing.assert_close(g, grads[k], atol=1e-4 * (grads[k].abs().max().item() + 1e-12), rtol=0, msg=k)
+            # relative to the tensor's largest gradient, with a floor at fp32 noise for tensors whose gradients are
+            # all tiny (GDN's dt_bias / A_log behind images: ~1e-6, differences ~2e-10)
+            torch.testing.assert_close(g, grads[k], atol=1e-4 * grads[k].abs().max().item() + 1e-9, rtol=0, msg=k)
         assert res["grad_norm"] == pytest.approx(norm, rel=1e-4)
         losses = [s["actor/pg_loss"] for s in res["steps"]]
         assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]

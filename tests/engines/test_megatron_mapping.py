@@ -249,7 +249,7 @@ def test_name_helpers():
 def test_checkpoint_names_and_per_expert_storage():
     assert mp.canonical_hf_name("model.language_model.layers.0.mlp.gate.weight") == "model.layers.0.mlp.gate.weight"
     assert mp.canonical_hf_name("model.layers.0.mlp.gate.weight", mp.VL_PREFIX) == "model.language_model.layers.0.mlp.gate.weight"
-    assert mp.canonical_hf_name("model.visual.blocks.0.attn.qkv.weight") is None
+    assert mp.canonical_hf_name("model.visual.blocks.0.attn.qkv.weight") == "model.visual.blocks.0.attn.qkv.weight"
     assert mp.canonical_hf_name("mtp.fc.weight") is None
     assert mp.canonical_hf_name("lm_head.weight") == "lm_head.weight"
     g = torch.Generator().manual_seed(0)

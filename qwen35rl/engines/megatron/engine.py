@@ -1,5 +1,5 @@
-"""TrainEngine over megatron-core: the Qwen3.5 text model (GDN hybrid, dense or MoE) with TP / PP (virtual and
-uneven stages) / EP / ETP / DP, the distributed optimizer, recompute and bf16.
+"""TrainEngine over megatron-core: the Qwen3.5 model (GDN hybrid, dense or MoE; with the vision tower on image
+data) with TP / PP (virtual and uneven stages) / EP / ETP / DP, the distributed optimizer, recompute and bf16.
 
 One instance per rank. The driver must hand the same micro batches to every rank of a model-parallel group and
 different ones across data-parallel ranks (`dp_rank` / `dp_size`). Batches are left-aligned before the forward
@@ -9,8 +9,11 @@ Between phases the engine can move its parameters, gradients and optimizer state
 (`backend.param_offload` / `grad_offload` / `optimizer_offload`, `host_offload`), as the colocated reference runs
 need while vLLM generates.
 
-What is not here: packed (THD) sequences and context parallelism (they need TE attention in the specs) and the
-vision tower (the plan rejects image data with backend=megatron).
+On image data (`models.build.trains_vision`) the model is Qwen3.5-VL: transformers' vision tower on the first
+pipeline stage, its features in place of the image tokens' embeddings, and transformers' 3-D M-RoPE positions on
+every stage (`model.Qwen35VLModel`); exports carry the `Qwen3_5[Moe]ForConditionalGeneration` names.
+
+What is not here: packed (THD) sequences and context parallelism (they need TE attention in the specs).
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ from qwen35rl.engines.host_offload import HostOffload
 from qwen35rl.engines.megatron import ascend, version
 from qwen35rl.engines.megatron import mapping as mp
 from qwen35rl.engines.megatron.tokens import Aligned, left_align, pad_columns, vocab_parallel_logprobs
+from qwen35rl.engines.megatron.vision import RowImages, mrope_positions
+from qwen35rl.models.build import trains_vision
 from qwen35rl.runtime.gdn_kernels import fla_gdn_backward_refused
 from qwen35rl.runtime.gdn_kernels import fla_tilelang_usable as _fla_tilelang_usable
 from qwen35rl.runtime.gdn_kernels import triton_version as _triton_version
@@ -117,6 +122,9 @@ class MegatronTrainEngine(TrainEngine):
                 model_parallel_cuda_manual_seed(int(cfg.trainer.seed))
         self.temperature = float(cfg.rollout.temperature) if cfg.rollout.temperature > 0 else 1.0
         self.shape = mp.Qwen35Shape.from_model_config(cfg.model)
+        self.vision = trains_vision(cfg.model, cfg.data)
+        # the HF names exports carry: those of the model class the run loads and exports (VL on image data)
+        self.hf_prefix = mp.VL_PREFIX if self.vision else mp.CAUSAL_LM_PREFIX
         self.skipped_steps = 0
         self.steps = 0
 
@@ -137,8 +145,6 @@ class MegatronTrainEngine(TrainEngine):
         if l.cp > 1:
             raise NotImplementedError("parallelism.cp > 1: context parallelism needs Transformer Engine attention, "
                                       "which these specs do not build")
-        if cfg.data.get("has_images", False):
-            raise NotImplementedError("backend=megatron trains the text model only: image data needs backend=fsdp")
         self.caps = version.capabilities()
         self.caps.check_layout(cp=l.cp, packed=False, tp=l.tp, ep=l.ep, etp=l.etp, moe=bool(cfg.model.moe))
         _import_megatron()
@@ -175,8 +181,8 @@ class MegatronTrainEngine(TrainEngine):
             overrides.setdefault("use_cpu_initialization", True)
         return mm.transformer_config(self.cfg.model, self.shape, tp=l.tp, pp=l.pp, ep=l.ep, etp=l.etp, cp=l.cp,
                                      vpp=l.vpp or None, pipeline_layout=self.cfg.parallelism.pipeline_layout or None,
-                                     dtype=_dtype(b),
-                                     recompute=recompute, moe=moe, overrides=overrides)
+                                     dtype=_dtype(b), recompute=recompute, moe=moe, overrides=overrides,
+                                     vision=self.vision)
 
     def _gdn_fallback(self, overrides: Dict[str, Any]) -> None:
         """Where fla would refuse the GDN backward, the policy trains with megatron-core's torch GDN recurrence
@@ -196,16 +202,26 @@ class MegatronTrainEngine(TrainEngine):
 
     def _build(self) -> None:
         from qwen35rl.engines.megatron import model as mm
+        from qwen35rl.engines.megatron.vision import build_vision_tower
+        from qwen35rl.models.build import build_model
 
         self.tconfig = self._transformer_config()
         if self.te_options["moe_grouped_gemm"]:
             raise NotImplementedError("backend.moe_grouped_gemm with Transformer Engine: the TEGroupedMLP spec is "
                                       "not wired in yet; set backend.moe_grouped_gemm=false")
         self.names = mp.MegatronNames()
+        # the HF model's structure without memory: its config (token ids, vision config), names and full shapes
+        self.meta = build_model(self.cfg.model, dtype=_dtype(self.backend), device="meta", text_only=not self.vision)
+        vision = [n for n, _ in self.meta.named_parameters() if n.startswith(mp.VISION_PREFIX)]
+        self.vision_names = [n[len(mp.VISION_PREFIX):] for n in vision]
+        tower = (lambda: build_vision_tower(self.meta.config, _dtype(self.backend))) if self.vision else None
         self.chunks = mm.build_chunks(self.tconfig, self.cfg.model, self.shape,
-                                      megatron_attention=self.platform.megatron_core_attention)
+                                      megatron_attention=self.platform.megatron_core_attention, vision_tower=tower,
+                                      image_token_id=getattr(self.meta.config, "image_token_id", None))
         for c in self.chunks:
             c.to(self.device)
+            if self.vision and self.cfg.model.freeze_vision_tower and hasattr(c, "visual"):
+                c.visual.requires_grad_(False)  # before DDP: no gradient buffer, no optimizer state
         self.chunk_layers = mm.chunk_layer_ids(self.tconfig, self.chunks)
 
     # ------------------------------------------------------------------------------------------ ranks
@@ -227,7 +243,7 @@ class MegatronTrainEngine(TrainEngine):
     def _chunk_maps(self, ci: int) -> List[mp.ParamMap]:
         chunk = self.chunks[ci]
         maps = mp.param_maps(self.shape, self.names, layers=self.chunk_layers[ci], pre_process=chunk.pre_process,
-                             post_process=chunk.post_process)
+                             post_process=chunk.post_process, vision_names=self.vision_names)
         if self.shape.tie_word_embeddings and chunk.post_process and not chunk.pre_process:
             maps.append(mp.tied_output_layer_map())
         return maps
@@ -253,7 +269,8 @@ class MegatronTrainEngine(TrainEngine):
         from qwen35rl.models.build import build_model
 
         # the same seeded init as the rollout engine's and the FSDP engine's: every rank builds it identically
-        return DictSource(build_model(m, dtype=_dtype(self.backend), device="cpu", seed=int(self.cfg.trainer.seed)).state_dict())
+        return DictSource(build_model(m, dtype=_dtype(self.backend), device="cpu", seed=int(self.cfg.trainer.seed),
+                                      text_only=not self.vision).state_dict())
 
     @torch.no_grad()
     def _load_hf(self, hf_state) -> None:
@@ -336,14 +353,35 @@ class MegatronTrainEngine(TrainEngine):
             "aligned": aligned,
             "width": batch.input_ids.shape[1],
             "input_ids": ids,
-            "position_ids": torch.arange(ids.shape[1], device=self.device)[None].expand(ids.shape[0], -1),
+            "position_ids": self._positions(aligned, batch, ids.shape[1]),
             "labels": torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], pad)], dim=1),
             "loss_mask": at_logits(batch.response_mask.bool(), False),
+            "images": self._images(batch, aligned),
         }
         if train:
             out.update(advantages=at_logits(batch.advantages.float()), old=at_logits(batch.old_log_probs),
                        ref=at_logits(batch.ref_log_probs))
         return out
+
+    def _positions(self, aligned: Aligned, batch: Batch, cols: int) -> torch.Tensor:
+        """Positions of the aligned rows: 0, 1, ... ([B, T]); for the VL model transformers' 3-D M-RoPE positions,
+        kept row-major as [B, 3, T] so rows split and pad like every other per-row tensor."""
+        rows = aligned.input_ids.shape[0]
+        if not self.vision:
+            return torch.arange(cols, device=self.device)[None].expand(rows, -1)
+        mm = batch.multimodal or {}
+        grid = mm.get("image_grid_thw") if mm.get("pixel_values") is not None else None
+        pos = mrope_positions(aligned.input_ids, aligned.valid, grid, self.meta.config)  # [3, B, T]
+        return F.pad(pos.permute(1, 0, 2), (0, cols - pos.shape[-1])).contiguous().to(self.device)
+
+    def _images(self, batch: Batch, aligned: Aligned) -> Optional[RowImages]:
+        if not self.vision:
+            if batch.multimodal:
+                raise ValueError("a multimodal batch needs a vision model and data.has_images=true")
+            return None
+        images = RowImages.of(batch.multimodal, aligned.input_ids, self.meta.config.image_token_id,
+                              int(self.meta.config.vision_config.spatial_merge_size))
+        return None if images is None else images.to(self.device)
 
     def _to_batch_layout(self, prepared: Dict[str, Any], values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
         """Per-logit values [B, T'] -> per-token values [B, T] of the original layout, 0 outside the response."""
@@ -360,7 +398,9 @@ class MegatronTrainEngine(TrainEngine):
         """`p` split into up to `parts` micro batches of consecutive rows."""
         rows = p["input_ids"].shape[0]
         bounds = [round(i * rows / parts) for i in range(parts + 1)]
-        return [{k: (v[a:b] if k in self._ROW_KEYS and v is not None else v) for k, v in p.items()}
+        images = p.get("images")
+        return [{**{k: (v[a:b] if k in self._ROW_KEYS and v is not None else v) for k, v in p.items()},
+                 "images": None if images is None else images.take_rows(a, b)}
                 for a, b in zip(bounds, bounds[1:]) if b > a]
 
     def _schedule_ready(self, prepared: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -382,10 +422,13 @@ class MegatronTrainEngine(TrainEngine):
                     continue
                 if i >= len(prepared):  # an empty micro batch
                     v = torch.zeros_like(v)
-                grown = v.new_zeros((rows, cols))
-                grown[:v.shape[0], :v.shape[1]] = v
+                grown = v.new_zeros((rows, *v.shape[1:-1], cols))  # [rows, cols] ([rows, 3, cols]: M-RoPE)
+                grown[:v.shape[0], ..., :v.shape[-1]] = v
                 q[k] = grown
-            q["position_ids"] = torch.arange(cols, device=self.device)[None].expand(rows, -1)
+            if not self.vision:
+                q["position_ids"] = torch.arange(cols, device=self.device)[None].expand(rows, -1)
+            if i >= len(prepared):
+                q["images"] = None
             out.append(q)
         return out
 
@@ -396,7 +439,12 @@ class MegatronTrainEngine(TrainEngine):
 
     def _forward_step(self, loss_fn, data_iterator, model):
         b = next(data_iterator)
-        output = model(input_ids=b["input_ids"], position_ids=b["position_ids"], attention_mask=None)
+        positions, images = b["position_ids"], {}
+        if self.vision:
+            positions = positions.permute(1, 0, 2)  # [3, rows, cols], as M-RoPE takes them
+            if b["images"] is not None:
+                images = dict(pixel_values=b["images"].pixel_values, image_grid_thw=b["images"].grid_thw)
+        output = model(input_ids=b["input_ids"], position_ids=positions, attention_mask=None, **images)
         return output, partial(loss_fn, b)
 
     def _run(self, prepared: List[Dict[str, Any]], loss_fn, forward_only: bool) -> List[Dict[str, torch.Tensor]]:
@@ -528,17 +576,17 @@ class MegatronTrainEngine(TrainEngine):
     def _export_plan(self) -> None:
         """Which pipeline rank and chunk own each map, and the whole-model shapes (for broadcasts), agreed by all
         ranks: the full shapes come from running the mapping on meta tensors."""
-        from qwen35rl.models.build import build_model
-
-        self.export_maps = mp.param_maps(self.shape, self.names)
-        meta = dict(build_model(self.cfg.model, dtype=_dtype(self.backend), device="meta").state_dict())
+        self.export_maps = mp.param_maps(self.shape, self.names, hf_prefix=self.hf_prefix,
+                                         vision_names=self.vision_names)
+        meta = dict(self.meta.state_dict())
         self.full_shapes = {p.name: tuple(t.shape) for m in self.export_maps
                             for p, t in zip(m.megatron, m.to_megatron([meta[n] for n in m.hf]))}
         mine = {}
         pp_rank = self.mpu.get_pipeline_model_parallel_rank()
         for ci, chunk in enumerate(self.chunks):
-            for m in mp.param_maps(self.shape, self.names, layers=self.chunk_layers[ci],
-                                   pre_process=chunk.pre_process, post_process=chunk.post_process):
+            for m in mp.param_maps(self.shape, self.names, hf_prefix=self.hf_prefix, layers=self.chunk_layers[ci],
+                                   pre_process=chunk.pre_process, post_process=chunk.post_process,
+                                   vision_names=self.vision_names):
                 mine[m.hf] = (pp_rank, ci)
         owners = [mine]
         if self.layout.pp > 1:

@@ -2,7 +2,7 @@
 built by transformers) or a checkpoint directory read lazily, one tensor at a time, from its safetensors files.
 
 Names are those of `mapping.param_maps(hf_prefix="model.")`: a VL checkpoint's `model.language_model.` prefix is
-accepted, its vision tower and MTP layers are skipped, and per-expert storage (`experts.{e}.gate_proj.weight`)
+accepted (its vision tower keeps the `model.visual.` names), MTP layers are skipped, and per-expert storage (`experts.{e}.gate_proj.weight`)
 is fused into the transformers layout on demand.
 """
 from __future__ import annotations

@@ -35,6 +35,10 @@ CAUSAL_LM_PREFIX = "model."
 """Text-model prefix of `Qwen3_5[Moe]ForCausalLM`."""
 VL_PREFIX = "model.language_model."
 """Text-model prefix of `Qwen3_5[Moe]ForConditionalGeneration` (the official checkpoints)."""
+VISION_PREFIX = "model.visual."
+"""The vision tower's prefix in `Qwen3_5[Moe]ForConditionalGeneration` (and every official checkpoint)."""
+MEGATRON_VISION_PREFIX = "visual."
+"""Where the Megatron VL model keeps the (transformers) vision tower: a submodule of the first stage's chunk."""
 
 
 # ------------------------------------------------------------------------------------------------ model shape
@@ -356,14 +360,22 @@ def layer_param_maps(shape: Qwen35Shape, i: int, names: MegatronNames = Megatron
     return maps
 
 
+def vision_param_maps(vision_names: Iterable[str]) -> List[ParamMap]:
+    """One map per vision-tower parameter (`vision_names`: relative to the tower, as its `named_parameters()`
+    gives them): the same tensor on both sides, replicated over tensor parallelism."""
+    return [_one(VISION_PREFIX + n, MEGATRON_VISION_PREFIX + n, None) for n in vision_names]
+
+
 def param_maps(shape: Qwen35Shape, names: MegatronNames = MegatronNames(), hf_prefix: str = CAUSAL_LM_PREFIX,
                layers: Optional[Iterable[int]] = None, pre_process: bool = True,
-               post_process: bool = True) -> List[ParamMap]:
-    """The maps of the text model, in model order. A pipeline stage passes its `layers` and whether it holds the
-    embedding (`pre_process`) and the final norm + output layer (`post_process`). With tied embeddings the
-    output layer has no weight of its own (HF checkpoints then omit lm_head.weight)."""
+               post_process: bool = True, vision_names: Sequence[str] = ()) -> List[ParamMap]:
+    """The maps of the model, in model order. A pipeline stage passes its `layers` and whether it holds the
+    embedding (`pre_process`: and then the vision tower of a VL model, `vision_names`) and the final norm + output
+    layer (`post_process`). With tied embeddings the output layer has no weight of its own (HF checkpoints then
+    omit lm_head.weight)."""
     maps: List[ParamMap] = []
     if pre_process:
+        maps += vision_param_maps(vision_names)
         maps.append(_one(hf_prefix + "embed_tokens.weight", EMBEDDING, Split(0)))
     for i in range(shape.num_layers) if layers is None else layers:
         maps += layer_param_maps(shape, i, names, hf_prefix)
@@ -499,10 +511,13 @@ _PER_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|dow
 
 
 def canonical_hf_name(name: str, hf_prefix: str = CAUSAL_LM_PREFIX) -> Optional[str]:
-    """A checkpoint tensor name as `param_maps(hf_prefix=...)` names it, or None for tensors the text model does
-    not own (vision tower, MTP layers). Official checkpoints use the VL prefix `model.language_model.`."""
-    if name.startswith("model.visual.") or name.startswith("mtp."):
+    """A checkpoint tensor name as `param_maps(hf_prefix=...)` names it (vision-tower tensors keep their
+    `model.visual.` name), or None for tensors the engine never trains (MTP layers). Official checkpoints use the
+    VL prefix `model.language_model.` for the text model."""
+    if name.startswith("mtp."):
         return None
+    if name.startswith(VISION_PREFIX):
+        return name
     for prefix in (VL_PREFIX, CAUSAL_LM_PREFIX):
         if name.startswith(prefix):
             return hf_prefix + name[len(prefix):]

@@ -1,4 +1,4 @@
-"""The Qwen3.5 text model as megatron-core modules, without Transformer Engine.
+"""The Qwen3.5 model (text, or vision-language) as megatron-core modules, without Transformer Engine.
 
 megatron-core's ready-made hybrid specs assert TE, its local norm refuses zero-centred gamma, and TE's norm would
 zero-centre the GDN output norm too (which Qwen3.5 keeps plain). So the layers start from megatron's own local GPT
@@ -10,6 +10,9 @@ layer spec (right for each megatron-core version) and swap in:
 - GatedDeltaNet (megatron-core's, with ColumnParallelLinear in / RowParallelLinear out) for linear-attention layers,
 following `layer_types` (HF's `[linear]*3 + [full]` pattern with the last layer full), not megatron's own frequency
 rule. MoE layers come from the local spec: router, SequentialMLP experts, shared expert with its sigmoid gate.
+
+A VL model (`Qwen35VLModel`) adds transformers' vision tower to the first pipeline stage and Qwen3.5's interleaved
+multimodal RoPE to every stage (`vision`).
 
 Importing this module imports megatron: on Ascend, `ascend.prepare_platform` must run first.
 """
@@ -35,6 +38,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from qwen35rl.engines.megatron.mapping import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Shape
+from qwen35rl.engines.megatron.vision import InterleavedMRoPE, image_features
 
 
 # ---------------------------------------------------------------------------------------- version workarounds
@@ -160,10 +164,10 @@ def block_spec(config: TransformerConfig, shape: Qwen35Shape, vp_stage: Optional
 def transformer_config(model_cfg: Any, shape: Qwen35Shape, *, tp: int, pp: int, ep: int, etp: int, cp: int = 1,
                        vpp: Optional[int] = None, pipeline_layout: Optional[str] = None, dtype: torch.dtype,
                        recompute: Optional[Dict[str, Any]] = None, moe: Optional[Dict[str, Any]] = None,
-                       overrides: Optional[Dict[str, Any]] = None) -> TransformerConfig:
+                       overrides: Optional[Dict[str, Any]] = None, vision: bool = False) -> TransformerConfig:
     """TransformerConfig of the Qwen3.5 text model. `recompute`: recompute_granularity / method / num_layers;
     `moe`: router and dispatcher settings; `overrides`: extra TransformerConfig fields (backend.transformer_overrides,
-    platform quirks), applied last."""
+    platform quirks), applied last. `vision`: the VL model (3-D positions, `mrope_section`)."""
     m = model_cfg
     kw: Dict[str, Any] = dict(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size,
@@ -197,6 +201,8 @@ def transformer_config(model_cfg: Any, shape: Qwen35Shape, *, tp: int, pp: int, 
         # (silently: same shapes). Unbatched sends on two groups keep them apart; Megatron-LM's own argument check
         # refuses interleaving at PP2 without overlap_p2p_comm for this reason.
         kw.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+    if vision:
+        kw.update(mrope_section=[int(x) for x in m.mrope_section])
     if shape.moe:
         kw.update(num_moe_experts=shape.num_experts, moe_router_topk=int(m.num_experts_per_tok),
                   moe_ffn_hidden_size=shape.moe_intermediate_size,
@@ -212,22 +218,73 @@ def transformer_config(model_cfg: Any, shape: Qwen35Shape, *, tp: int, pp: int, 
 
 
 # ------------------------------------------------------------------------------------------------------- model
-def build_chunks(config: TransformerConfig, model_cfg: Any, shape: Qwen35Shape,
-                 megatron_attention: bool = False) -> List[GPTModel]:
-    """This rank's model chunks (one per virtual pipeline stage), on the current device, weights unset."""
+class Qwen35VLModel(GPTModel):
+    """GPTModel with Qwen3.5's interleaved M-RoPE on every stage (positions [3, b, s]) and, on the chunk that
+    embeds (`pre_process`), transformers' vision tower: its image features replace the embeddings of the image
+    tokens before the decoder, and so before sequence parallelism hands each TP rank its slice of the sequence.
+
+    The tower is replicated, not sharded, over TP: every TP rank runs it on the same images (the tower is a few
+    percent of the model's FLOPs) and keeps its slice of the features. The backward of that scatter all-gathers the
+    features' gradient, so every TP rank gets the same full gradient and the copies stay identical without an extra
+    reduction; gradient norms count the (unmarked, replicated) tower once, on TP rank 0."""
+
+    def __init__(self, *, vision_tower: Optional[torch.nn.Module], image_token_id: int, **kw: Any):
+        super().__init__(position_embedding_type="mrope", **kw)
+        cfg = self.config
+        self.rotary_pos_emb = InterleavedMRoPE(cfg.kv_channels, kw["rotary_percent"], kw["rotary_base"],
+                                               cfg.mrope_section, device=_param_device(cfg))
+        self.image_token_id = int(image_token_id)
+        if self.pre_process and vision_tower is not None:
+            self.visual = vision_tower
+
+    def forward(self, input_ids, position_ids, attention_mask, pixel_values=None, image_grid_thw=None, **kw):
+        decoder_input = None
+        if self.pre_process and pixel_values is not None:
+            decoder_input = self._embed_with_images(input_ids, pixel_values, image_grid_thw)
+        return super().forward(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                               decoder_input=decoder_input, **kw)
+
+    def _embed_with_images(self, input_ids: torch.Tensor, pixel_values: torch.Tensor,
+                           grid_thw: torch.Tensor) -> torch.Tensor:
+        from megatron.core import tensor_parallel
+
+        emb = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h] ([s / tp, b, h] under SP)
+        feats = image_features(self.visual, pixel_values, grid_thw)
+        is_image = input_ids == self.image_token_id  # [b, s]
+        if int(is_image.sum()) != feats.shape[0]:
+            raise ValueError(f"{int(is_image.sum())} image tokens for {feats.shape[0]} image features")
+        full = emb.new_zeros((*input_ids.shape, emb.shape[-1])).masked_scatter(is_image[..., None], feats.to(emb.dtype))
+        full, mask = full.transpose(0, 1).contiguous(), is_image.t()
+        if self.config.sequence_parallel:
+            full = tensor_parallel.scatter_to_sequence_parallel_region(full)
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            mask = mask.chunk(tp, dim=0)[parallel_state.get_tensor_model_parallel_rank()]
+        return torch.where(mask[..., None], full, emb).contiguous()  # strides follow the (transposed) mask
+
+
+def build_chunks(config: TransformerConfig, model_cfg: Any, shape: Qwen35Shape, megatron_attention: bool = False,
+                 vision_tower: Any = None, image_token_id: Optional[int] = None) -> List[GPTModel]:
+    """This rank's model chunks (one per virtual pipeline stage), on the current device, weights unset.
+    `vision_tower`: a callable building the transformers vision tower (VL model; the chunk that embeds holds it)."""
     patch_megatron_without_te()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for stage in range(vpp or 1):
         vp_stage = stage if vpp else None
-        model = GPTModel(
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        kw = dict(
             config=config, transformer_layer_spec=block_spec(config, shape, vp_stage, megatron_attention),
             vocab_size=shape.vocab_size, max_sequence_length=int(model_cfg.max_position_embeddings),
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            pre_process=pre_process,
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             parallel_output=True, share_embeddings_and_output_weights=shape.tie_word_embeddings,
-            position_embedding_type="rope", rotary_percent=float(model_cfg.partial_rotary_factor),
-            rotary_base=int(model_cfg.rope_theta), vp_stage=vp_stage)
+            rotary_percent=float(model_cfg.partial_rotary_factor), rotary_base=int(model_cfg.rope_theta),
+            vp_stage=vp_stage)
+        if vision_tower is None:
+            model = GPTModel(position_embedding_type="rope", **kw)
+        else:
+            model = Qwen35VLModel(vision_tower=vision_tower() if pre_process else None,
+                                  image_token_id=int(image_token_id), **kw)
         chunks.append(model)
     return chunks
 

@@ -1,0 +1,123 @@
+"""The Megatron engine on image + text batches (Qwen3.5-VL) on CPU with real megatron-core over 2 gloo processes:
+log-probs, gradients of vision and language weights, grad norm and a few GRPO steps against transformers' VL model
+at TP2, PP2 + VPP2, EP2 and TP2 + ETP2, and the frozen vision tower.
+
+Images have patch grids with H != W (equal axes would hide a wrong M-RoPE axis), rows hold zero, one or two
+images, and every row is left-padded as `runtime.batching` builds them."""
+from tests.megatron_cpu import megatron_on_cpu  # first: the prelude (skips without megatron)
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from PIL import Image
+
+from qwen35rl.algo.core import agg_loss, kl_penalty, local_batch_counts, logprobs_from_logits, policy_loss
+from qwen35rl.engines.base import Batch
+from qwen35rl.models.build import build_model
+from qwen35rl.models.processor import build_processor, vision_inputs
+from qwen35rl.models.special_tokens import special_token_ids
+from qwen35rl.models.tokenizer import build_tokenizer
+from qwen35rl.runtime.cluster import free_port
+from tests.engines.test_megatron_engine_cpu import _check, _config, _worker
+
+pytestmark = pytest.mark.slow
+
+# (width, height) in pixels: patch grids 2 x 4, 4 x 2 and 4 x 4 (merged: 1 x 2, 2 x 1, 2 x 2 image tokens)
+IMAGE_SIZES = [(32, 64), (64, 32), (64, 64)]
+
+
+def _images():
+    rng = np.random.default_rng(0)
+    return [Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")) for w, h in IMAGE_SIZES]
+
+
+def vl_batch(cfg) -> Batch:
+    """Rows: one image; text only; two images. Left padding on the prompt side, right padding after responses."""
+    ids = special_token_ids(cfg.model)
+    proc = build_processor(cfg.model, build_tokenizer(cfg.model))
+    vision = vision_inputs(proc.image_processor, _images())
+    tokens = (vision["image_grid_thw"].prod(-1) // 4).tolist()
+    g = torch.Generator().manual_seed(0)
+
+    def text(n):
+        return torch.randint(3, 256, (n,), generator=g).tolist()
+
+    def image(k):
+        return [ids["vision_start"]] + [ids["image_pad"]] * tokens[k] + [ids["vision_end"]]
+
+    prompts = [text(4) + image(0) + text(3), text(5), text(2) + image(1) + text(1) + image(2) + text(2)]
+    responses = [text(6), text(4), text(5)]
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses)) + 2
+    input_ids = torch.zeros(3, width, dtype=torch.long)
+    mask, resp = torch.zeros_like(input_ids), torch.zeros_like(input_ids)
+    prompt_width = max(len(p) for p in prompts)
+    for row, (p, r) in enumerate(zip(prompts, responses)):
+        start = prompt_width - len(p)
+        input_ids[row, start:start + len(p) + len(r)] = torch.tensor(p + r)
+        mask[row, start:start + len(p) + len(r)] = 1
+        resp[row, prompt_width:prompt_width + len(r)] = 1
+    adv = (torch.tensor([[1.0], [-0.5], [-1.0]]).expand_as(resp) * resp).contiguous()
+    old = -torch.rand(resp.shape, generator=g) * 5 * resp
+    return Batch(input_ids=input_ids, attention_mask=mask, response_mask=resp, advantages=adv, old_log_probs=old,
+                 ref_log_probs=old.clone(), multimodal=vision)
+
+
+def vl_reference(cfg, batch):
+    """transformers' VL model: log-probs and the GRPO loss gradient of one rank holding the whole batch."""
+    hf = build_model(cfg.model, dtype=torch.float32, seed=int(cfg.trainer.seed), text_only=False)
+    init = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    types = (batch.input_ids == hf.config.image_token_id).long()
+    logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask, mm_token_type_ids=types,
+                **batch.multimodal).logits.float()
+    logp = torch.zeros(batch.input_ids.shape)
+    logp[:, 1:] = logprobs_from_logits(logits[:, :-1], batch.input_ids[:, 1:])
+    mask, algo = batch.response_mask, cfg.algorithm
+    tokens, seqs = local_batch_counts(mask)
+    agg = dict(mode=algo.loss_agg_mode, global_tokens=tokens, global_seqs=seqs, dp_size=1,
+               norm_const=float(cfg.data.max_response_length))
+    pg, _ = policy_loss(logp, batch.old_log_probs, batch.advantages, mask)
+    loss = agg_loss(pg, mask, **agg) + algo.kl_loss_coef * agg_loss(
+        kl_penalty(logp, batch.ref_log_probs, algo.kl_loss_type), mask, **agg)
+    loss.backward()
+    grads = {k: p.grad.detach().clone() for k, p in hf.named_parameters()}
+    if cfg.model.freeze_vision_tower:
+        grads = {k: torch.zeros_like(g) if k.startswith("model.visual.") else g for k, g in grads.items()}
+    init.pop("lm_head.weight")  # tied: exported once, as the embedding
+    return init, (logp.detach() * mask), grads, agg
+
+
+def _run(model, parallel):
+    cfg = _config(model, ["data.has_images=true", *parallel])
+    batch = vl_batch(cfg)
+    init, logp, grads, agg = vl_reference(cfg, batch)
+    out = mp.Manager().dict()
+    mp.start_processes(_worker, args=(2, free_port(), cfg, batch, agg, out), nprocs=2, join=True, start_method="spawn")
+    return init, logp, grads, dict(out)
+
+
+@pytest.mark.parametrize("model,parallel", [
+    ("qwen3_5_tiny_vl", ["parallelism.tp=2"]),
+    ("qwen3_5_tiny_vl", ["parallelism.pp=2", "parallelism.vpp=2"]),
+    ("qwen3_5_tiny_vl_moe", ["parallelism.ep=2"]),
+    ("qwen3_5_tiny_vl_moe", ["parallelism.tp=2", "parallelism.etp=2"]),
+], ids=["dense-tp2", "dense-pp2-vpp2", "moe-ep2", "moe-tp2-etp2"])
+def test_vl_engine_matches_transformers(model, parallel):
+    init, logp, grads, out = _run(model, parallel)
+    assert any(k.startswith("model.visual.") for k in init)
+    assert all(k.startswith(("model.visual.", "model.language_model.")) for k in init)
+    for res in out.values():  # the vision tower learns from the loss
+        assert any(res["grads"][k].abs().max() > 0 for k in res["grads"] if k.startswith("model.visual."))
+    _check(init, logp, grads, out)
+
+
+def test_frozen_vision_tower_gets_no_update():
+    init, logp, grads, out = _run("qwen3_5_tiny_vl", ["parallelism.tp=2", "model.freeze_vision_tower=true"])
+    _check(init, logp, grads, out)
+    for res in out.values():
+        trained = res["trained"]
+        assert all(torch.equal(trained[k], init[k]) for k in init if k.startswith("model.visual."))
+        assert not all(torch.equal(trained[k], init[k]) for k in init if k.startswith("model.language_model."))
