@@ -25,6 +25,7 @@ from qwen35rl.engines.logprob import chunked_logprobs_entropy
 from qwen35rl.engines.packed_attention import use_packed_attention
 from qwen35rl.engines.packed_gdn import enable_packing
 from qwen35rl.models.build import build_model, init_rotary_buffers, torch_dtype, trains_vision
+from qwen35rl.models.image_tokens import mrope_positions, prompt_image_mask
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,8 @@ class PolicyWithLogProbs(nn.Module):
 
     def _hidden(self, input_ids, attention_mask, position_ids, pack, multimodal):
         base = self.lm.model
+        if multimodal:
+            return self._hidden_with_images(input_ids, attention_mask, multimodal)
         if not pack:
             return base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                         use_cache=False, **multimodal).last_hidden_state
@@ -122,6 +125,23 @@ class PolicyWithLogProbs(nn.Module):
         hidden = packed.new_zeros(*input_ids.shape, packed.shape[-1])
         hidden[valid] = packed[0]
         return hidden
+
+    def _hidden_with_images(self, input_ids, attention_mask, multimodal):
+        """The VL model's forward with the image features at `image_mask` (the prompts' image tokens) and the 3-D
+        positions of those tokens. transformers would take every token with the image id as an image slot, also
+        one a response sampled; so the embeddings and positions are built here and passed in."""
+        base, image_mask = self.lm.model, multimodal["image_mask"]
+        grid = multimodal.get("image_grid_thw")
+        embeds = base.get_input_embeddings()(input_ids)
+        if multimodal.get("pixel_values") is not None:
+            feats = torch.cat(base.get_image_features(multimodal["pixel_values"], grid, return_dict=True).pooler_output)
+            if feats.shape[0] != int(image_mask.sum()):
+                raise ValueError(f"{int(image_mask.sum())} image tokens in the prompts for {feats.shape[0]} image "
+                                 "features: prompt ids and images do not belong together")
+            embeds = embeds.masked_scatter(image_mask[..., None], feats.to(embeds.dtype))
+        positions = mrope_positions(input_ids, attention_mask, image_mask, grid, self.lm.config)
+        return base(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
+                    use_cache=False).last_hidden_state
 
 
 # ---------------------------------------------------------------------------------------------- the engine
@@ -181,11 +201,14 @@ class FsdpTrainEngine(TrainEngine):
             self._materialise(param_dtype, seed)
         if reference:
             self.module.requires_grad_(False)
+        elif cfg.model.freeze_vision_tower and not self.text_only:
+            self.lm.model.visual.requires_grad_(False)  # no gradients, no optimizer state; still exported
         self.module.eval()
 
         self.optimizer = self.scheduler = None
         if not reference:
-            self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=float(self.backend.lr),
+            trainable = [p for p in self.module.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(trainable, lr=float(self.backend.lr),
                                                betas=tuple(float(b) for b in self.backend.betas),
                                                weight_decay=float(self.backend.weight_decay))
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(
@@ -242,11 +265,9 @@ class FsdpTrainEngine(TrainEngine):
         if mm:
             if self.text_only:
                 raise ValueError("a multimodal batch needs a vision model and data.has_images=true")
-            position_ids = None  # the VL model derives 3-D mrope positions from the image grid and token types
-            if "mm_token_type_ids" not in mm:  # 1 image, 2 video: from the batch's own (re-padded) input_ids
-                ids = batch.input_ids.to(self.device)
-                mm["mm_token_type_ids"] = ((ids == self.lm.config.image_token_id).long()
-                                           + 2 * (ids == self.lm.config.video_token_id).long())
+            position_ids = None  # 3-D M-RoPE positions, from the image grids and image tokens
+            mm["image_mask"] = prompt_image_mask(batch.input_ids, batch.attention_mask, batch.response_mask,
+                                                 self.lm.config.image_token_id).to(self.device)
         with self._autocast():
             return self.module(batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
                                None if position_ids is None else position_ids.to(self.device),

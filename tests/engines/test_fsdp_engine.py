@@ -339,6 +339,36 @@ def test_vision_language_batch():
     assert any(n.startswith("model.visual.") for bucket in engine.export_weights(64) for n, _ in bucket)
 
 
+def test_frozen_vision_tower_keeps_its_weights():
+    """model.freeze_vision_tower: the update changes the language model only, and the optimizer holds no state for
+    the tower; a generated image-token id in a response is text (no image slot), as in the rollout."""
+    import numpy as np
+    from PIL import Image
+
+    from qwen35rl.models.processor import build_processor, prompt_ids, vision_inputs
+    from qwen35rl.models.tokenizer import build_tokenizer
+
+    cfg = _cfg("model=qwen3_5_tiny_vl", "data.has_images=true", "model.freeze_vision_tower=true")
+    engine = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu")
+    proc = build_processor(cfg.model, build_tokenizer(cfg.model))
+    img = Image.fromarray((np.random.default_rng(0).random((32, 64, 3)) * 255).astype("uint8"))
+    prompt = prompt_ids(proc, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x?"}]}], [img])
+    response = [ord("a"), engine.lm.config.image_token_id, ord("b")]  # a sampled image-token id
+    ids = torch.tensor([prompt + response])
+    resp = torch.zeros_like(ids)
+    resp[:, -3:] = 1
+    batch = Batch(ids, torch.ones_like(ids), resp, advantages=resp.float(), ref_log_probs=torch.full(resp.shape, -5.0),
+                  multimodal=vision_inputs(proc.image_processor, [img]))
+    before = {n: p.detach().clone() for n, p in engine.lm.named_parameters()}
+    m = engine.train_mini_batch([batch], {})
+    assert math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0
+    after = dict(engine.lm.named_parameters())
+    assert all(torch.equal(after[n], before[n]) for n in before if n.startswith("model.visual."))
+    assert not all(torch.equal(after[n], before[n]) for n in before if n.startswith("model.language_model."))
+    visual = {id(p) for p in engine.lm.model.visual.parameters()}
+    assert not any(id(p) in visual for group in engine.optimizer.param_groups for p in group["params"])
+
+
 def test_grad_clip_scales_gradients_to_the_limit():
     seqs = _sequences()
     m_raw, g_raw, _ = _run(_cfg(), seqs, micro=4)

@@ -18,6 +18,7 @@ from PIL import Image
 from qwen35rl.algo.core import agg_loss, kl_penalty, local_batch_counts, logprobs_from_logits, policy_loss
 from qwen35rl.engines.base import Batch
 from qwen35rl.models.build import build_model
+from qwen35rl.models.image_tokens import prompt_image_mask
 from qwen35rl.models.processor import build_processor, vision_inputs
 from qwen35rl.models.special_tokens import special_token_ids
 from qwen35rl.models.tokenizer import build_tokenizer
@@ -35,8 +36,9 @@ def _images():
     return [Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")) for w, h in IMAGE_SIZES]
 
 
-def vl_batch(cfg) -> Batch:
-    """Rows: one image; text only; two images. Left padding on the prompt side, right padding after responses."""
+def vl_batch(cfg, sampled_image_token: bool = False) -> Batch:
+    """Rows: one image; text only; two images. Left padding on the prompt side, right padding after responses.
+    `sampled_image_token`: the text-only row's response holds the image-token id (text, not an image slot)."""
     ids = special_token_ids(cfg.model)
     proc = build_processor(cfg.model, build_tokenizer(cfg.model))
     vision = vision_inputs(proc.image_processor, _images())
@@ -51,6 +53,8 @@ def vl_batch(cfg) -> Batch:
 
     prompts = [text(4) + image(0) + text(3), text(5), text(2) + image(1) + text(1) + image(2) + text(2)]
     responses = [text(6), text(4), text(5)]
+    if sampled_image_token:
+        responses[1][1] = ids["image_pad"]
     width = max(len(p) + len(r) for p, r in zip(prompts, responses)) + 2
     input_ids = torch.zeros(3, width, dtype=torch.long)
     mask, resp = torch.zeros_like(input_ids), torch.zeros_like(input_ids)
@@ -70,9 +74,19 @@ def vl_reference(cfg, batch):
     """transformers' VL model: log-probs and the GRPO loss gradient of one rank holding the whole batch."""
     hf = build_model(cfg.model, dtype=torch.float32, seed=int(cfg.trainer.seed), text_only=False)
     init = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    types = (batch.input_ids == hf.config.image_token_id).long()
-    logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask, mm_token_type_ids=types,
-                **batch.multimodal).logits.float()
+    image_mask = prompt_image_mask(batch.input_ids, batch.attention_mask, batch.response_mask, hf.config.image_token_id)
+    if bool(((batch.input_ids == hf.config.image_token_id) & ~image_mask).any()):
+        # transformers' forward would take a sampled image-token id for an image slot: its pieces, by hand
+        core = hf.model
+        feats = torch.cat(core.get_image_features(**batch.multimodal, return_dict=True).pooler_output)
+        embeds = core.get_input_embeddings()(batch.input_ids).masked_scatter(image_mask[..., None], feats)
+        pos, _ = core.get_rope_index(batch.input_ids, mm_token_type_ids=image_mask.long(),
+                                     image_grid_thw=batch.multimodal["image_grid_thw"],
+                                     attention_mask=batch.attention_mask)
+        logits = hf(inputs_embeds=embeds, attention_mask=batch.attention_mask, position_ids=pos).logits.float()
+    else:
+        logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask, mm_token_type_ids=image_mask.long(),
+                    **batch.multimodal).logits.float()
     logp = torch.zeros(batch.input_ids.shape)
     logp[:, 1:] = logprobs_from_logits(logits[:, :-1], batch.input_ids[:, 1:])
     mask, algo = batch.response_mask, cfg.algorithm
@@ -90,9 +104,9 @@ def vl_reference(cfg, batch):
     return init, (logp.detach() * mask), grads, agg
 
 
-def _run(model, parallel):
+def _run(model, parallel, sampled_image_token=False):
     cfg = _config(model, ["data.has_images=true", *parallel])
-    batch = vl_batch(cfg)
+    batch = vl_batch(cfg, sampled_image_token)
     init, logp, grads, agg = vl_reference(cfg, batch)
     out = mp.Manager().dict()
     mp.start_processes(_worker, args=(2, free_port(), cfg, batch, agg, out), nprocs=2, join=True, start_method="spawn")
@@ -115,9 +129,26 @@ def test_vl_engine_matches_transformers(model, parallel):
 
 
 def test_frozen_vision_tower_gets_no_update():
-    init, logp, grads, out = _run("qwen3_5_tiny_vl", ["parallelism.tp=2", "model.freeze_vision_tower=true"])
+    """With a response that sampled the image-token id, which stays text."""
+    init, logp, grads, out = _run("qwen3_5_tiny_vl", ["parallelism.tp=2", "model.freeze_vision_tower=true"],
+                                  sampled_image_token=True)
     _check(init, logp, grads, out)
     for res in out.values():
         trained = res["trained"]
         assert all(torch.equal(trained[k], init[k]) for k in init if k.startswith("model.visual."))
         assert not all(torch.equal(trained[k], init[k]) for k in init if k.startswith("model.language_model."))
+
+
+def test_vl_checkpoint_resumes(tmp_path):
+    """Checkpoint + resume with the vision tower (PP2: the tower on one stage): the step after resuming equals the
+    step the first engine took after saving, weights and Adam moments included."""
+    from tests.engines.test_megatron_engine_cpu import _checkpoint_worker
+
+    cfg = _config("qwen3_5_tiny_vl", ["data.has_images=true", "parallelism.pp=2", "backend.lr_warmup_steps=3"])
+    out = mp.Manager().dict()
+    mp.start_processes(_checkpoint_worker, args=(2, free_port(), cfg, vl_batch(cfg), str(tmp_path / "ckpt"), out),
+                       nprocs=2, join=True, start_method="spawn")
+    for rank, (expected, resumed, steps, weight_diff) in out.items():
+        assert steps == 2
+        assert resumed == pytest.approx(expected, rel=1e-6), rank
+        assert weight_diff < 1e-7

@@ -34,8 +34,9 @@ from qwen35rl.engines.host_offload import HostOffload
 from qwen35rl.engines.megatron import ascend, version
 from qwen35rl.engines.megatron import mapping as mp
 from qwen35rl.engines.megatron.tokens import Aligned, left_align, pad_columns, vocab_parallel_logprobs
-from qwen35rl.engines.megatron.vision import RowImages, mrope_positions
+from qwen35rl.engines.megatron.vision import RowImages
 from qwen35rl.models.build import trains_vision
+from qwen35rl.models.image_tokens import mrope_positions, prompt_image_mask
 from qwen35rl.runtime.gdn_kernels import fla_gdn_backward_refused
 from qwen35rl.runtime.gdn_kernels import fla_tilelang_usable as _fla_tilelang_usable
 from qwen35rl.runtime.gdn_kernels import triton_version as _triton_version
@@ -101,6 +102,10 @@ class MegatronTrainEngine(TrainEngine):
         self._host = HostOffload()  # what offload_states moved to the host
         self.backend, self.algo = cfg.backend, cfg.algorithm
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            from qwen35rl.engines.megatron import cpu
+
+            cpu.install()  # megatron-core assumes CUDA: its stand-ins, before megatron is imported
         self.layout = megatron_layout(cfg, world_size)
         # MindSpeed must patch megatron before anything imports it
         self.platform = ascend.prepare_platform(cfg.hw, transformer_parallel(self.layout))
@@ -179,6 +184,7 @@ class MegatronTrainEngine(TrainEngine):
         self._gdn_fallback(overrides)
         if self.device.type == "cpu":
             overrides.setdefault("use_cpu_initialization", True)
+            overrides.setdefault("deterministic_mode", True)  # megatron-core's torch GDN recurrence: no fla on CPU
         return mm.transformer_config(self.cfg.model, self.shape, tp=l.tp, pp=l.pp, ep=l.ep, etp=l.etp, cp=l.cp,
                                      vpp=l.vpp or None, pipeline_layout=self.cfg.parallelism.pipeline_layout or None,
                                      dtype=_dtype(b), recompute=recompute, moe=moe, overrides=overrides,
@@ -216,8 +222,7 @@ class MegatronTrainEngine(TrainEngine):
         self.vision_names = [n[len(mp.VISION_PREFIX):] for n in vision]
         tower = (lambda: build_vision_tower(self.meta.config, _dtype(self.backend))) if self.vision else None
         self.chunks = mm.build_chunks(self.tconfig, self.cfg.model, self.shape,
-                                      megatron_attention=self.platform.megatron_core_attention, vision_tower=tower,
-                                      image_token_id=getattr(self.meta.config, "image_token_id", None))
+                                      megatron_attention=self.platform.megatron_core_attention, vision_tower=tower)
         for c in self.chunks:
             c.to(self.device)
             if self.vision and self.cfg.model.freeze_vision_tower and hasattr(c, "visual"):
@@ -322,7 +327,8 @@ class MegatronTrainEngine(TrainEngine):
             clip_grad=float(b.grad_clip) if b.grad_clip and b.grad_clip > 0 else 0.0,
             bf16=_dtype(b) == torch.bfloat16, params_dtype=_dtype(b),
             use_distributed_optimizer=bool(b.use_distributed_optimizer),
-            optimizer_cpu_offload=bool(b.optimizer_cpu_offload),
+            # on a CPU device the optimizer already runs on the host (megatron's hybrid optimizer expects a GPU)
+            optimizer_cpu_offload=bool(b.optimizer_cpu_offload) and self.device.type != "cpu",
             optimizer_offload_fraction=float(b.optimizer_offload_fraction),
             overlap_cpu_optimizer_d2h_h2d=bool(b.overlap_cpu_optimizer_d2h_h2d),
             use_precision_aware_optimizer=self.te_options["use_precision_aware_optimizer"])
@@ -353,35 +359,33 @@ class MegatronTrainEngine(TrainEngine):
             "aligned": aligned,
             "width": batch.input_ids.shape[1],
             "input_ids": ids,
-            "position_ids": self._positions(aligned, batch, ids.shape[1]),
+            "position_ids": torch.arange(ids.shape[1], device=self.device)[None].expand(ids.shape[0], -1),
             "labels": torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], pad)], dim=1),
             "loss_mask": at_logits(batch.response_mask.bool(), False),
-            "images": self._images(batch, aligned),
+            "images": None,
         }
+        if self.vision:
+            self._add_images(out, batch, aligned)
+        elif batch.multimodal:
+            raise ValueError("a multimodal batch needs a vision model and data.has_images=true")
         if train:
             out.update(advantages=at_logits(batch.advantages.float()), old=at_logits(batch.old_log_probs),
                        ref=at_logits(batch.ref_log_probs))
         return out
 
-    def _positions(self, aligned: Aligned, batch: Batch, cols: int) -> torch.Tensor:
-        """Positions of the aligned rows: 0, 1, ... ([B, T]); for the VL model transformers' 3-D M-RoPE positions,
-        kept row-major as [B, 3, T] so rows split and pad like every other per-row tensor."""
-        rows = aligned.input_ids.shape[0]
-        if not self.vision:
-            return torch.arange(cols, device=self.device)[None].expand(rows, -1)
-        mm = batch.multimodal or {}
-        grid = mm.get("image_grid_thw") if mm.get("pixel_values") is not None else None
-        pos = mrope_positions(aligned.input_ids, aligned.valid, grid, self.meta.config)  # [3, B, T]
-        return F.pad(pos.permute(1, 0, 2), (0, cols - pos.shape[-1])).contiguous().to(self.device)
-
-    def _images(self, batch: Batch, aligned: Aligned) -> Optional[RowImages]:
-        if not self.vision:
-            if batch.multimodal:
-                raise ValueError("a multimodal batch needs a vision model and data.has_images=true")
-            return None
-        images = RowImages.of(batch.multimodal, aligned.input_ids, self.meta.config.image_token_id,
-                              int(self.meta.config.vision_config.spatial_merge_size))
-        return None if images is None else images.to(self.device)
+    def _add_images(self, out: Dict[str, Any], batch: Batch, aligned: Aligned) -> None:
+        """The VL model's inputs: which tokens are the prompts' image tokens, the images of each row, and
+        transformers' 3-D M-RoPE positions (kept row-major as [B, 3, T], so they split and pad with the rows)."""
+        cols = out["input_ids"].shape[1]
+        config = self.meta.config
+        mask = aligned.take(prompt_image_mask(batch.input_ids, batch.attention_mask, batch.response_mask,
+                                              config.image_token_id))
+        images = RowImages.of(batch.multimodal, mask, int(config.vision_config.spatial_merge_size))
+        pos = mrope_positions(aligned.input_ids, aligned.valid, mask, None if images is None else images.grid_thw,
+                              config)  # [3, B, T]
+        out["image_mask"] = pad_columns(mask, self.layout.tp, False).to(self.device)
+        out["position_ids"] = F.pad(pos.permute(1, 0, 2), (0, cols - pos.shape[-1])).contiguous().to(self.device)
+        out["images"] = None if images is None else images.to(self.device)
 
     def _to_batch_layout(self, prepared: Dict[str, Any], values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
         """Per-logit values [B, T'] -> per-token values [B, T] of the original layout, 0 outside the response."""
@@ -392,7 +396,7 @@ class MegatronTrainEngine(TrainEngine):
         out = aligned.restore(tok)
         return torch.where(response_mask.bool(), out, torch.zeros((), dtype=out.dtype, device=device))
 
-    _ROW_KEYS = ("input_ids", "position_ids", "labels", "loss_mask", "advantages", "old", "ref")
+    _ROW_KEYS = ("input_ids", "position_ids", "labels", "loss_mask", "advantages", "old", "ref", "image_mask")
 
     def _rows(self, p: Dict[str, Any], parts: int) -> List[Dict[str, Any]]:
         """`p` split into up to `parts` micro batches of consecutive rows."""
@@ -443,7 +447,8 @@ class MegatronTrainEngine(TrainEngine):
         if self.vision:
             positions = positions.permute(1, 0, 2)  # [3, rows, cols], as M-RoPE takes them
             if b["images"] is not None:
-                images = dict(pixel_values=b["images"].pixel_values, image_grid_thw=b["images"].grid_thw)
+                images = dict(pixel_values=b["images"].pixel_values, image_grid_thw=b["images"].grid_thw,
+                              image_mask=b["image_mask"])
         output = model(input_ids=b["input_ids"], position_ids=positions, attention_mask=None, **images)
         return output, partial(loss_fn, b)
 

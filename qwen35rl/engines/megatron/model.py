@@ -228,29 +228,29 @@ class Qwen35VLModel(GPTModel):
     features' gradient, so every TP rank gets the same full gradient and the copies stay identical without an extra
     reduction; gradient norms count the (unmarked, replicated) tower once, on TP rank 0."""
 
-    def __init__(self, *, vision_tower: Optional[torch.nn.Module], image_token_id: int, **kw: Any):
+    def __init__(self, *, vision_tower: Optional[torch.nn.Module], **kw: Any):
         super().__init__(position_embedding_type="mrope", **kw)
         cfg = self.config
         self.rotary_pos_emb = InterleavedMRoPE(cfg.kv_channels, kw["rotary_percent"], kw["rotary_base"],
                                                cfg.mrope_section, device=_param_device(cfg))
-        self.image_token_id = int(image_token_id)
         if self.pre_process and vision_tower is not None:
             self.visual = vision_tower
 
-    def forward(self, input_ids, position_ids, attention_mask, pixel_values=None, image_grid_thw=None, **kw):
+    def forward(self, input_ids, position_ids, attention_mask, pixel_values=None, image_grid_thw=None,
+                image_mask=None, **kw):
+        """`image_mask` [b, s]: the tokens the features of `pixel_values` / `image_grid_thw` replace, in order."""
         decoder_input = None
         if self.pre_process and pixel_values is not None:
-            decoder_input = self._embed_with_images(input_ids, pixel_values, image_grid_thw)
+            decoder_input = self._embed_with_images(input_ids, pixel_values, image_grid_thw, image_mask)
         return super().forward(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                                decoder_input=decoder_input, **kw)
 
-    def _embed_with_images(self, input_ids: torch.Tensor, pixel_values: torch.Tensor,
-                           grid_thw: torch.Tensor) -> torch.Tensor:
+    def _embed_with_images(self, input_ids: torch.Tensor, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
+                           is_image: torch.Tensor) -> torch.Tensor:
         from megatron.core import tensor_parallel
 
         emb = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h] ([s / tp, b, h] under SP)
         feats = image_features(self.visual, pixel_values, grid_thw)
-        is_image = input_ids == self.image_token_id  # [b, s]
         if int(is_image.sum()) != feats.shape[0]:
             raise ValueError(f"{int(is_image.sum())} image tokens for {feats.shape[0]} image features")
         full = emb.new_zeros((*input_ids.shape, emb.shape[-1])).masked_scatter(is_image[..., None], feats.to(emb.dtype))
@@ -263,7 +263,7 @@ class Qwen35VLModel(GPTModel):
 
 
 def build_chunks(config: TransformerConfig, model_cfg: Any, shape: Qwen35Shape, megatron_attention: bool = False,
-                 vision_tower: Any = None, image_token_id: Optional[int] = None) -> List[GPTModel]:
+                 vision_tower: Any = None) -> List[GPTModel]:
     """This rank's model chunks (one per virtual pipeline stage), on the current device, weights unset.
     `vision_tower`: a callable building the transformers vision tower (VL model; the chunk that embeds holds it)."""
     patch_megatron_without_te()
@@ -283,8 +283,7 @@ def build_chunks(config: TransformerConfig, model_cfg: Any, shape: Qwen35Shape, 
         if vision_tower is None:
             model = GPTModel(position_embedding_type="rope", **kw)
         else:
-            model = Qwen35VLModel(vision_tower=vision_tower() if pre_process else None,
-                                  image_token_id=int(image_token_id), **kw)
+            model = Qwen35VLModel(vision_tower=vision_tower() if pre_process else None, **kw)
         chunks.append(model)
     return chunks
 

@@ -1,16 +1,14 @@
 """The vision side of the Megatron Qwen3.5-VL model, in plain torch (no megatron import): the transformers vision
-tower, Qwen3.5's interleaved multimodal RoPE, the 3-D positions transformers gives each token, and which images
-belong to which rows of a micro batch.
+tower, Qwen3.5's interleaved multimodal RoPE, and which images belong to which rows of a micro batch (the 3-D
+positions of each token come from `models.image_tokens`).
 
 The tower is the transformers module itself (`Qwen3_5VisionModel` / `Qwen3_5MoeVisionModel`): next to the
 language model it is small (0.1-0.4B), so the engine keeps HF's code and weights names instead of a Megatron copy.
 """
 from __future__ import annotations
 
-import functools
-import types
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -45,21 +43,6 @@ class InterleavedMRoPE(nn.Module):
         return emb[..., None, :].transpose(0, 1).contiguous()
 
 
-def mrope_positions(input_ids: torch.Tensor, attention_mask: torch.Tensor, image_grid_thw: Optional[torch.Tensor],
-                    hf_config: Any) -> torch.Tensor:
-    """3-D positions [3, B, T] of each token, exactly as transformers' Qwen3.5-VL computes them (`get_rope_index`):
-    text tokens advance all three axes together, an image's tokens span its merged (h, w) grid. Padding gets 0."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
-
-    # get_rope_index reads only the config and the (stateless) per-grid helper: no model is built for it
-    shim = types.SimpleNamespace(config=hf_config,
-                                 get_vision_position_ids=functools.partial(Qwen3_5Model.get_vision_position_ids, None))
-    types_ = ((input_ids == hf_config.image_token_id).long() + 2 * (input_ids == hf_config.video_token_id).long())
-    positions, _ = Qwen3_5Model.get_rope_index(shim, input_ids, mm_token_type_ids=types_,
-                                               image_grid_thw=image_grid_thw, attention_mask=attention_mask.long())
-    return positions
-
-
 # ------------------------------------------------------------------------------------------------- the tower
 def build_vision_tower(hf_config: Any, dtype: torch.dtype) -> nn.Module:
     """The transformers vision tower of a VL config (weights set later from the HF state)."""
@@ -90,14 +73,14 @@ class RowImages:
     """[images]: the batch row of each image."""
 
     @classmethod
-    def of(cls, multimodal: dict, input_ids: torch.Tensor, image_token_id: int, merge: int) -> Optional["RowImages"]:
-        """From a `Batch.multimodal` of images (`pixel_values`, `image_grid_thw`) and the batch's token ids, whose
-        image tokens say how many images each row holds."""
+    def of(cls, multimodal: dict, image_mask: torch.Tensor, merge: int) -> Optional["RowImages"]:
+        """From a `Batch.multimodal` of images (`pixel_values`, `image_grid_thw`) and the batch's image tokens
+        (`prompt_image_mask`), which say how many images each row holds."""
         if not multimodal or multimodal.get("pixel_values") is None:
             return None
         grid = multimodal["image_grid_thw"].long()
         tokens = grid.prod(-1) // (merge * merge)
-        per_row = (input_ids == image_token_id).sum(1)
+        per_row = image_mask.sum(1)
         if int(tokens.sum()) != int(per_row.sum()):
             raise ValueError(f"{int(per_row.sum())} image tokens in the batch for images of {int(tokens.sum())} tokens: "
                              "prompt ids and images do not belong together")
@@ -120,6 +103,3 @@ class RowImages:
     def to(self, device: Any) -> "RowImages":
         return RowImages(self.pixel_values.to(device), self.grid_thw.to(device), self.rows.to(device))
 
-
-def split_images(images: Optional[RowImages], bounds: List[int]) -> List[Optional[RowImages]]:
-    return [None if images is None else images.take_rows(a, b) for a, b in zip(bounds, bounds[1:])]
