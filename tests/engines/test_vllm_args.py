@@ -12,11 +12,13 @@ from qwen35rl.engines.base import RolloutRequest
 from qwen35rl.engines.vllm_rollout import (
     VllmNotInstalledError,
     VllmRolloutEngine,
+    collapse_image_runs,
     engine_args_from_config,
     engine_env,
     renamed_weights,
     sampling_kwargs,
     stop_token_ids,
+    vllm_prompt,
     vllm_weight_name,
 )
 
@@ -78,8 +80,25 @@ def test_every_rollout_knob_reaches_the_args():
     assert a["enable_sleep_mode"] is False and a["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
 
 
-def test_image_data_keeps_the_multimodal_budget():
-    assert "limit_mm_per_prompt" not in args_for("model=qwen3_5_tiny_vl", "data=geo3k")
+def test_image_data_keeps_an_image_budget_from_the_data_and_no_video():
+    a = args_for("model=qwen3_5_tiny_vl", "data=geo3k", "data.max_prompt_length=1024")
+    assert a["limit_mm_per_prompt"] == {"image": 341, "video": 0}  # each image takes >= 3 of the prompt's tokens
+    assert args_for("model=qwen3_5_tiny_vl", "data=geo3k", "data.max_prompt_length=2")["limit_mm_per_prompt"]["image"] == 1
+    user = args_for("model=qwen3_5_tiny_vl", "data=geo3k", "+rollout.engine_kwargs.limit_mm_per_prompt={image: 2}")
+    assert user["limit_mm_per_prompt"] == {"image": 2}  # the user's engine_kwargs win
+
+
+def test_image_prompts_reach_vllm_with_one_placeholder_per_image():
+    IMG = 262
+    expanded = [257, 10, 260, IMG, IMG, IMG, 261, 260, IMG, IMG, 261, 104, 258]  # two images of 3 and 2 tokens
+    assert collapse_image_runs(expanded, IMG) == [257, 10, 260, IMG, 261, 260, IMG, 261, 104, 258]
+    images = ["a", "b"]
+    assert vllm_prompt(expanded, images, IMG) == {"prompt_token_ids": collapse_image_runs(expanded, IMG),
+                                                  "multi_modal_data": {"image": images}}
+    assert vllm_prompt([1, IMG, IMG], [], IMG) == {"prompt_token_ids": [1, IMG, IMG]}  # no images: ids as they are
+    assert vllm_prompt([1, 2], None, None) == {"prompt_token_ids": [1, 2]}
+    with pytest.raises(ValueError, match="vision checkpoint"):
+        vllm_prompt(expanded, images, None)
 
 
 def test_engine_kwargs_pass_through_and_win():

@@ -157,8 +157,9 @@ def _colocated_rank(rank: int, world: int, port: int, model_dir: str, queue) -> 
         engine = VllmRolloutEngine(cfg, model_dir)
         r = engine.generate(RolloutRequest(prompt_ids=[PROMPTS[rank]], n=2, max_new_tokens=6, seed=rank))
         engine.sleep()
+        engine.close()  # vLLM's teardown would destroy torch.distributed's default group: the trainer's here
         total = torch.tensor([float(sum(len(t) for t in r.response_ids))])
-        dist.all_reduce(total)  # the trainer's group still works with an engine in the process
+        dist.all_reduce(total)  # the trainer's group still works after an engine lived and closed in the process
         queue.put((rank, total.item(), sum(len(t) for t in r.response_ids), dist.get_world_size()))
     except Exception as e:  # pragma: no cover - reported to the test
         queue.put((rank, repr(e), None, None))
