@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen35rl.config import layout_search, memory, params, rules
+from qwen35rl.config import layout_search, memory, params, quirks, rules
 from qwen35rl.config.layout import derive_layout
 from qwen35rl.config.problems import ERROR, WARNING, Problem
 
@@ -67,9 +67,20 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "nodes": int(cfg.hw.nodes),
         "devices_per_node": int(cfg.hw.devices_per_node),
         "worker_env": {**OmegaConf.to_container(cfg.hw.env), **OmegaConf.to_container(cfg.backend.env)},
+        "vllm_quirks": vllm_quirks(cfg),
         "output_dir": f"{cfg.trainer.output_root}/{cfg.trainer.run_name}",
         "auto_candidates": [c.to_dict() for c in candidates[:5]],
     }
+
+
+def vllm_quirks(cfg: DictConfig) -> List[Dict[str, Any]]:
+    """The platform's vLLM quirks that this run's vLLM version gets, as the engine will apply them: {key, value,
+    why, overridden (the user's rollout.engine_kwargs set the key)}. Empty without rollout=vllm."""
+    if cfg.rollout.engine != "vllm":
+        return []
+    user = cfg.rollout.engine_kwargs or {}
+    return [{"key": q["key"], "value": q["value"], "why": q.get("why"), "overridden": q["key"] in user}
+            for q in quirks.applying_quirks(cfg)]
 
 
 def batch_arithmetic(cfg: DictConfig, layout) -> Dict[str, Any]:
@@ -121,6 +132,9 @@ def render_text(plan: Dict[str, Any]) -> str:
         f" usable {_fmt_gib(m.get('capacity'))} per device -> {'fits' if m.get('fits') else 'DOES NOT FIT'}",
         f"  output     {plan['output_dir']}",
     ]
+    for q in plan.get("vllm_quirks", []):
+        state = "overridden by rollout.engine_kwargs" if q["overridden"] else "applied"
+        lines.append(f"  vllm quirk {q['key']}={q['value']} ({state}): {q['why']}")
     if plan["worker_env"]:
         lines.append("  worker env " + " ".join(f"{k}={v}" for k, v in sorted(plan["worker_env"].items())))
     if plan["auto_candidates"]:
