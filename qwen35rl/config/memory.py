@@ -4,7 +4,10 @@ Two phases peak separately:
 - training: the trainer's weights and optimizer states, the reference model and whatever the sleeping rollout engine
   keeps, plus the larger of two moments: the backward (gradients of earlier micro batches, gathered FSDP units,
   saved activations, the log-prob head's or a recomputed layer's transient) and the optimizer step (every local
-  gradient, the grad-norm and AdamW temporaries; `train/optimizer_step` is what it adds beyond the backward);
+  gradient, the grad-norm and AdamW temporaries; `train/optimizer_step` is what it adds beyond the backward). On
+  image data the policy and the reference include the vision tower (`trains_vision`): its weights, gradients and
+  optimizer states follow each engine's rules for the text parameters (Megatron: on the first stage, replicated
+  over TP), and its activations are `train/vision_activations`; `model.freeze_vision_tower` leaves weights only;
 - rollout: what the trainer keeps on the device between steps, plus the rollout engine (vLLM claims
   `gpu_memory_utilization` of the device for its weights, activations, KV cache and GDN state; the hf engine holds
   its weights, a static cache and one layer's prefill tensors).
@@ -120,9 +123,15 @@ def compute_bytes(cfg: Any) -> int:
 
 
 def trains_vision(cfg: Any) -> bool:
-    """The transformers models (FSDP policy and reference, hf rollout) include the vision tower only for a vision
-    model on image data (`models.build.trains_vision`); otherwise they are the text model."""
+    """The policy and the reference (FSDP and Megatron alike) and the hf rollout engine include the vision tower
+    only for a vision model on image data (`models.build.trains_vision`); otherwise they are the text model."""
     return cfg["model"].get("vision") is not None and bool(cfg["data"].get("has_images", False))
+
+
+def freezes_vision(cfg: Any) -> bool:
+    """The policy includes the vision tower but `model.freeze_vision_tower` keeps it fixed: no gradients, no
+    optimizer state, no activations kept for backward."""
+    return trains_vision(cfg) and bool(cfg["model"].get("freeze_vision_tower", False))
 
 
 def largest_parameter(m: Any) -> int:
@@ -146,7 +155,21 @@ class TrainShard:
     largest_unit: float
     """FSDP: parameters of the largest decoder layer (an FSDP unit all-gathered at once); Megatron: 0."""
     root: float = 0.0
-    """FSDP: parameters of the root unit (embedding, untied lm_head, final norm), gathered for a whole pass."""
+    """FSDP: parameters of the root unit (embedding, untied lm_head, final norm; with the vision tower its patch
+    embedding, position table and merger), gathered for a whole pass."""
+    frozen: float = 0.0
+    """Parameters per device without gradients or optimizer state: the vision tower under
+    `model.freeze_vision_tower` (FSDP: already divided by fsdp_size). `dense` holds a trained tower."""
+
+    @property
+    def trained(self) -> float:
+        """Parameters per device that get gradients and optimizer states."""
+        return self.dense + self.expert
+
+    @property
+    def held(self) -> float:
+        """Every parameter per device, frozen ones included."""
+        return self.dense + self.expert + self.frozen
 
 
 def pipeline_ranks(cfg: Any, layout: Layout) -> List[Dict[str, Any]]:
@@ -164,21 +187,34 @@ def pipeline_ranks(cfg: Any, layout: Layout) -> List[Dict[str, Any]]:
     return ranks
 
 
+def vision_tower_params(cfg: Any) -> int:
+    """Parameters of the vision tower the policy holds (`trains_vision`; 0 for the text model)."""
+    return P.vision_params(cfg["model"]["vision"]) if trains_vision(cfg) else 0
+
+
 def train_shard(cfg: Any, layout: Layout) -> TrainShard:
-    """Megatron trains the text model only (no vision tower, no MTP): dense weights / TP, experts / (EP*ETP),
-    embedding on the first stage and the output layer (or the tied copy) + final norm on the last; the heaviest
-    rank counts. FSDP trains the transformers model (`trains_vision`: the text model, with the vision tower on
-    image data; no MTP), every parameter / fsdp_size."""
+    """Megatron builds the text model (no MTP) and, on image data (`trains_vision`), the vision tower: dense
+    weights / TP, experts / (EP*ETP), embedding and the whole vision tower (replicated over TP, not divided) on the
+    first stage, the output layer (or the tied copy) + final norm on the last; the heaviest rank counts (by its
+    bf16 weights + fp32 gradients). FSDP trains the transformers model (the text model, with the vision tower on
+    image data; no MTP), every parameter / fsdp_size; its vision blocks are FSDP units and the rest of the tower
+    belongs to the root. A frozen tower (`freezes_vision`) moves from `dense` to `frozen`."""
     m = cfg["model"]
+    tower = vision_tower_params(cfg)
+    frozen_tower = tower if freezes_vision(cfg) else 0
     if not _megatron(layout):
         kinds = P.layer_kinds(m)
         expert = len(kinds) * P.layer_expert_params(m)
-        count = P.count_params(m)
-        dense = (count.total if trains_vision(cfg) else count.text) - expert
+        dense = P.count_params(m).text - expert + tower - frozen_tower
         unit = max(P.layer_dense_params(m, k) + P.layer_expert_params(m) for k in set(kinds))
         root = P.embedding_params(m) + P.lm_head_params(m) + int(m["hidden_size"])
+        if tower:
+            v = m["vision"]
+            unit = max(unit, P.vision_block_params(v))
+            root += tower - int(v["depth"]) * P.vision_block_params(v)
         f = max(layout.fsdp_size, 1)
-        return TrainShard(dense=dense / f, expert=expert / f, layers=kinds, largest_unit=unit, root=root)
+        return TrainShard(dense=dense / f, expert=expert / f, layers=kinds, largest_unit=unit, root=root,
+                          frozen=frozen_tower / f)
     h, embed = int(m["hidden_size"]), P.embedding_params(m)
     shards = []
     ranks = pipeline_ranks(cfg, layout)
@@ -188,19 +224,22 @@ def train_shard(cfg: Any, layout: Layout) -> TrainShard:
         # The output layer: its own weights, or a copy of the tied embedding when that lives on another stage.
         output = embed if rank["L"] and not (m["tie_word_embeddings"] and rank["E"]) else 0
         dense += (embed if rank["E"] else 0) + output + (h if rank["L"] else 0)
-        shards.append((dense / max(layout.tp, 1), expert / max(layout.ep * layout.etp, 1)))
-    dense, expert = max(shards, key=sum)
+        on_rank = tower if rank["E"] else 0
+        frozen = frozen_tower if rank["E"] else 0
+        shards.append((dense / max(layout.tp, 1) + on_rank - frozen, expert / max(layout.ep * layout.etp, 1), frozen))
+    dense, expert, frozen = max(shards, key=lambda s: (s[0] + s[1]) * (BF16 + FP32) + s[2] * BF16)
     most_layers = max((r["layers"] for r in ranks), key=len)
-    return TrainShard(dense=dense, expert=expert, layers=most_layers, largest_unit=0.0)
+    return TrainShard(dense=dense, expert=expert, layers=most_layers, largest_unit=0.0, frozen=frozen)
 
 
 # -------------------------------------------------------------------------------------------- training terms
 def train_weights_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
     """Megatron: bf16 parameters on the device while training (param_offload only moves them out between
-    phases). FSDP: fp32 sharded parameters (bf16 is the compute copy), on the host with offload_policy."""
+    phases). FSDP: fp32 sharded parameters (bf16 is the compute copy), on the host with offload_policy. Frozen
+    parameters count here like the trained ones."""
     if _megatron(layout):
-        return gib((shard.dense + shard.expert) * BF16)
-    return 0.0 if _fsdp_on_host(cfg) else gib((shard.dense + shard.expert) * FP32)
+        return gib(shard.held * BF16)
+    return 0.0 if _fsdp_on_host(cfg) else gib(shard.held * FP32)
 
 
 def train_grads_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
@@ -208,19 +247,21 @@ def train_grads_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
     parameter (always allocated). FSDP: the fp32 sharded gradients of the earlier micro batches of the optimizer
     step (none with a single micro batch: the peak is at the start of its backward), on the host when offloaded."""
     if _megatron(layout):
-        return gib((shard.dense + shard.expert) * FP32)
+        return gib(shard.trained * FP32)
     if _fsdp_on_host(cfg) or micro_batches_per_mini_batch(cfg, layout) <= 1:
         return 0.0
-    return gib((shard.dense + shard.expert) * FP32)
+    return gib(shard.trained * FP32)
 
 
 def optimizer_states_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
     """Adam. Megatron: fp32 master + m + v (12 B/param), the distributed optimizer shards dense states over
     DP*CP and expert states over expert-DP; optimizer_cpu_offload keeps `optimizer_offload_fraction` on the host.
-    FSDP: m + v (8 B/param, the fp32 parameters are the master copy) of the shard, on the host with offload_policy."""
+    FSDP: m + v (8 B/param, the fp32 parameters are the master copy) of the shard, on the host with offload_policy.
+    A trained vision tower is dense (Megatron: sharded over DP*CP like the other replicated parameters); a frozen
+    one has no states."""
     b = cfg["backend"]
     if not _megatron(layout):
-        return 0.0 if _fsdp_on_host(cfg) else gib((shard.dense + shard.expert) * 2 * FP32)
+        return 0.0 if _fsdp_on_host(cfg) else gib(shard.trained * 2 * FP32)
     if b["use_distributed_optimizer"]:
         states = shard.dense / max(layout.dp * layout.cp, 1) + shard.expert / max(layout.edp, 1)
     else:
@@ -236,7 +277,7 @@ def fsdp_gathered_params_gib(cfg: Any, layout: Layout, shard: TrainShard) -> flo
     if _megatron(layout):
         return 0.0
     if not cfg["backend"].get("reshard_after_forward", True):
-        return gib((shard.dense + shard.expert) * max(layout.fsdp_size, 1) * compute_bytes(cfg))
+        return gib(shard.held * max(layout.fsdp_size, 1) * compute_bytes(cfg))
     return gib((shard.root + 2 * shard.largest_unit) * compute_bytes(cfg))
 
 
@@ -334,12 +375,13 @@ def in_flight_micro_batches(cfg: Any, layout: Layout) -> float:
 
 def recompute_groups(cfg: Any, layout: Layout) -> Optional[Dict[str, Any]]:
     """How activations are recomputed: None (all saved), or {method: uniform|block, n: layers per group}.
-    Megatron's 'selective' recompute only re-runs core attention, which flash attention never stores: counted
-    as no recompute. FSDP gradient checkpointing = uniform groups of one layer."""
+    Megatron recomputes with gradient_checkpointing and a recompute_granularity (the engine's rule); its
+    'selective' recompute only re-runs core attention, which flash attention never stores: counted as no
+    recompute. FSDP gradient checkpointing = uniform groups of one layer."""
     b = cfg["backend"]
     if not _megatron(layout):
         return {"method": "uniform", "n": 1} if b["gradient_checkpointing"] else None
-    if b.get("recompute_granularity") != "full":
+    if not b["gradient_checkpointing"] or b.get("recompute_granularity") != "full":  # the engine needs both
         return None
     return {"method": b.get("recompute_method") or "uniform", "n": max(int(b.get("recompute_num_layers") or 1), 1)}
 
@@ -380,6 +422,84 @@ def activations_gib(cfg: Any, layout: Layout, shard: TrainShard, kernels: Option
         saved = math.ceil(len(per_layer) / n) * h * flight
         working = 2 * sum(sorted(per_layer, reverse=True)[:n])
     return gib((saved + working) * tokens * BF16)
+
+
+# ------------------------------------------------------------------------------------------ the vision tower
+def image_tokens_per_micro_batch(cfg: Any) -> float:
+    """Merged image tokens of one micro batch, at most. Every prompt token may be an image token: a prompt holds at
+    most data.max_prompt_length tokens (longer ones are filtered or refused), and the prompts' share of a micro
+    batch is max_prompt_length / (prompt + response) of its tokens (padded batches: exactly its prompts; dynamic
+    batches: by that share). Neither the data config nor the processor bounds it more tightly: images per prompt
+    are not limited, and the official processor's ceiling of 16,777,216 pixels per image is 16,384 tokens."""
+    return micro_batch_tokens(cfg) * int(cfg["data"]["max_prompt_length"]) / sequence_length(cfg)
+
+
+def vision_patches_per_micro_batch(cfg: Any) -> float:
+    """Patches the vision tower embeds for one micro batch: spatial_merge_size^2 per merged image token."""
+    return image_tokens_per_micro_batch(cfg) * int(cfg["model"]["vision"]["spatial_merge_size"]) ** 2
+
+
+def _pixels_per_patch(v: Any) -> int:
+    return int(v["in_channels"]) * int(v["temporal_patch_size"]) * int(v["patch_size"]) ** 2
+
+
+def vision_block_bytes_per_patch(v: Any, cb: int) -> float:
+    """Bytes one vision block (transformers' Qwen3.5 ViT block) keeps for backward per patch, its output included:
+    in the compute dtype its input, the first LayerNorm's output, the fused qkv output (v stays a view of it), the
+    rotated q and k, the attention output and its concatenated copy, the residual sum, the second LayerNorm's
+    output, the block output (11 x hidden) and the MLP's fc1 and GELU outputs (2 x intermediate); in fp32 the
+    attention's log-sum-exp per head and the LayerNorms' mean and rstd. Counted tensor by tensor on the modules
+    (tests/config/test_memory_calibration.py)."""
+    d, inter = int(v["hidden_size"]), int(v["intermediate_size"])
+    return float(cb * (11 * d + 2 * inter) + FP32 * (int(v["num_heads"]) + 4))
+
+
+def vision_stem_bytes_per_patch(v: Any, cb: int) -> float:
+    """What the tower keeps for backward outside its blocks, per patch: the patch embedding's input in the compute
+    dtype, the first block's input, the merger's LayerNorm output, fc1 output and GELU output (hidden each: a merged
+    row is spatial_merge^2 patches wide) and its fc2 output (out_hidden per merged token); in fp32 the rotary cos
+    and sin (head_dim each), the bilinear position lookup's four weights and the merger LayerNorm's mean and rstd;
+    the lookup's four int64 indices."""
+    d, merged = int(v["hidden_size"]), int(v["spatial_merge_size"]) ** 2
+    head_dim = d // int(v["num_heads"])
+    return float(cb * (_pixels_per_patch(v) + 4 * d + int(v["out_hidden_size"]) / merged)
+                 + FP32 * (2 * head_dim + 4 + 2) + FP64 * 4)
+
+
+def vision_recomputed(cfg: Any, layout: Layout) -> bool:
+    """Whether the backward recomputes the vision blocks (each keeps only its input): whenever the decoder layers
+    are recomputed (`recompute_groups`). FSDP: transformers' gradient checkpointing covers the vision blocks like
+    the decoder layers. Megatron: an assumption on the engine. megatron-core's recompute does not reach the
+    transformers tower the engine runs next to its decoder, so the engine has to checkpoint the tower's blocks
+    itself when it recomputes, as the reference runs' bridge does (its vision blocks take the language model's
+    recompute settings). Without it the tower keeps every block's tensors (`vision_block_bytes_per_patch` x depth
+    per patch), which the 122B reference runs' 3240-token prompts do not fit."""
+    return recompute_groups(cfg, layout) is not None
+
+
+def vision_activations_gib(cfg: Any, layout: Layout) -> float:
+    """The vision tower's activations for the images of the micro batches in flight (`in_flight_micro_batches`;
+    Megatron: on the first stage, where the tower lives), `vision_patches_per_micro_batch` patches each, not split
+    over TP, CP or SP: every rank of a model-parallel group runs the tower on all of them. Each micro batch in
+    flight keeps its fp32 pixel values. A trained tower keeps what its stem and blocks save for backward
+    (recomputed: each block only its input, plus one block recomputed at a time, for Megatron with its gradients
+    as for the decoder's recomputed group). A frozen tower (`freezes_vision`) keeps nothing for backward: one
+    block's forward tensors of one micro batch are live at a time, counted on top (conservatively: the forward
+    runs before the decoder's backward)."""
+    if not trains_vision(cfg):
+        return 0.0
+    v = cfg["model"]["vision"]
+    cb = BF16 if _megatron(layout) else compute_bytes(cfg)
+    patches, flight = vision_patches_per_micro_batch(cfg), in_flight_micro_batches(cfg, layout)
+    block, pixels = vision_block_bytes_per_patch(v, cb), FP32 * _pixels_per_patch(v)
+    if freezes_vision(cfg):
+        return gib(patches * (pixels * flight + block))
+    stem, depth = vision_stem_bytes_per_patch(v, cb), int(v["depth"])
+    if vision_recomputed(cfg, layout):
+        saved, working = stem + depth * cb * int(v["hidden_size"]), (2 if _megatron(layout) else 1) * block
+    else:
+        saved, working = stem + depth * block, 0.0
+    return gib(patches * ((saved + pixels) * flight + working))
 
 
 def logits_gib(cfg: Any, layout: Layout) -> float:
@@ -425,32 +545,37 @@ def optimizer_step_gib(cfg: Any, layout: Layout, shard: TrainShard, backward_set
     Megatron's fused, in-place step over its persistent buffers adds nothing."""
     if _megatron(layout) or _fsdp_on_host(cfg):
         return 0.0
-    local = shard.dense + shard.expert
+    local = shard.trained
     largest = largest_parameter(cfg["model"]) / max(layout.fsdp_size, 1)
     step = gib(local * FP32 + max(largest * (FP64 + FP64), local * FP32))
     return max(0.0, step - backward_set)
 
 
 def reference_model_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
-    """With KL on, a bf16 reference model sharded like the policy (FSDP: plus its root unit, which stays gathered
-    after each of its forward passes); it follows the policy's parameter offload (host between its forward
-    passes) and is absent without KL."""
+    """With KL on, a bf16 reference model sharded like the policy, its copy of the vision tower included (weights
+    only: it never trains) (FSDP: plus its root unit, which stays gathered after each of its forward passes); it
+    follows the policy's parameter offload (host between its forward passes) and is absent without KL."""
     if not kl_on(cfg) or cfg["backend"]["param_offload"] or (not _megatron(layout) and _fsdp_on_host(cfg)):
         return 0.0
     root = 0.0 if _megatron(layout) else shard.root
-    return gib((shard.dense + shard.expert + root) * BF16)
+    return gib((shard.held + root) * BF16)
 
 
 def rollout_weights_params(cfg: Any, layout: Layout) -> float:
-    """Parameters one rollout device holds: vLLM the text model without MTP + vision tower, the hf engine the
-    transformers model (`trains_vision`); dense weights and embeddings split by rollout TP, experts by rollout EP
-    (one DP-attention engine) or TP."""
+    """Parameters one rollout device holds: the text model without MTP, plus the vision tower on image data
+    (`trains_vision`: the hf engine builds the transformers VL model only then, and vLLM skips building the tower
+    when limit_mm_per_prompt is 0 for images and video, which the engine sets for text data). Dense weights,
+    embeddings and vLLM's vision tower split by rollout TP (the tower replicated on each TP rank with
+    engine_kwargs.mm_encoder_tp_mode=data), experts by rollout EP (one DP-attention engine) or TP."""
     m = cfg["model"]
-    count = P.count_params(m)
-    total = count.text if cfg["rollout"]["engine"] == "hf" and not trains_vision(cfg) else count.total
+    tp = max(layout.rollout_tp, 1)
+    tower = vision_tower_params(cfg)
+    replicated = cfg["rollout"]["engine"] == "vllm" and (cfg["rollout"].get("engine_kwargs") or {}).get(
+        "mm_encoder_tp_mode") == "data"
     expert = len(P.layer_kinds(m)) * P.layer_expert_params(m)
     split_experts = layout.rollout_ep if layout.rollout_ep > 1 else layout.rollout_tp
-    return (total - expert) / max(layout.rollout_tp, 1) + expert / max(split_experts, 1)
+    dense = P.count_params(m).text - expert
+    return dense / tp + (tower if replicated else tower / tp) + expert / max(split_experts, 1)
 
 
 def hf_engine_sleeps(cfg: Any) -> bool:
@@ -487,8 +612,9 @@ def train_state_during_rollout_gib(cfg: Any, layout: Layout, shard: TrainShard) 
 def host_offloaded_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
     """Host memory per device for what the trainer offloads: Megatron's CPU optimizer share (12 B/param), and
     between phases weights (2 B), fp32 grads and the device optimizer share; FSDP offloaded (`_fsdp_on_host`) keeps
-    fp32 params + grads + Adam m, v (16 B/param) there; plus an offloaded reference model (bf16)."""
-    b, n = cfg["backend"], shard.dense + shard.expert
+    fp32 params + grads + Adam m, v (16 B/param; frozen parameters 4 B) there; plus an offloaded reference model
+    (bf16)."""
+    b = cfg["backend"]
     if _megatron(layout):
         host = 0.0
         if b["optimizer_cpu_offload"]:
@@ -498,9 +624,9 @@ def host_offloaded_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
         host += train_grads_gib(cfg, layout, shard) if b["grad_offload"] else 0.0
         host += optimizer_states_gib(cfg, layout, shard) if b["optimizer_offload"] else 0.0
     else:
-        host = gib(n * 4 * FP32) if _fsdp_on_host(cfg) else 0.0
+        host = gib(shard.trained * 4 * FP32 + shard.frozen * FP32) if _fsdp_on_host(cfg) else 0.0
     offloaded_ref = b["param_offload"] or (not _megatron(layout) and _fsdp_on_host(cfg))
-    return host + (gib(n * BF16) if kl_on(cfg) and offloaded_ref else 0.0)
+    return host + (gib(shard.held * BF16) if kl_on(cfg) and offloaded_ref else 0.0)
 
 
 def vllm_pool_gib(cfg: Any) -> float:
@@ -650,6 +776,7 @@ def train_terms(cfg: Any, layout: Layout, gdn: Optional[str] = None) -> Dict[str
         "train/grads": train_grads_gib(cfg, layout, shard),
         "train/gathered_params": fsdp_gathered_params_gib(cfg, layout, shard),
         "train/activations": activations_gib(cfg, layout, shard, gdn),
+        "train/vision_activations": vision_activations_gib(cfg, layout),
         "train/backward_transient": backward_transient_gib(cfg, layout, shard, gdn),
     }
     return {

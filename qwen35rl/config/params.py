@@ -95,17 +95,22 @@ def mtp_params(m: Any) -> int:
 
 
 # ------------------------------------------------------------------------------------------------------ vision
+def vision_block_params(v: Any) -> int:
+    """One ViT block: two LayerNorms with bias, fused qkv, proj and the MLP (fc1, fc2), all with bias."""
+    d, inter = int(v["hidden_size"]), int(v["intermediate_size"])
+    return 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * inter + inter) + (inter * d + d)
+
+
 def vision_params(v: Any) -> int:
-    """ViT: Conv3d patch embed (bias), learned position table, blocks (LayerNorms with bias, fused qkv, proj, MLP;
-    all with bias) and the patch merger (LayerNorm, fc1 on merged patches, fc2 to the text hidden size)."""
+    """ViT: Conv3d patch embed (bias), learned position table, blocks (`vision_block_params`) and the patch merger
+    (LayerNorm, fc1 on merged patches, fc2 to the text hidden size)."""
     if v is None:
         return 0
-    d, inter = int(v["hidden_size"]), int(v["intermediate_size"])
+    d = int(v["hidden_size"])
     patch = int(v["in_channels"]) * int(v["temporal_patch_size"]) * int(v["patch_size"]) ** 2 * d + d
-    block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * inter + inter) + (inter * d + d)
     merged = d * int(v["spatial_merge_size"]) ** 2
     merger = 2 * d + (merged * merged + merged) + (merged * int(v["out_hidden_size"]) + int(v["out_hidden_size"]))
-    return patch + int(v["num_position_embeddings"]) * d + int(v["depth"]) * block + merger
+    return patch + int(v["num_position_embeddings"]) * d + int(v["depth"]) * vision_block_params(v) + merger
 
 
 # ------------------------------------------------------------------------------------------------------- totals

@@ -588,16 +588,6 @@ def images_need_vision_model(cfg: Any, layout: Layout) -> List[Problem]:
 
 
 @rule("config")
-def megatron_trains_text_only(cfg: Any, layout: Layout) -> List[Problem]:
-    """backend=megatron builds the text model only: image data cannot train."""
-    if not val(cfg, "data.has_images") or not _megatron(layout):
-        return []
-    return _err("megatron_trains_text_only", "backend", f"data={val(cfg, 'data.name')} has images, but backend=megatron "
-                "trains the text model only (no vision tower)", "try backend=fsdp for image data, or text data "
-                "(e.g. data=gsm8k) with megatron")
-
-
-@rule("config")
 def megatron_dispatcher_takes_variable_lengths(cfg: Any, layout: Layout) -> List[Problem]:
     """The Megatron engine feeds micro batches of different lengths (variable_seq_lengths); megatron-core's
     allgather MoE dispatcher refuses that at start-up."""
@@ -813,7 +803,7 @@ def train_memory_problems(cfg: Any, est: memory.MemoryEstimate) -> List[Problem]
     else:
         hint = ("enable backend.param_offload=true backend.optimizer_offload=true backend.offload_policy=true"
                 if not b.get("offload_policy") else "try backend=megatron or more devices (hw.nodes)")
-    if big == "train/activations":
+    if big in ("train/activations", "train/vision_activations"):
         hint = "turn on recompute / backend.gradient_checkpointing or lower backend.micro_batch_size_per_device; " + hint
     return _err("train_memory_fits", "parallelism", f"training needs {est.train_peak_gib:.1f} GiB per device (largest:"
                 f" {big.split('/')[1]} {est.terms[big]:.1f} GiB) but {est.capacity_gib:.1f} GiB are usable", hint)

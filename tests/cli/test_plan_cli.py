@@ -100,3 +100,20 @@ def test_sweep_with_a_typo_starts_nothing(tmp_path):
     r = run("-m", "model=qwen3_5_27b,qwen3_5_9", f"trainer.output_root={tmp_path}")
     assert r.returncode == 2 and "did you mean" in r.stderr
     assert not (tmp_path / "sweeps").exists()
+
+
+def test_megatron_on_image_data_plans_valid():
+    """Image data trains the vision tower on the Megatron engine too: the CPU layouts of its tests and a reference
+    run on geo3k plan valid (exit 0), with the tower's activations in the estimate."""
+    cpu = ["backend=megatron", "data=geo3k", "hw=cpu", "hw.devices_per_node=2"]
+    for layout in (["model=qwen3_5_tiny_vl", "parallelism.tp=2"],
+                   ["model=qwen3_5_tiny_vl", "parallelism.pp=2", "parallelism.vpp=2"],
+                   ["model=qwen3_5_tiny_vl_moe", "parallelism.ep=2"]):
+        r = run(*cpu, *layout, "format=json")
+        assert r.returncode == 0, r.stdout
+        plan = json.loads(r.stdout)
+        assert plan["valid"] and plan["problems"] == [] and plan["memory_gib"]["fits"]
+    r = run("model=qwen3_5_397b_a17b", "hw=a3_16node", "backend=megatron", "data=geo3k", "format=json")
+    assert r.returncode == 0, r.stdout
+    plan = json.loads(r.stdout)
+    assert plan["valid"] and plan["memory_gib"]["terms"]["train/vision_activations"] > 0

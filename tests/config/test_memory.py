@@ -260,12 +260,18 @@ def test_rollout_cache_terms():
 
 
 def test_rollout_weights_and_activations():
-    t = tree(MG397)
+    t = tree(MG397)  # text data: vLLM skips the vision tower (limit_mm_per_prompt 0)
     experts = 60 * 512 * 3 * 4096 * 1024
-    total = P.count_params(t["model"]).total
+    count = P.count_params(t["model"])
     ep = layout(world=256, rtp=16, rdp=16, rep=256)
-    assert M.rollout_weights_params(t, ep) == pytest.approx((total - experts) / 16 + experts / 256)
-    assert M.rollout_weights_params(t, layout(world=256, rtp=8)) == pytest.approx(total / 8)
+    assert M.rollout_weights_params(t, ep) == pytest.approx((count.text - experts) / 16 + experts / 256)
+    assert M.rollout_weights_params(t, layout(world=256, rtp=8)) == pytest.approx(count.text / 8)
+    images = tree(MG397, data__has_images=True)  # image data: the tower too, split by rollout TP like the rest
+    assert M.rollout_weights_params(images, ep) == pytest.approx((count.total - experts) / 16 + experts / 256)
+    assert M.rollout_weights_params(images, layout(world=256, rtp=8)) == pytest.approx(count.total / 8)
+    data_mode = tree(MG397, data__has_images=True, rollout__engine_kwargs={"mm_encoder_tp_mode": "data"})
+    assert M.rollout_weights_params(data_mode, layout(world=256, rtp=8)) == pytest.approx(
+        count.text / 8 + count.vision)  # the tower replicated on every TP rank
     tiny = tree(TINY)
     widest = max(M.layer_activation_elems_per_token(tiny["model"], k) for k in ("linear", "full"))
     expected = 8192 * (widest / 1 + 2 * 128) * 2 + 256 * 320 * 8
@@ -390,3 +396,176 @@ def test_tied_embedding_is_counted_once_unless_split_over_stages():
     half = P.layers_params(m, P.layer_kinds(m)[12:])
     assert M.train_shard(two, derive_layout(two)).dense == max(
         P.layers_params(m, P.layer_kinds(m)[:12]) + 248320 * 1024, half + 248320 * 1024 + 1024)
+
+
+# ----------------------------------------------------------------------------------------- the vision tower
+VISION_27 = dict(d=1152, inter=4304, heads=16, depth=27, out=4096, pixels=3 * 2 * 16 * 16)
+"""The vision tower of 27B / 35B / 122B / 397B (conf/model_base/qwen3_5.yaml), out_hidden = 397B's text hidden."""
+
+
+def vision_block_params(d, inter, **_):
+    return 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * inter + inter) + (inter * d + d)
+
+
+def test_vision_tower_params_are_the_formulas():
+    v = tree(MG397)["model"]["vision"]
+    assert P.vision_block_params(v) == vision_block_params(**VISION_27)
+    d, merged = 1152, 4 * 1152
+    stem = 1536 * d + d + 2304 * d + 2 * d + merged * merged + merged + merged * 4096 + 4096
+    assert P.vision_params(v) == stem + 27 * vision_block_params(**VISION_27) == P.count_params(tree(MG397)["model"]).vision
+
+
+def _first_stage_text(m, layers):
+    """Non-expert text parameters of a first pipeline stage with these layers (embedding included) and its experts."""
+    kinds = P.layer_kinds(m)[:layers]
+    expert = layers * P.layer_expert_params(m)
+    return P.layers_params(m, kinds) - expert + P.embedding_params(m), expert
+
+
+def test_megatron_trains_the_vision_tower_on_the_first_stage_replicated_over_tp():
+    t = tree(MG397, data__has_images=True, backend__optimizer_cpu_offload=False)
+    lay = derive_layout(t)  # TP2 PP4 EP64 DP32: 15 layers per stage
+    assert (lay.tp, lay.pp, lay.ep, lay.dp, lay.edp) == (2, 4, 64, 32, 1)  # edp = 256 / (PP4 x EP64)
+    vision = P.count_params(t["model"]).vision
+    dense, expert = _first_stage_text(t["model"], 15)
+    shard = M.train_shard(t, lay)  # the first stage is now the heaviest: its text / TP plus the whole tower
+    assert shard.dense == pytest.approx(dense / 2 + vision) and shard.expert == pytest.approx(expert / 64)
+    assert shard.frozen == 0
+    assert M.train_weights_gib(t, lay, shard) == pytest.approx((dense / 2 + vision + expert / 64) * 2 / GIB)
+    assert M.train_grads_gib(t, lay, shard) == pytest.approx((dense / 2 + vision + expert / 64) * 4 / GIB)
+    # the distributed optimizer shards the tower's fp32 master + moments over DP like the other replicated states
+    states = (dense / 2 + vision) / 32 + expert / 64
+    assert M.optimizer_states_gib(t, lay, shard) == pytest.approx(states * 12 / GIB)
+    # text data: no tower on any stage (the heavier of the first stage and the last, with output layer and norm)
+    m = t["model"]
+    last = P.layers_params(m, P.layer_kinds(m)[45:]) - 15 * P.layer_expert_params(m) + 248320 * 4096 + 4096
+    assert M.train_shard(tree(MG397), lay).dense == pytest.approx(max(dense, last) / 2)
+
+
+def test_megatron_vision_tower_lives_on_the_first_stage_only():
+    """A short first stage stays lighter than the middle ones even with the tower: the heaviest rank is the same
+    with and without images."""
+    uneven = dict(parallelism__pipeline_layout="E,t*6|t*18|t*18|t*18,L")
+    images = tree(MG397, data__has_images=True, **uneven)
+    text = tree(MG397, **uneven)
+    lay = derive_layout(images)
+    assert M.train_shard(images, lay) == M.train_shard(text, lay)
+
+
+def test_megatron_vision_activations_per_micro_batch_in_flight():
+    t = tree(MG397, data__has_images=True)  # PP4: 4 of the 5 micro batches in flight on the first stage
+    lay = derive_layout(t)
+    assert M.in_flight_micro_batches(t, lay) == 4
+    d, inter, heads, depth, out, pixels = (VISION_27[k] for k in ("d", "inter", "heads", "depth", "out", "pixels"))
+    patches = 1 * 1024 * 4  # micro batch 1: every one of the 1024 prompt tokens an image token of 2 x 2 patches
+    assert M.vision_patches_per_micro_batch(t) == patches
+    block = 2 * (11 * d + 2 * inter) + 4 * (heads + 4)
+    stem = 2 * (pixels + 4 * d + out / 4) + 4 * (2 * (d // heads) + 6) + 8 * 4
+    assert M.vision_block_bytes_per_patch(t["model"]["vision"], 2) == block
+    assert M.vision_stem_bytes_per_patch(t["model"]["vision"], 2) == stem
+    # full recompute: each block keeps its input; one block recomputed with its gradients; fp32 pixel values kept
+    recomputed = patches * ((stem + depth * 2 * d + 4 * pixels) * 4 + 2 * block)
+    assert M.vision_activations_gib(t, lay) == pytest.approx(recomputed / GIB)
+    saved = tree(MG397, data__has_images=True, backend__recompute_granularity=None)
+    assert M.vision_activations_gib(saved, lay) == pytest.approx(patches * (stem + depth * block + 4 * pixels) * 4 / GIB)
+    # not split over TP: the same patches on every TP rank (TP1 and TP2 at the same DP size and pipeline depth)
+    wide = tree(MG397, data__has_images=True, hw__nodes=32, parallelism__tp=4)
+    assert derive_layout(wide).dp == lay.dp
+    assert M.vision_activations_gib(wide, derive_layout(wide)) == pytest.approx(recomputed / GIB)
+    assert M.estimate(t, lay).terms["train/vision_activations"] == pytest.approx(recomputed / GIB)
+
+
+def test_frozen_vision_tower_counts_weights_only():
+    kw = dict(data__has_images=True, backend__optimizer_cpu_offload=False, model__freeze_vision_tower=True)
+    t = tree(MG397, **kw)
+    lay = derive_layout(t)
+    vision = P.count_params(t["model"]).vision
+    dense, expert = _first_stage_text(t["model"], 15)
+    shard = M.train_shard(t, lay)
+    assert shard.dense == pytest.approx(dense / 2) and shard.frozen == vision
+    assert M.train_weights_gib(t, lay, shard) == pytest.approx((dense / 2 + vision + expert / 64) * 2 / GIB)
+    assert M.train_grads_gib(t, lay, shard) == pytest.approx((dense / 2 + expert / 64) * 4 / GIB)
+    assert M.optimizer_states_gib(t, lay, shard) == pytest.approx(((dense / 2) / 32 + expert / 64) * 12 / GIB)
+    # nothing kept for backward: the micro batches' pixel values and one block's forward tensors at a time
+    d, inter, heads = 1152, 4304, 16
+    block = 2 * (11 * d + 2 * inter) + 4 * (heads + 4)
+    assert M.vision_activations_gib(t, lay) == pytest.approx(4096 * (4 * 1536 * 4 + block) / GIB)
+    # the reference holds its own bf16 copy of the tower
+    ref = tree(MG397, **kw, backend__param_offload=False)
+    assert M.reference_model_gib(ref, lay, shard) == pytest.approx((dense / 2 + vision + expert / 64) * 2 / GIB)
+
+
+def test_fsdp_vision_tower_trained_frozen_and_absent():
+    lay = layout("fsdp", world=8, tp=1, pp=1, ep=1)
+    count = P.count_params(tree(FSDP27)["model"])
+    v = tree(FSDP27)["model"]["vision"]
+    stem = count.vision - 27 * P.vision_block_params(v)  # patch embedding, position table, merger: the root unit's
+    root = 2 * 248320 * 5120 + 5120
+    trained = tree(FSDP27, **NO_OFFLOAD, data__has_images=True)
+    s = M.train_shard(trained, lay)
+    assert s.dense * 8 == pytest.approx(count.total) and s.frozen == 0 and s.root == root + stem
+    frozen = tree(FSDP27, **NO_OFFLOAD, data__has_images=True, model__freeze_vision_tower=True)
+    f = M.train_shard(frozen, lay)
+    assert f.dense * 8 == pytest.approx(count.text) and f.frozen * 8 == pytest.approx(count.vision)
+    assert f.root == root + stem
+    # fp32 sharded weights of both; fp32 grads and Adam m, v of the trained parameters only
+    assert M.train_weights_gib(frozen, lay, f) == pytest.approx(count.total / 8 * 4 / GIB)
+    assert M.train_grads_gib(frozen, lay, f) == pytest.approx(count.text / 8 * 4 / GIB)
+    assert M.optimizer_states_gib(frozen, lay, f) == pytest.approx(count.text / 8 * 8 / GIB)
+    assert M.optimizer_states_gib(trained, lay, s) == pytest.approx(count.total / 8 * 8 / GIB)
+    # the bf16 reference: its shard of everything plus the gathered root
+    assert M.reference_model_gib(frozen, lay, f) == pytest.approx((count.total / 8 + root + stem) * 2 / GIB)
+    # host: fp32 params + grads + m + v of the trained parameters, fp32 params of the frozen tower, the reference
+    on_host = tree(FSDP27, data__has_images=True, model__freeze_vision_tower=True)
+    assert M.host_offloaded_gib(on_host, lay, f) == pytest.approx(
+        (count.text / 8 * 16 + count.vision / 8 * 4 + count.total / 8 * 2) / GIB)
+    # checkpointing covers the vision blocks: each keeps its input, one recomputed at a time (bf16 on GPUs)
+    d, inter, heads = 1152, 4304, 16
+    block = 2 * (11 * d + 2 * inter) + 4 * (heads + 4)
+    stem_bytes = 2 * (1536 + 4 * d + 5120 / 4) + 4 * (2 * 72 + 6) + 8 * 4
+    assert M.vision_activations_gib(trained, lay) == pytest.approx(
+        4096 * (stem_bytes + 27 * 2 * d + 4 * 1536 + block) / GIB)
+
+
+def test_text_data_counts_no_vision_training_state():
+    for base in (MG397, FSDP27):
+        for freeze in (False, True):  # the freeze flag means nothing without the tower
+            t = tree(base, model__freeze_vision_tower=freeze)
+            lay = derive_layout(t)
+            assert not M.trains_vision(t) and M.vision_tower_params(t) == 0
+            shard = M.train_shard(t, lay)
+            assert shard.frozen == 0
+            est = M.estimate(t, lay)
+            assert est.terms["train/vision_activations"] == 0
+            assert shard == M.train_shard(tree(base), lay)
+    fsdp = tree(FSDP27)
+    s = M.train_shard(fsdp, derive_layout(fsdp))
+    assert s.root == 2 * 248320 * 5120 + 5120  # no vision stem in the root
+    assert s.largest_unit == max(P.layer_dense_params(fsdp["model"], k) for k in ("linear", "full"))
+
+
+def test_megatron_recompute_needs_gradient_checkpointing():
+    """The Megatron engine recomputes only with backend.gradient_checkpointing and a recompute granularity."""
+    lay = layout(world=8, tp=2, pp=1, ep=1)
+    assert M.recompute_groups(tree(MG35), lay) == {"method": "uniform", "n": 1}
+    assert M.recompute_groups(tree(MG35, backend__gradient_checkpointing=False), lay) is None
+
+
+def test_image_tokens_follow_the_prompt_share_of_a_micro_batch():
+    t = tree(MG35, data__has_images=True, backend__micro_batch_size_per_device=2)
+    assert M.image_tokens_per_micro_batch(t) == 2 * 1024  # padded: every prompt token of both rows
+    dynamic = tree(MG35, data__has_images=True, backend__dynamic_batch_size=True)  # 4096 tokens, 1/3 of them prompt
+    assert M.image_tokens_per_micro_batch(dynamic) == pytest.approx(4096 * 1024 / 3072)
+
+
+@pytest.mark.parametrize("model,backend,hw", REFERENCE_RUNS, ids=["-".join(r) for r in REFERENCE_RUNS])
+def test_reference_runs_on_geo3k_plan_valid_and_fit(model, backend, hw):
+    """The reference runs as users launch them: their data is geo3k (image + text), the vision tower trains."""
+    from qwen35rl.config.plan import build_plan
+
+    plan = build_plan(compose([f"model={model}", f"backend={backend}", f"hw={hw}", "data=geo3k"]))
+    assert plan["valid"], [p for p in plan["problems"] if p["severity"] == "error"]
+    mem = plan["memory_gib"]
+    assert mem["fits"] and 0 < mem["train_peak"] < mem["capacity"] and 0 < mem["rollout_peak"] <= mem["capacity"]
+    assert mem["rollout_sequences"] >= 64
+    assert mem["terms"]["train/vision_activations"] > 0

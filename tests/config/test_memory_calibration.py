@@ -166,3 +166,67 @@ def test_layer_bytes_per_token_are_what_the_layer_keeps(overrides, kind):
     assert out is not None
     formula = M.hf_layer_bytes_per_token(M.as_tree(cfg)["model"], kind, M.BF16, "torch")
     assert formula == pytest.approx(kept, rel=0.02)
+
+
+def _vision_tower(overrides, depth):
+    """transformers' Qwen3.5 vision tower of a model config with `depth` blocks, bf16, in training mode."""
+    import torch
+
+    from qwen35rl.models.hf_config import to_hf_config
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    cfg = compose(overrides)
+    vision_config = to_hf_config(cfg.model).vision_config
+    vision_config.depth, vision_config._attn_implementation = depth, "sdpa"
+    torch.manual_seed(0)
+    return M.as_tree(cfg)["model"]["vision"], Qwen3_5VisionModel._from_config(vision_config, dtype=torch.bfloat16).train()
+
+
+GRIDS = [[1, 16, 24], [1, 8, 8]]
+"""Two images of 16 x 24 and 8 x 8 patches (96 + 16 merged tokens)."""
+
+
+@pytest.mark.parametrize("overrides", [["model=qwen3_5_0_8b"], ["model=qwen3_5_27b"]], ids=["0.8b", "27b"])
+def test_vision_block_bytes_per_patch_are_what_the_block_keeps(overrides):
+    """One vision block in bf16: the storages alive after its forward (what autograd keeps, plus its output) per
+    patch equal `vision_block_bytes_per_patch` (on CPU the LayerNorm statistics are bf16, not fp32: 8 B less)."""
+    import torch
+
+    v, tower = _vision_tower(overrides, depth=1)
+    grid = torch.tensor(GRIDS)
+    patches = int(grid.prod(-1).sum())
+    hidden = torch.randn(patches, int(v["hidden_size"]), dtype=torch.bfloat16, requires_grad=True)
+    cos = torch.randn(patches, int(v["hidden_size"]) // int(v["num_heads"]))
+    sin = torch.randn_like(cos)
+    cu = torch.tensor([0, *grid.prod(-1).cumsum(0).tolist()], dtype=torch.int32)
+    with LiveBytes(ignore=[*tower.parameters(), hidden, cos, sin, cu]) as live:
+        out = tower.blocks[0](hidden, cu_seqlens=cu, position_embeddings=(cos, sin))
+    assert out is not None
+    assert M.vision_block_bytes_per_patch(v, M.BF16) == pytest.approx(live.bytes / patches, rel=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["saved", "checkpointed", "frozen"])
+def test_vision_tower_bytes_per_patch_are_what_the_tower_keeps(mode):
+    """A 3-block tower of 0.8B's shape in bf16 on two images: what stays alive after its forward per patch is the
+    stem plus every block's tensors (`saved`), the stem plus each block's input (`checkpointed`, transformers'
+    gradient checkpointing as the FSDP engine enables it), or only the output features (`frozen`: no autograd)."""
+    import torch
+
+    depth = 3
+    v, tower = _vision_tower(["model=qwen3_5_0_8b"], depth)
+    if mode == "checkpointed":
+        tower.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if mode == "frozen":
+        tower.requires_grad_(False)
+    grid = torch.tensor(GRIDS)
+    patches = int(grid.prod(-1).sum())
+    pixels = torch.randn(patches, 3 * 2 * 16 * 16)
+    with LiveBytes(ignore=[*tower.parameters(), *tower.buffers(), pixels]) as live:
+        out = tower(pixels, grid_thw=grid)
+    kept = live.bytes / patches
+    d, merged = int(v["hidden_size"]), int(v["spatial_merge_size"]) ** 2
+    stem, block = M.vision_stem_bytes_per_patch(v, M.BF16), M.vision_block_bytes_per_patch(v, M.BF16)
+    expected = {"saved": stem + depth * block, "checkpointed": stem + depth * M.BF16 * d,
+                "frozen": M.BF16 * (d + int(v["out_hidden_size"]) / merged)}[mode]  # last hidden state + features
+    assert out is not None
+    assert expected == pytest.approx(kept, rel=0.01), (expected, kept)
