@@ -24,7 +24,8 @@ from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
 from qwen35rl.engines.logprob import chunked_logprobs_entropy
 from qwen35rl.engines.packed_attention import use_packed_attention
 from qwen35rl.engines.packed_gdn import enable_packing
-from qwen35rl.models.build import build_model, init_rotary_buffers, torch_dtype, trains_vision
+from qwen35rl.models.build import (build_model, enable_activation_checkpointing, init_rotary_buffers, torch_dtype,
+                                   trains_vision)
 from qwen35rl.models.image_tokens import mrope_positions, prompt_image_mask
 
 log = logging.getLogger(__name__)
@@ -188,11 +189,7 @@ class FsdpTrainEngine(TrainEngine):
         if self.pack:
             use_packed_attention(lm)
         if self.backend.gradient_checkpointing and not reference:
-            enable = getattr(lm, "activation_checkpointing_enable", None)  # transformers >= 5.2x; older: gradient_*
-            if enable is not None:
-                enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(lm)
         self.lm = lm
         self.module: nn.Module = PolicyWithLogProbs(lm, int(self.backend.logprob_chunk_size),
                                                     bool(self.backend.use_torch_compile))

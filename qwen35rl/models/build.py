@@ -90,6 +90,15 @@ def _config_for(model_cfg: Any, text_only: bool):
     return config
 
 
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each layer / block in the backward (non-reentrant)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.2x; older: gradient_*
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def init_rotary_buffers(model: PreTrainedModel) -> None:
     """Recompute the non-persistent rotary `inv_freq` buffers (in no state dict) after building on `meta`."""
     with torch.no_grad():

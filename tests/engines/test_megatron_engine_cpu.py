@@ -81,7 +81,8 @@ def _worker(rank, world, port, cfg, batch, agg, out):
         from qwen35rl.engines.megatron.engine import MegatronTrainEngine
 
         eng = MegatronTrainEngine(cfg, rank=rank, world_size=world, device="cpu", total_steps=10)
-        res = {"dp": (eng.dp_rank, eng.dp_size)}
+        res = {"dp": (eng.dp_rank, eng.dp_size),
+               "tower_checkpointed": [bool(c.visual.gradient_checkpointing) for c in eng.chunks if hasattr(c, "visual")]}
         res["export"] = {k: v for b in eng.export_weights(1) for k, v in b}
         res["logp"], _ = eng.compute_log_probs(batch)
         # gradients of one mini batch (every DP rank holds the same batch: the global counts double)

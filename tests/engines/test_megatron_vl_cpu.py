@@ -118,14 +118,23 @@ def _run(model, parallel, sampled_image_token=False):
     ("qwen3_5_tiny_vl", ["parallelism.pp=2", "parallelism.vpp=2"]),
     ("qwen3_5_tiny_vl_moe", ["parallelism.ep=2"]),
     ("qwen3_5_tiny_vl_moe", ["parallelism.tp=2", "parallelism.etp=2"]),
-], ids=["dense-tp2", "dense-pp2-vpp2", "moe-ep2", "moe-tp2-etp2"])
+    ("qwen3_5_tiny_vl", ["parallelism.tp=2", "backend.gradient_checkpointing=true", "backend.recompute_granularity=full"]),
+], ids=["dense-tp2", "dense-pp2-vpp2", "moe-ep2", "moe-tp2-etp2", "dense-tp2-recompute"])
 def test_vl_engine_matches_transformers(model, parallel):
     init, logp, grads, out = _run(model, parallel)
+    # the tower's blocks are recomputed exactly when the decoder's layers are (on the stage that holds it)
+    recompute = "backend.gradient_checkpointing=true" in parallel
+    assert all(res["tower_checkpointed"] in ([], [recompute]) for res in out.values())
+    assert any(res["tower_checkpointed"] for res in out.values())
     assert any(k.startswith("model.visual.") for k in init)
     assert all(k.startswith(("model.visual.", "model.language_model.")) for k in init)
     for res in out.values():  # the vision tower learns from the loss
         assert any(res["grads"][k].abs().max() > 0 for k in res["grads"] if k.startswith("model.visual."))
     _check(init, logp, grads, out)
+    # every rank's own copy of the (replicated) tower is the same after the steps, and moved
+    vision = [k for k in init if k.startswith("model.visual.")]
+    assert all(torch.equal(out[0]["trained"][k], out[1]["trained"][k]) for k in vision)
+    assert not all(torch.equal(out[0]["trained"][k], init[k]) for k in vision)
 
 
 def test_frozen_vision_tower_gets_no_update():

@@ -225,9 +225,20 @@ class MegatronTrainEngine(TrainEngine):
                                       megatron_attention=self.platform.megatron_core_attention, vision_tower=tower)
         for c in self.chunks:
             c.to(self.device)
-            if self.vision and self.cfg.model.freeze_vision_tower and hasattr(c, "visual"):
-                c.visual.requires_grad_(False)  # before DDP: no gradient buffer, no optimizer state
+            if hasattr(c, "visual"):
+                self._setup_tower(c.visual)
         self.chunk_layers = mm.chunk_layer_ids(self.tconfig, self.chunks)
+
+    def _setup_tower(self, tower: torch.nn.Module) -> None:
+        """The vision tower trains like the decoder: frozen with model.freeze_vision_tower (before DDP wraps it: no
+        gradient buffer, no optimizer state), its blocks recomputed when the decoder's layers are (megatron's
+        recompute does not reach transformers' modules; the plan's memory estimate counts it so)."""
+        if self.cfg.model.freeze_vision_tower:
+            tower.requires_grad_(False)
+        elif self.tconfig.recompute_granularity == "full":
+            from qwen35rl.models.build import enable_activation_checkpointing
+
+            enable_activation_checkpointing(tower)
 
     # ------------------------------------------------------------------------------------------ ranks
     @property

@@ -52,7 +52,9 @@ def build_vision_tower(hf_config: Any, dtype: torch.dtype) -> nn.Module:
     vision_config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
         tower = AutoModel.from_config(vision_config, dtype=torch.float32)
-    return tower.to(dtype)
+    for p in tower.parameters():  # parameters only: the rotary inverse frequencies stay fp32
+        p.data = p.data.to(dtype)
+    return tower
 
 
 def image_features(tower: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
