@@ -42,10 +42,12 @@ def system_prompt(prompt_len: int) -> str:
 def workload(model: str = "qwen3_5_0_8b", hw: str = "gpu_1x", devices: int = 1, micro: int = 16, ckpt: bool = False,
              kl: bool = True, backend: str = "fsdp", prompts: int = PROMPTS, n: int = N, prompt_len: int = PROMPT_LEN,
              response_len: int = RESPONSE_LEN, steps: int = 4, peak_tflops: Optional[float] = None,
-             memory_gb: Optional[float] = 141) -> List[str]:
-    """Hydra overrides of the workload (qwen35rl side; the TRL side reads the same composed config)."""
+             memory_gb: Optional[float] = 141, data: str = "synthetic") -> List[str]:
+    """Hydra overrides of the workload (qwen35rl side; the TRL side reads the same composed config). `data`: another
+    data config (e.g. geo3k: its files are more overrides) keeps its own system prompt."""
+    prompt = [f"data.system_prompt='{system_prompt(prompt_len)}'"] if data == "synthetic" else []
     o = [f"model={model}", "model.init=random", "model.tokenizer=byte", f"hw={hw}", f"hw.devices_per_node={devices}",
-         f"backend={backend}", "rollout=hf", "data=synthetic", f"data.system_prompt='{system_prompt(prompt_len)}'",
+         f"backend={backend}", "rollout=hf", f"data={data}", *prompt,
          f"data.max_prompt_length={prompt_len}", f"data.max_response_length={response_len}",
          f"data.train_batch_size={prompts}", f"rollout.n={n}", f"algorithm.mini_batch_size={prompts}",
          f"backend.micro_batch_size_per_device={micro}", f"backend.gradient_checkpointing={str(ckpt).lower()}",
@@ -96,8 +98,8 @@ def cmd_qwen35rl(args) -> None:
     overrides = workload(model=args.model, hw=args.hw, devices=args.devices, micro=args.micro, ckpt=args.ckpt,
                          kl=not args.no_kl, backend=args.backend, prompts=args.prompts, steps=args.steps, peak_tflops=args.peak_tflops,
                          prompt_len=args.prompt_len, response_len=args.response_len,
-                         memory_gb=None if args.hw == "cpu" else 141)
-    cmd = [sys.executable, "-m", "qwen35rl.cli.train", f"hydra.run.dir={args.run_dir}", *overrides, *args.extra]
+                         memory_gb=None if args.hw == "cpu" else 141, data=args.data)
+    cmd = [sys.executable, "-m", args.entry, f"hydra.run.dir={args.run_dir}", *overrides, *args.extra]
     print("command:", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=str(ROOT))
@@ -528,6 +530,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         s.add_argument("--steps", type=int, default=4)
     sub.choices["qwen35rl"].add_argument("--devices", type=int, default=1)
     sub.choices["qwen35rl"].add_argument("--backend", default="fsdp", choices=("fsdp", "megatron"))
+    sub.choices["qwen35rl"].add_argument("--data", default="synthetic", help="data config (geo3k: images)")
+    sub.choices["qwen35rl"].add_argument("--entry", default="qwen35rl.cli.train",
+                                         help="module run with the overrides (bench.gpu.vl_device_shim: the CLI with "
+                                              "the Megatron VL engine's device stop-gap)")
     sub.choices["qwen35rl"].add_argument("--run-dir", required=True)
     sub.choices["qwen35rl"].add_argument("--peak-tflops", type=float, default=None)
     sub.choices["qwen35rl"].add_argument("--timeout", type=float, default=None, help="seconds; then the run's "

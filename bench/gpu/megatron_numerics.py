@@ -15,8 +15,14 @@ CPU machine: `../shared/gpu/pack-wheels.sh megatron-core==0.19.2` (hydra/omegaco
     bash bench/gpu/install-wheels.sh .whl && export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH
     torchrun --standalone --nproc_per_node=2 bench/gpu/megatron_numerics.py --out /tmp/out/megatron.json
 (about 2 GB of weights per model; the MoE model's HF random init on CPU is the slowest part).
-A dry run of this script's logic works on CPU with tests/engines/test_megatron_engine_cpu.py's stand-ins and the
-`tiny` / `tiny_moe` models.
+VL models (`dense_vl`, `tiny_vl`): transformers' VL model (`Qwen3_5ForConditionalGeneration`) against the engine's
+Qwen3.5-VL (vision tower on the first stage, M-RoPE), on a fixed batch with one random-noise image per row
+(`--image-size`, WxH pixels, through the model's processor; 384x256 at the official sizes: a 24 x 16 patch grid, 96
+image tokens); MFU counts the text tokens as the driver does, "+vision" adds 6 x the tower's weights per patch.
+A dry run of this script's logic works on CPU (the engine installs megatron's CPU stand-ins itself) with the
+`tiny` / `tiny_moe` / `tiny_vl` models:
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=1 bench/gpu/megatron_numerics.py --models tiny_vl \
+        --layouts tp1 --rows 2 --prompt 64 --response 32 --steps 2
 `--gdn torch` (default) runs megatron-core's own torch GDN recurrence (deterministic_mode; fla's chunked backward is
 refused on Hopper with Triton 3.6 unless TileLang is installed), `--gdn fla` its fla path. megatron-core's GDN
 imports fla either way (its q/k L2 norm is fla's kernel).
@@ -42,10 +48,15 @@ MODELS = {
     # name: (config, overrides): real head shapes, 4 layers (3 GDN + 1 gated full attention)
     "dense": ("qwen3_5_0_8b", ["model.num_hidden_layers=4"]),
     "moe": ("qwen3_5_35b_a3b", ["model.num_hidden_layers=4", "model.num_experts=64"]),
+    # Qwen3.5-VL: the 0.8B text architecture (4 layers) with its real vision tower (12 blocks) on image data
+    "dense_vl": ("qwen3_5_0_8b", ["model.num_hidden_layers=4", "data.has_images=true"]),
     # dry runs of this script (CPU, tests' stand-ins for CUDA)
     "tiny": ("qwen3_5_tiny", ["model.dtype=bfloat16"]),
     "tiny_moe": ("qwen3_5_tiny_moe", ["model.dtype=bfloat16"]),
+    "tiny_vl": ("qwen3_5_tiny_vl", ["model.dtype=bfloat16", "data.has_images=true"]),
 }
+VL_MODELS = {"dense_vl", "tiny_vl"}
+"""Models that keep `model.vision` and train on images: the fixed batch holds one image per row."""
 LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "ep2": {"ep": 2}}
 
 
@@ -64,7 +75,8 @@ def compose_cfg(model: str, layout: Dict[str, int], args) -> Any:
 
     name, extra = MODELS[model]
     p = {"tp": 1, "pp": 1, "ep": 1, **layout}
-    cfg = compose([f"model={name}", "model.init=random", "model.tokenizer=byte", "model.vision=null",
+    vision = [] if model in VL_MODELS else ["model.vision=null"]
+    cfg = compose([f"model={name}", "model.init=random", "model.tokenizer=byte", *vision,
                    "model.dtype=bfloat16", "hw=gpu_1x", f"hw.devices_per_node={dist.get_world_size()}",
                    "backend=megatron", "rollout=hf", "backend.optimizer_cpu_offload=false",
                    f"backend.gradient_checkpointing={str(args.recompute).lower()}", f"backend.lr={args.lr}",
@@ -103,14 +115,86 @@ def fixed_batch(vocab: int, rows: int, prompt: int, response: int, seed: int = 0
     return Batch(input_ids=ids, attention_mask=mask, response_mask=resp, advantages=adv.float())
 
 
+def noise_images(rows: int, size: str, seed: int = 0):
+    """`rows` random-noise RGB images of `size` ("WxH" pixels)."""
+    import numpy as np
+    from PIL import Image
+
+    w, h = (int(x) for x in size.lower().split("x"))
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")) for _ in range(rows)]
+
+
+def fixed_vl_batch(cfg, rows: int, prompt: int, response: int, image_size: str, seed: int = 0, image_seed: int = 0):
+    """As `fixed_batch`, with one image per row: prompt = text + <vision_start> + image tokens + <vision_end> +
+    text (left-padded), response text (right-padded). Text ids are drawn below the special-token ids, so no random
+    id is an image slot. The images come through the model's processor (`build_processor`: the official sizes when
+    `model.hf_id` is set) in row order, as `Batch.multimodal` holds them."""
+    from qwen35rl.engines.base import Batch
+    from qwen35rl.models.processor import build_processor, vision_inputs
+    from qwen35rl.models.special_tokens import special_token_ids
+    from qwen35rl.models.tokenizer import build_tokenizer
+
+    special = special_token_ids(cfg.model)
+    proc = build_processor(cfg.model, build_tokenizer(cfg.model))
+    vision = vision_inputs(proc.image_processor, noise_images(rows, image_size, image_seed))
+    merge = int(cfg.model.vision.spatial_merge_size)
+    tokens = (vision["image_grid_thw"].prod(-1) // merge ** 2).tolist()
+    text_hi = min(special.values())  # text ids in [0, text_hi)
+    g = torch.Generator().manual_seed(seed)
+    prompt = max(prompt, max(tokens) + 4)  # room for the image and a token of text on each side
+    width = prompt + response
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    resp = torch.zeros(rows, width, dtype=torch.long)
+
+    def text(n):
+        return torch.randint(0, text_hi, (n,), generator=g).tolist()
+
+    for r in range(rows):
+        fixed = tokens[r] + 2
+        p = int(torch.randint(max(prompt // 2, fixed + 2), prompt + 1, (1,), generator=g))
+        before = int(torch.randint(1, p - fixed, (1,), generator=g))
+        n = int(torch.randint(response // 2, response + 1, (1,), generator=g))
+        row = (text(before) + [special["vision_start"]] + [special["image_pad"]] * tokens[r] + [special["vision_end"]]
+               + text(p - fixed - before) + text(n))
+        ids[r, prompt - p:prompt + n] = torch.tensor(row)
+        mask[r, prompt - p:prompt + n] = 1
+        resp[r, prompt:prompt + n] = 1
+    adv = torch.where(torch.arange(rows) % 2 == 0, 1.0, -1.0)[:, None] * resp
+    return Batch(input_ids=ids, attention_mask=mask, response_mask=resp, advantages=adv.float(), multimodal=vision)
+
+
+def take_rows(batch, start: int, stop: int):
+    """Rows [start, stop) of a batch, with their images (the fixed VL batch: one image per row, in row order)."""
+    out = type(batch)(**{k: (v[start:stop] if torch.is_tensor(v) else v) for k, v in vars(batch).items()})
+    mm = batch.multimodal
+    if mm:
+        grid = mm["image_grid_thw"]
+        if grid.shape[0] != batch.input_ids.shape[0]:
+            raise ValueError("take_rows expects one image per row")
+        first = torch.cat([grid.new_zeros(1), grid.prod(-1).cumsum(0)]).tolist()
+        out.multimodal = {"pixel_values": mm["pixel_values"][first[start]:first[stop]],
+                          "image_grid_thw": grid[start:stop]}
+    return out
+
+
 @torch.no_grad()
 def hf_reference(hf, batch, device, dtype):
-    """transformers' per-token log-probs and entropies ([B, T], token t from logits at t-1), in `dtype`."""
+    """transformers' per-token log-probs and entropies ([B, T], token t from logits at t-1), in `dtype`. A batch
+    with images runs the VL model on them (its own 3-D positions from the attention mask and image tokens)."""
     from qwen35rl.algo.core import entropy_from_logits, logprobs_from_logits
+    from qwen35rl.models.image_tokens import prompt_image_mask
 
     model = hf.to(device=device, dtype=dtype)
     ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    if batch.multimodal:
+        image_mask = prompt_image_mask(batch.input_ids, batch.attention_mask, batch.response_mask,
+                                       hf.config.image_token_id)
+        logits = model(input_ids=ids, attention_mask=mask, mm_token_type_ids=image_mask.long().to(device),
+                       **{k: v.to(device) for k, v in batch.multimodal.items()}).logits
+    else:
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
     logp = torch.zeros(ids.shape, device=device)
     ent = torch.zeros(ids.shape, device=device)
     for r in range(ids.shape[0]):  # row by row: fp32 logits of the whole batch over 248k vocab are large
@@ -157,11 +241,13 @@ def run_layout(model: str, layout_name: str, args, hf_state, refs, batch) -> Dic
     # GRPO steps on the fixed batch: old log-probs from the first forward, two micro batches
     batch.old_log_probs = logp
     batch.ref_log_probs = logp
-    half = batch.input_ids.shape[0] // 2
-    micro = [type(batch)(**{k: (v[s] if torch.is_tensor(v) else v) for k, v in vars(batch).items()})
-             for s in (slice(0, half), slice(half, None))]
+    rows = batch.input_ids.shape[0]
+    micro = [take_rows(batch, 0, rows // 2), take_rows(batch, rows // 2, rows)]
     seq_lens = batch.attention_mask.sum(1).tolist()
     flops = train_flops(cfg.model, seq_lens)
+    # the vision tower, which train_flops leaves out: about 6 x its weights per patch (its attention left out)
+    vision_flops = 6.0 * args.vision_params * (int(batch.multimodal["image_grid_thw"].prod(-1).sum())
+                                               if batch.multimodal else 0)
     steps = []
     for i in range(args.steps):
         _sync()
@@ -173,7 +259,9 @@ def run_layout(model: str, layout_name: str, args, hf_state, refs, batch) -> Dic
                       "clipfrac": m["actor/pg_clipfrac"], "step_s": dt,
                       # every DP rank holds the same batch here: tokens of the layout = tokens x DP
                       "tokens_per_s_per_gpu": sum(seq_lens) * eng.dp_size / dt / dist.get_world_size(),
-                      "mfu": mfu(flops * eng.dp_size, dt, dist.get_world_size(), float(args.peak_tflops))})
+                      "mfu": mfu(flops * eng.dp_size, dt, dist.get_world_size(), float(args.peak_tflops)),
+                      "mfu_with_vision": mfu((flops + vision_flops) * eng.dp_size, dt, dist.get_world_size(),
+                                             float(args.peak_tflops))})
         log(f"  {model}/{layout_name} step {i}: pg_loss {m['actor/pg_loss']:+.5f} grad_norm {m['actor/grad_norm']:.4f} "
             f"{dt:.2f} s")
     out["steps"] = steps
@@ -185,6 +273,11 @@ def run_layout(model: str, layout_name: str, args, hf_state, refs, batch) -> Dic
     out["export_s"] = time.perf_counter() - t0
     out["export_tensors"] = len(exported)
     out["export_matches_hf_names"] = set(exported) == set(hf_state)
+    if not out["export_matches_hf_names"]:
+        out["export_missing"] = sorted(set(hf_state) - set(exported))[:20]
+        out["export_extra"] = sorted(set(exported) - set(hf_state))[:20]
+    out["export_vision_tensors"] = sum(k.startswith("model.visual.") for k in exported)
+    out["export_shapes_match"] = all(tuple(exported[k]) == tuple(hf_state[k].shape) for k in set(exported) & set(hf_state))
     out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     del eng
     if device.type == "cuda":
@@ -194,11 +287,11 @@ def run_layout(model: str, layout_name: str, args, hf_state, refs, batch) -> Dic
 
 def table(rows: List[Dict[str, Any]], floor: Dict[str, Dict[str, float]]) -> str:
     lines = ["| model | layout | DP | max/mean abs dlogp vs HF fp32 | (HF bf16 vs fp32) | max abs dentropy | "
-             "pg_loss first -> last | decreased | step s | tok/s/GPU | MFU | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "pg_loss first -> last | decreased | step s | tok/s/GPU | MFU (+vision) | export = HF names | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['layout']} | | error: {r['error'][:80]} | | | | | | | | |")
+            lines.append(f"| {r['model']} | {r['layout']} | | error: {r['error'][:80]} | | | | | | | | | |")
             continue
         s, f = r["steps"], floor[r["model"]]
         last = s[-1]
@@ -206,7 +299,8 @@ def table(rows: List[Dict[str, Any]], floor: Dict[str, Dict[str, float]]) -> str
             f"| {r['model']} | {r['layout']} | {r['dp']} | {r['logp_vs_fp32']['max']:.4f} / {r['logp_vs_fp32']['mean']:.5f} "
             f"| {f['max']:.4f} / {f['mean']:.5f} | {r['ent_vs_fp32']['max']:.4f} | {s[0]['pg_loss']:+.4f} -> "
             f"{last['pg_loss']:+.4f} | {r['loss_decreased']} | {last['step_s']:.2f} | {last['tokens_per_s_per_gpu']:.0f} "
-            f"| {100 * last['mfu']:.1f}% | {r['peak_mem_gib']:.1f} |")
+            f"| {100 * last['mfu']:.1f}% ({100 * last['mfu_with_vision']:.1f}%) | {r['export_matches_hf_names']} "
+            f"| {r['peak_mem_gib']:.1f} |")
     return "\n".join(lines)
 
 
@@ -219,6 +313,7 @@ def main(argv=None, transformer_overrides=None):
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--response", type=int, default=768)
+    ap.add_argument("--image-size", default="384x256", help="WxH pixels of the VL models' images (one per row)")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--gdn", choices=("torch", "fla"), default="torch")
     ap.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=True)
@@ -259,13 +354,27 @@ def main(argv=None, transformer_overrides=None):
         cfg = compose_cfg(model, {}, args)
         threads = torch.get_num_threads()  # torchrun starts each rank with one thread: the CPU-side init wants more
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
-        hf = build_model(cfg.model, dtype=torch.bfloat16, seed=int(cfg.trainer.seed))
+        vl = model in VL_MODELS
+        hf = build_model(cfg.model, dtype=torch.bfloat16, seed=int(cfg.trainer.seed), text_only=not vl)
         torch.set_num_threads(threads)
-        log(f"{model}: transformers model built")
+        log(f"{model}: transformers model built ({type(hf).__name__})")
         hf_state = {k: v.clone() for k, v in hf.state_dict().items()}
         if cfg.model.tie_word_embeddings:
             hf_state.pop("lm_head.weight", None)
-        batch = fixed_batch(int(cfg.model.vocab_size), args.rows, args.prompt, args.response)
+        args.vision_params = sum(v.numel() for k, v in hf_state.items() if k.startswith("model.visual."))
+        if vl:
+            batch = fixed_vl_batch(cfg, args.rows, args.prompt, args.response, args.image_size)
+            grid = batch.multimodal["image_grid_thw"]
+            results.setdefault("batches", {})[model] = {
+                "image_size": args.image_size, "image_grid_thw": grid[0].tolist(),
+                "image_tokens_per_row": int(grid[0].prod()) // int(cfg.model.vision.spatial_merge_size) ** 2,
+                "width": batch.input_ids.shape[1], "tokens": int(batch.attention_mask.sum()),
+                "response_tokens": int(batch.response_mask.sum()), "vision_params": args.vision_params}
+            log(f"{model}: VL batch {results['batches'][model]}")
+        else:
+            batch = fixed_batch(int(cfg.model.vocab_size), args.rows, args.prompt, args.response)
+        if args.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         refs = {"bf16": hf_reference(hf, batch, args.device, torch.bfloat16)}
         first_s = time.perf_counter() - t0
@@ -273,6 +382,15 @@ def main(argv=None, transformer_overrides=None):
         hf_reference(hf, batch, args.device, torch.bfloat16)  # again: kernel compilation and autotuning are done
         log(f"{model}: transformers bf16 reference {first_s:.1f} s, again {time.perf_counter() - t0:.1f} s")
         refs["fp32"] = hf_reference(hf, batch, args.device, torch.float32)
+        if vl:  # how much the images move the response log-probs (other noise images, same tokens): the gap
+            # against fp32 means something only well below this
+            other = fixed_vl_batch(cfg, args.rows, args.prompt, args.response, args.image_size, image_seed=1)
+            assert torch.equal(other.input_ids, batch.input_ids)
+            effect = diff(hf_reference(hf, other, args.device, torch.float32)[0], refs["fp32"][0], batch.response_mask)
+            results["batches"][model]["image_effect_fp32"] = effect
+            log(f"{model}: other images move the fp32 log-probs by max {effect['max']:.4f} mean {effect['mean']:.5f}")
+        if args.device.type == "cuda":
+            results.setdefault("hf_reference_peak_mem_gib", {})[model] = torch.cuda.max_memory_allocated() / 2**30
         del hf
         if args.device.type == "cuda":
             torch.cuda.empty_cache()

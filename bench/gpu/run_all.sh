@@ -24,6 +24,15 @@
 #       the MoE model's log-probs against transformers at EP2 and TP1, with the whole call's time
 #   bash bench/gpu/run_all.sh scale     (carry .whl .whl-x; ~5 min; ran 2026-11-30 with the Megatron jobs)
 #       qwen35rl on both GPUs (FSDP over NCCL), twice the prompts
+#   bash bench/gpu/run_all.sh megatron-vl     (carry .whl alone; ~9 min; one GPU is enough; no Ray)
+#       Qwen3.5-VL on the Megatron engine: its log-probs at TP1 against transformers' VL model (bf16 and fp32) on a
+#       batch with one image per row, GRPO steps on it, export names; then one GRPO run on geo3k-style image data
+#       through the CLI (trainer.launcher=local) and the plan's estimate of the same config (ran 2026-12-01: the
+#       numerics finished, the CLI run failed in the engine, see megatron_h200.md)
+#   bash bench/gpu/run_all.sh megatron-vl-cli (carry .whl alone, and .kcache; ~5 min; one GPU; ran 2026-12-01: step 1
+#       finished, step 2 failed in the engine's host offload)
+#       that CLI run alone, through bench/gpu/vl_device_shim.py (the engine's missing device move of the vision
+#       inputs, done before it; a no-op once the engine does it)
 #
 # Carry .kcache as well where it exists: Triton's autotuning results that an earlier call brought back
 # ($OUT/triton-autotune.tar.gz, copied to .kcache/), so that fla's kernels compile without autotuning again.
@@ -35,7 +44,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale}
+stage=${1:?usage: run_all.sh torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -113,6 +122,31 @@ megatron_grpo() {
   elapsed "megatron GRPO $name done: $(grep -c '\[qwen35rl\] step' "$LOGS/$name.log") steps"
   rm -rf "$RUNS/$name"
 }
+# GRPO on geo3k-style images (a parquet of synthetic drawings, written here) through the CLI with backend=megatron on
+# one GPU, no Ray, then the plan's estimate for the same overrides (as the run recorded them); $1: the module that
+# runs the CLI (bench.gpu.vl_device_shim: with the engine's device stop-gap), $2: time limit (s), $3: steps. A reward with spread
+# (bench/gpu/hash_reward.py): the random-init policy never earns geo3k's math reward, so its advantages, loss and
+# gradient would all be 0
+vl_cli() {
+  local entry=$1 limit=$2 steps=$3
+  mkdir -p "$OUT/megatron-vl"
+  PYTHONPATH=$BASE python3 -c "from pathlib import Path; from tests.runtime.geo3k_fixture import write_geo3k
+write_geo3k(Path('/tmp/geo3k/train.parquet'), 32); write_geo3k(Path('/tmp/geo3k/test.parquet'), 8, seed=1)" \
+    || { echo "geo3k fixture failed"; exit 1; }
+  PYTHONPATH=$MCORE_PATH CUDA_VISIBLE_DEVICES=0 $G qwen35rl --entry "$entry" --out "$OUT/megatron-vl/grpo_vl.json" \
+    --run-dir "$RUNS/grpo_vl" --model qwen3_5_0_8b --backend megatron --data geo3k --devices 1 --steps "$steps" --prompts 8 \
+    --prompt-len 384 --response-len 256 --micro 8 --peak-tflops "$PEAK" --timeout "$limit" -- model.num_hidden_layers=4 \
+    backend.megatron_core_version=0.19.2 +backend.transformer_overrides.deterministic_mode=true rollout.n=4 \
+    trainer.launcher=local "data.train_files=[/tmp/geo3k/train.parquet]" "data.val_files=[/tmp/geo3k/test.parquet]" \
+    data.reward=bench.gpu.hash_reward:text_hash > "$LOGS/grpo_vl.log" 2>&1
+  elapsed "megatron VL GRPO (CLI, $entry) done: $(grep -c '\[qwen35rl\] step' "$LOGS/grpo_vl.log") steps"
+  rm -rf "$RUNS/grpo_vl"
+  PYTHONPATH=$BASE python3 -c "import json, subprocess, sys
+o = json.load(open('$OUT/megatron-vl/grpo_vl.json'))['overrides']
+sys.exit(subprocess.run([sys.executable, '-m', 'qwen35rl.cli.plan', *o, 'format=json']).returncode)" \
+    > "$OUT/megatron-vl/plan_vl.json" 2> "$LOGS/plan_vl.log"
+  elapsed "plan of the CLI run (exit $?)"
+}
 # $1: target directory, the rest: wheel directories (the log in $LOGS/install.log, shown when it fails)
 install_into() {
   SITE=$1 bash bench/gpu/install-wheels.sh "${@:2}" >> "$LOGS/install.log" 2>&1 || { cat "$LOGS/install.log"; exit 1; }
@@ -126,6 +160,15 @@ install_base() {
   install_into /tmp/site /tmp/w/base && install_into /tmp/site-fla /tmp/w/fla && install_into /tmp/site-mcore /tmp/w/mcore
   PYTHONPATH=$TORCH_PATH python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('fla') is not None)" \
     || { echo "fla is importable from $TORCH_PATH: the torch-GDN runs would not be"; exit 1; }
+}
+# .whl alone (pack-wheels.sh megatron-core==0.19.2), without Ray (its archive stays packed: trainer.launcher=local):
+# Hydra into /tmp/site, fla alone into /tmp/site-fla, megatron-core into /tmp/site-mcore
+install_mcore() {
+  rm -rf /tmp/w /tmp/site /tmp/site-fla /tmp/site-mcore && mkdir -p /tmp/w/base /tmp/w/fla /tmp/w/mcore
+  cp .whl/*.whl /tmp/w/base/ \
+    && mv /tmp/w/base/fla_core-* /tmp/w/base/flash_linear_attention-* /tmp/w/fla/ \
+    && mv /tmp/w/base/megatron_core-* /tmp/w/mcore/ || { echo "wheel split failed"; exit 1; }
+  install_into /tmp/site /tmp/w/base && install_into /tmp/site-fla /tmp/w/fla && install_into /tmp/site-mcore /tmp/w/mcore
 }
 # .whl-gdn + .whl-x without megatron-core: Hydra, TRL into /tmp/site; fla + TileLang into /tmp/site-gdn (no Ray: its
 # wheels and TileLang's do not fit one call's 64 MiB together)
@@ -237,6 +280,27 @@ scale)
     --prompts 32 --steps 3 --peak-tflops "$PEAK" --timeout 220 > "$LOGS/q2.log" 2>&1
   elapsed "qwen35rl 2 GPUs done: $(grep -c '\[qwen35rl\] step' "$LOGS/q2.log") steps"
   rm -rf "$RUNS/q2"
+  ;;
+megatron-vl)  # Qwen3.5-VL on the Megatron engine (1 GPU): numerics against transformers' VL model, then the CLI on images
+  install_mcore
+  env_info > "$OUT/env-megatron-vl.txt" 2>&1
+  elapsed "installed: $(tail -1 "$OUT/env-megatron-vl.txt")"
+  peaks
+  mkdir -p "$OUT/megatron-vl"
+  export PYTHONFAULTHANDLER=1
+  # the 0.8B architecture (4 text layers) with its real vision tower; 8 rows, one 384x256 noise image each (a 16 x 24
+  # patch grid, 96 image tokens), prompts of 128-256 tokens, responses of 384-768; 3 GRPO steps on the fixed batch
+  # (one process without torchrun, so that the limit's SIGABRT reaches it and faulthandler dumps its stacks)
+  PYTHONPATH=$MCORE_PATH CUDA_VISIBLE_DEVICES=0 RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 \
+    timeout -s ABRT -k 10 280 python3 bench/gpu/megatron_numerics.py --steps 3 --models dense_vl --layouts tp1 --peak-tflops "$PEAK" \
+    --out "$OUT/megatron-vl/numerics_vl.json" > "$LOGS/numerics_vl.log" 2>&1
+  elapsed "megatron VL numerics done (exit $?)"
+  vl_cli qwen35rl.cli.train "$(left 555)" 2
+  ;;
+megatron-vl-cli)  # the CLI run of stage megatron-vl alone, through the engine's device stop-gap (bench/gpu/vl_device_shim.py)
+  install_mcore
+  peaks
+  vl_cli bench.gpu.vl_device_shim "$(left 540)" 3
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac
