@@ -29,10 +29,9 @@
 #       batch with one image per row, GRPO steps on it, export names; then one GRPO run on geo3k-style image data
 #       through the CLI (trainer.launcher=local) and the plan's estimate of the same config (ran 2026-12-01: the
 #       numerics finished, the CLI run failed in the engine, see megatron_h200.md)
-#   bash bench/gpu/run_all.sh megatron-vl-cli (carry .whl alone, and .kcache; ~5 min; one GPU; ran 2026-12-01: step 1
-#       finished, step 2 failed in the engine's host offload)
-#       that CLI run alone, through bench/gpu/vl_device_shim.py (the engine's missing device move of the vision
-#       inputs, done before it; a no-op once the engine does it)
+#   bash bench/gpu/run_all.sh megatron-vl-cli (carry .whl alone, and .kcache; ~5 min; one GPU)
+#       that CLI run alone, three steps (2026-12-01, first call: step 1 finished through a stop-gap for the vision
+#       inputs' device, step 2 failed in the engine's host offload; both fixed in the engine since)
 #
 # Carry .kcache as well where it exists: Triton's autotuning results that an earlier call brought back
 # ($OUT/triton-autotune.tar.gz, copied to .kcache/), so that fla's kernels compile without autotuning again.
@@ -297,10 +296,10 @@ megatron-vl)  # Qwen3.5-VL on the Megatron engine (1 GPU): numerics against tran
   elapsed "megatron VL numerics done (exit $?)"
   vl_cli qwen35rl.cli.train "$(left 555)" 2
   ;;
-megatron-vl-cli)  # the CLI run of stage megatron-vl alone, through the engine's device stop-gap (bench/gpu/vl_device_shim.py)
+megatron-vl-cli)  # the CLI run of stage megatron-vl alone, three steps
   install_mcore
   peaks
-  vl_cli bench.gpu.vl_device_shim "$(left 540)" 3
+  vl_cli qwen35rl.cli.train "$(left 540)" 3
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -386,14 +386,17 @@ class MegatronTrainEngine(TrainEngine):
 
     def _add_images(self, out: Dict[str, Any], batch: Batch, aligned: Aligned) -> None:
         """The VL model's inputs: which tokens are the prompts' image tokens, the images of each row, and
-        transformers' 3-D M-RoPE positions (kept row-major as [B, 3, T], so they split and pad with the rows)."""
+        transformers' 3-D M-RoPE positions (kept row-major as [B, 3, T], so they split and pad with the rows).
+        Worked out on the host (the batch's tokens may already be on the device, its vision inputs not; the
+        positions are a loop over rows and images), then moved to the device."""
         cols = out["input_ids"].shape[1]
         config = self.meta.config
         mask = aligned.take(prompt_image_mask(batch.input_ids, batch.attention_mask, batch.response_mask,
-                                              config.image_token_id))
-        images = RowImages.of(batch.multimodal, mask, int(config.vision_config.spatial_merge_size))
-        pos = mrope_positions(aligned.input_ids, aligned.valid, mask, None if images is None else images.grid_thw,
-                              config)  # [3, B, T]
+                                              config.image_token_id)).cpu()
+        multimodal = {k: v.cpu() for k, v in (batch.multimodal or {}).items()}
+        images = RowImages.of(multimodal, mask, int(config.vision_config.spatial_merge_size))
+        pos = mrope_positions(aligned.input_ids.cpu(), aligned.valid.cpu(), mask,
+                              None if images is None else images.grid_thw, config)  # [3, B, T]
         out["image_mask"] = pad_columns(mask, self.layout.tp, False).to(self.device)
         out["position_ids"] = F.pad(pos.permute(1, 0, 2), (0, cols - pos.shape[-1])).contiguous().to(self.device)
         out["images"] = None if images is None else images.to(self.device)
@@ -691,8 +694,13 @@ class MegatronTrainEngine(TrainEngine):
 
     # ------------------------------------------------------------------------------------------ offload
     def _offloadable(self) -> Iterator[torch.Tensor]:
-        """The tensors the offload settings name: parameters (views into DDP's buffers), gradients (`main_grad`,
-        views into DDP's gradient buffers) and the optimizer's fp32 main parameters and moments."""
+        """The tensors the offload settings name that live on the engine's device: parameters (views into DDP's
+        buffers), gradients (`main_grad`, views into DDP's gradient buffers) and the optimizer's fp32 main
+        parameters and moments (with backend.optimizer_cpu_offload, megatron's hybrid optimizer keeps those on the
+        host already, some of them in pinned storages that cannot be resized)."""
+        return (t for t in self._offload_candidates() if t.device.type == self.device.type)
+
+    def _offload_candidates(self) -> Iterator[torch.Tensor]:
         b = self.backend
         params = [p for c in self.chunks for p in c.parameters()]
         if b.param_offload:
