@@ -59,6 +59,12 @@ def _reference(cfg, batch):
     init = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     pos = (batch.attention_mask.cumsum(1) - 1).clamp(min=0)
     logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=pos).logits.float()
+    return (init, *reference_loss(cfg, hf, batch, logits))
+
+
+def reference_loss(cfg, hf, batch, logits):
+    """Masked per-token log-probs from `logits`, the gradients of the GRPO loss (backward through `hf`) and the
+    loss aggregation settings."""
     logp = torch.zeros(batch.input_ids.shape)
     logp[:, 1:] = logprobs_from_logits(logits[:, :-1], batch.input_ids[:, 1:])
     mask, algo = batch.response_mask, cfg.algorithm
@@ -70,7 +76,7 @@ def _reference(cfg, batch):
         kl_penalty(logp, batch.ref_log_probs, algo.kl_loss_type), mask, **agg)
     loss.backward()
     grads = {k: p.grad.detach().clone() for k, p in hf.named_parameters()}
-    return init, (logp.detach() * mask), grads, agg
+    return (logp.detach() * mask), grads, agg
 
 
 def _worker(rank, world, port, cfg, batch, agg, out):

@@ -4,18 +4,14 @@ at TP2, PP2 + VPP2, EP2 and TP2 + ETP2, and the frozen vision tower.
 
 Images have patch grids with H != W (equal axes would hide a wrong M-RoPE axis), rows hold zero, one or two
 images, and every row is left-padded as `runtime.batching` builds them."""
-from tests.megatron_cpu import megatron_on_cpu  # first: the prelude (skips without megatron)
-
-import os
+import tests.megatron_cpu  # noqa: F401  first: the prelude (skips without megatron)
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from PIL import Image
 
-from qwen35rl.algo.core import agg_loss, kl_penalty, local_batch_counts, logprobs_from_logits, policy_loss
 from qwen35rl.engines.base import Batch
 from qwen35rl.models.build import build_model
 from qwen35rl.models.image_tokens import prompt_image_mask
@@ -23,7 +19,7 @@ from qwen35rl.models.processor import build_processor, vision_inputs
 from qwen35rl.models.special_tokens import special_token_ids
 from qwen35rl.models.tokenizer import build_tokenizer
 from qwen35rl.runtime.cluster import free_port
-from tests.engines.test_megatron_engine_cpu import _check, _config, _worker
+from tests.engines.test_megatron_engine_cpu import _check, _config, _worker, reference_loss
 
 pytestmark = pytest.mark.slow
 
@@ -87,21 +83,11 @@ def vl_reference(cfg, batch):
     else:
         logits = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask, mm_token_type_ids=image_mask.long(),
                     **batch.multimodal).logits.float()
-    logp = torch.zeros(batch.input_ids.shape)
-    logp[:, 1:] = logprobs_from_logits(logits[:, :-1], batch.input_ids[:, 1:])
-    mask, algo = batch.response_mask, cfg.algorithm
-    tokens, seqs = local_batch_counts(mask)
-    agg = dict(mode=algo.loss_agg_mode, global_tokens=tokens, global_seqs=seqs, dp_size=1,
-               norm_const=float(cfg.data.max_response_length))
-    pg, _ = policy_loss(logp, batch.old_log_probs, batch.advantages, mask)
-    loss = agg_loss(pg, mask, **agg) + algo.kl_loss_coef * agg_loss(
-        kl_penalty(logp, batch.ref_log_probs, algo.kl_loss_type), mask, **agg)
-    loss.backward()
-    grads = {k: p.grad.detach().clone() for k, p in hf.named_parameters()}
+    logp, grads, agg = reference_loss(cfg, hf, batch, logits)
     if cfg.model.freeze_vision_tower:
         grads = {k: torch.zeros_like(g) if k.startswith("model.visual.") else g for k, g in grads.items()}
     init.pop("lm_head.weight")  # tied: exported once, as the embedding
-    return init, (logp.detach() * mask), grads, agg
+    return init, logp, grads, agg
 
 
 def _run(model, parallel, sampled_image_token=False):

@@ -56,23 +56,30 @@ def test_image_prompts_get_their_image_tokens(geo3k):
     assert tokenize_image_prompts(build_dataset(short.data, tok, "train"), short.model, short.data, tok) == []
 
 
-@pytest.mark.slow
-def test_geo3k_trains_on_the_tiny_vl_model(geo3k, tmp_path):
-    run = tmp_path / "run"
+def _train_two_steps(geo3k, run, *overrides):
+    """Two GRPO steps of a small geo3k run on two CPU ranks through the CLI; the metrics of both steps, checked:
+    rollout and trainer saw the same images (their log-probs agree), the update moved, validation ran."""
     proc = subprocess.run(
-        [*TRAIN, f"hydra.run.dir={run}", "data=geo3k", "model=qwen3_5_tiny_vl", *_data(geo3k),
-         "data.reward=copy_digit", "data.max_prompt_length=256", "hw.devices_per_node=2", "data.train_batch_size=4",
-         "rollout.n=4", "algorithm.mini_batch_size=2", "backend.micro_batch_size_per_device=4",
-         "data.val_batch_size=4", "trainer.total_steps=2", "trainer.test_freq=2", "trainer.save_freq=-1"],
+        [*TRAIN, f"hydra.run.dir={run}", "data=geo3k", *_data(geo3k), "data.reward=copy_digit",
+         "data.max_prompt_length=256", "hw.devices_per_node=2", "data.train_batch_size=4", "rollout.n=4",
+         "algorithm.mini_batch_size=2", "backend.micro_batch_size_per_device=4", "data.val_batch_size=4",
+         "trainer.total_steps=2", "trainer.test_freq=2", *overrides],
         capture_output=True, text=True, timeout=900, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["prompt_length/min"] > 10 and r["actor/grad_norm"] > 0 and r["actor/skipped_steps"] == 0
-        # rollout and trainer saw the same images: their log-probs agree
+        assert "critic/score/mean" in r
         assert r["rollout/logprob_diff_max"] < 1e-3
     assert "val/score/mean" in rows[1]
+    return rows
+
+
+@pytest.mark.slow
+def test_geo3k_trains_on_the_tiny_vl_model(geo3k, tmp_path):
+    run = tmp_path / "run"
+    _train_two_steps(geo3k, run, "model=qwen3_5_tiny_vl", "trainer.save_freq=-1")
     # the policy included the vision tower: the export is the VL model, with its processor
     from transformers import Qwen3_5ForConditionalGeneration
 
@@ -94,21 +101,8 @@ def test_geo3k_trains_on_megatron(geo3k, tmp_path, model, layout):
     rollout and trainer agree on the image prompts' log-probs (fp32), checkpoints are written, and the export is
     the VL checkpoint type with a vision tower that training changed."""
     run = tmp_path / "run"
-    proc = subprocess.run(
-        [*TRAIN, f"hydra.run.dir={run}", "backend=megatron", "data=geo3k", f"model={model}", *layout, *_data(geo3k),
-         "data.reward=copy_digit", "data.max_prompt_length=256", "hw.devices_per_node=2", "data.train_batch_size=4",
-         "rollout.n=4", "algorithm.mini_batch_size=2", "backend.micro_batch_size_per_device=4",
-         "backend.use_rollout_log_probs=false", "backend.bf16=false", "backend.lr=1e-3", "data.val_batch_size=4",
-         "trainer.total_steps=2", "trainer.test_freq=2", "trainer.save_freq=1"],
-        capture_output=True, text=True, timeout=900, env=dict(os.environ))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = read_metrics(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
-        assert r["prompt_length/min"] > 10 and r["actor/grad_norm"] > 0 and r["actor/skipped_steps"] == 0
-        assert "critic/score/mean" in r
-        assert r["rollout/logprob_diff_max"] < 1e-3  # the rollout's images and positions are the trainer's
-    assert "val/score/mean" in rows[1]
+    _train_two_steps(geo3k, run, "backend=megatron", f"model={model}", *layout, "backend.use_rollout_log_probs=false",
+                     "backend.bf16=false", "backend.lr=1e-3", "trainer.save_freq=1")
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_1", "step_2"]
     import transformers
 
