@@ -20,9 +20,10 @@ hw.reserve_gib) / (1 + hw.allocator_slack).
 
 The FSDP and hf terms (transformers modules) were calibrated against `torch.cuda.max_memory_allocated` on an H200
 (bench/results/h200.md, tests/config/test_memory_calibration.py); per-token activations were counted tensor by
-tensor on the same modules. What a Gated DeltaNet layer keeps depends on its kernels (`gdn_kernels`); the Megatron
-and vLLM terms are not measured.
-"""
+tensor on the same modules. What a Gated DeltaNet layer keeps depends on its kernels (`gdn_kernels`; Megatron:
+`megatron_gdn_kernels`). Megatron's per-token layer activations were counted with saved_tensors_hooks on
+megatron-core 0.16.1's layers on CPU (tests/config/test_megatron_activations.py; fla's path there is not measured);
+the other Megatron terms and the vLLM terms are not measured."""
 from __future__ import annotations
 
 import math
@@ -282,8 +283,9 @@ def fsdp_gathered_params_gib(cfg: Any, layout: Layout, shard: TrainShard) -> flo
 
 
 def layer_activation_elems_per_token(m: Any, kind: str) -> float:
-    """Megatron's fused modules (and vLLM's profiled forward; not measured): tensors one decoder layer saves for
-    backward, in elements per token (bf16): residual + norm outputs,
+    """vLLM's profiled forward (not measured; it was the Megatron estimate until megatron's layers were measured,
+    `megatron_layer_bytes_per_token`): tensors one decoder layer keeps, in elements per token (bf16): residual +
+    norm outputs,
     attention q/gate/k/v/output or GDN qkv (before and after the conv), z, b/a, core and normed outputs, and the
     MLP gate/up/act (MoE: router logits in fp32, permuted tokens and top-k expert intermediates, shared expert)."""
     h = int(m["hidden_size"])
@@ -302,6 +304,86 @@ def layer_activation_elems_per_token(m: Any, kind: str) -> float:
     else:
         ffn = 2 * h + 3 * int(m["intermediate_size"])
     return float(mixer + ffn)
+
+
+def megatron_gdn_kernels(cfg: Any, override: Optional[str] = None) -> str:
+    """Which GDN recurrence the Megatron engine trains with: 'torch' (megatron-core's `torch_chunk_gated_delta_rule`)
+    when `backend.transformer_overrides.deterministic_mode` is set true, or on CPU (the engine sets it there), else
+    'fla' (flash-linear-attention's chunk kernels). An assumption: the plan cannot see the nodes' Triton / TileLang,
+    under which the engine itself falls back to the torch recurrence (`_gdn_fallback`; the preflight checks the
+    nodes). `override` as for `gdn_kernels`."""
+    if override is not None:
+        return gdn_kernels(cfg, override)
+    overrides = cfg["backend"].get("transformer_overrides") or {}
+    if "deterministic_mode" in overrides:
+        return "torch" if bool(overrides["deterministic_mode"]) else "fla"
+    return "torch" if str(cfg["hw"].get("device", "cuda")) == "cpu" else "fla"
+
+
+def megatron_norm_mlp_bytes_per_token(m: Any) -> float:
+    """What a Megatron decoder layer (the engine's local spec, bf16) saves around its mixer, per token: the two
+    zero-centred RMSNorms' fp32 input copy, normalised tensor and rstd, and their bf16 outputs (the linears'
+    inputs); the dense MLP's fc1 output (2I), silu(gate), the `x_linear + glu_linear_offset` copy and the product
+    (5 x I). MoE (SequentialMLP, alltoall dispatcher, no permute fusion): one more bf16 hidden state, the permuted
+    tokens (k x h), 6 x I per routed token in the experts, the shared expert as a dense MLP and its sigmoid gate,
+    the router's bf16 logits and bool routing map (E each), and per routed token its int64 top-k and sort indices,
+    fp32 and permuted bf16 probability. Measured with saved_tensors_hooks on megatron-core 0.16.1 on CPU
+    (2026-12-02, tests/config/test_megatron_activations.py): exact on the 0.8B and tiny MoE shapes."""
+    h = int(m["hidden_size"])
+    around = 2 * (2 * FP32 * h + FP32 + BF16 * h)
+    if m["moe"]:
+        k, e = int(m["num_experts_per_tok"]), int(m["num_experts"])
+        shared = int(m["shared_expert_intermediate_size"])
+        ffn = (BF16 * (h + k * h + 6 * k * int(m["moe_intermediate_size"]) + 5 * shared + (1 if shared else 0) + e)
+               + e + k * (FP64 + FP64 + FP32 + BF16))
+    else:
+        ffn = BF16 * 5 * int(m["intermediate_size"])
+    return float(around + ffn)
+
+
+def megatron_attention_bytes_per_token(m: Any) -> float:
+    """Megatron's gated full attention over the engine's SDPA core, per token: in bf16 what SDPA saves (rotated q,
+    k and v repeated to the query heads, its output), the output projection's input (gated) and the rotary cos /
+    sin of q and k (4 x the rotary dims); in fp32 the q and k norms' input copies and outputs, the sigmoid of the
+    output gate, the norms' rstd per head and the log-sum-exp per query head. Measured like
+    `megatron_norm_mlp_bytes_per_token`."""
+    nq, nkv, hd = int(m["num_attention_heads"]), int(m["num_key_value_heads"]), int(m["head_dim"])
+    gated = 1 if m["attn_output_gate"] else 0
+    rot = hd * float(m.get("partial_rotary_factor", 1.0))
+    return float(BF16 * ((4 + gated) * nq * hd + 4 * rot)
+                 + FP32 * (2 * nq * hd + 2 * nkv * hd + gated * nq * hd + 2 * nq + nkv))
+
+
+def megatron_gdn_bytes_per_token(m: Any, kernels: str) -> float:
+    """megatron-core's GatedDeltaNet per token. Around the recurrence (either path): the torch conv1d's input and
+    pre-silu output (conv dim each), the l2norm inputs of q and k and their rstd, sigmoid(beta), the output norm's
+    weighted and gated tensors and the output projection's input in bf16; softplus input and output (value heads),
+    the output norm's fp32 input copy, fp32 gate and silu(gate), and its rstd per head in fp32.
+    torch (`torch_chunk_gated_delta_rule`, `deterministic_mode`: q and k repeated to the value heads nv), per value
+    head in fp32: 7 x dk (padded key, k_beta, k_beta*exp(g), k_cumdecay, scaled q, q*exp(g), the decayed key of
+    the state update), 3 x dv (padded value, v_beta, v_new), 6 x chunk (decay exp and mask, k k^T, the solved
+    matrix, per chunk q k^T and its mask), 4 gates, the row-by-row triangular solve's clones ((chunk^2 - 1) / 3:
+    row i keeps an i x i and an i-wide copy) and one dk x dv recurrent state per chunk. Measured with
+    saved_tensors_hooks on megatron-core 0.16.1 on CPU (2026-12-02, tests/config/test_megatron_activations.py):
+    exact on the 0.8B heads (336.7 KB a layer with its MLP, 5.1x what the fused-module formula
+    `layer_activation_elems_per_token` gave) and with 32 value heads.
+    fla (not measured: fla does not run on CPU): q and k (value heads), v, beta and the [chunk]-wide A in bf16, g in
+    fp32, as the FSDP trainer's fla calibration (`gdn_bytes_per_token`) found fla 0.6 keeps."""
+    nk, nv = int(m["linear_num_key_heads"]), int(m["linear_num_value_heads"])
+    dk, dv = int(m["linear_key_head_dim"]), int(m["linear_value_head_dim"])
+    qk, value_dim = nk * dk, nv * dv
+    conv_dim, c = 2 * qk + value_dim, GDN_CHUNK
+    around = BF16 * (2 * conv_dim + 2 * qk + 2 * nk + nv + 3 * value_dim) + FP32 * (3 * nv + 3 * value_dim)
+    if kernels == "torch":
+        return float(around + FP32 * nv * (7 * dk + 3 * dv + 6 * c + 4 + (c * c - 1) / 3 + dk * dv / c))
+    return float(around + BF16 * nv * (2 * dk + dv + 1 + c) + FP32 * nv)
+
+
+def megatron_layer_bytes_per_token(m: Any, kind: str, kernels: str) -> float:
+    """Bytes one Megatron decoder layer saves for backward per token (bf16): its mixer plus the norms and MLP
+    around it. Its input is not among them (the previous layer's norm keeps an fp32 copy of it)."""
+    mixer = megatron_attention_bytes_per_token(m) if kind == "full" else megatron_gdn_bytes_per_token(m, kernels)
+    return mixer + megatron_norm_mlp_bytes_per_token(m)
 
 
 def norm_mlp_bytes_per_token(m: Any, cb: int) -> float:
@@ -409,19 +491,20 @@ def activations_gib(cfg: Any, layout: Layout, shard: TrainShard, kernels: Option
         final_norm = (FP32 + FP32 + cb) * h
         return gib(tokens * (layers + final_norm) + response_tokens_per_device(cfg, layout) * cb * h)
     tokens, flight = tokens_per_device(cfg, layout), in_flight_micro_batches(cfg, layout)
-    per_layer = [layer_activation_elems_per_token(m, k) for k in shard.layers] or [0.0]
+    kernels = megatron_gdn_kernels(cfg, kernels)
+    per_layer = [megatron_layer_bytes_per_token(m, k, kernels) for k in shard.layers] or [0.0]
     rec = recompute_groups(cfg, layout)
     if rec is None:
         saved, working = sum(per_layer) * flight, 0.0
     elif rec["method"] == "block":
         n = min(rec["n"], len(per_layer))
-        saved = (n * h + sum(sorted(per_layer)[: len(per_layer) - n])) * flight
+        saved = (n * BF16 * h + sum(sorted(per_layer)[: len(per_layer) - n])) * flight
         working = 2 * max(per_layer)
     else:
         n = rec["n"]
-        saved = math.ceil(len(per_layer) / n) * h * flight
+        saved = math.ceil(len(per_layer) / n) * BF16 * h * flight
         working = 2 * sum(sorted(per_layer, reverse=True)[:n])
-    return gib((saved + working) * tokens * BF16)
+    return gib((saved + working) * tokens)
 
 
 # ------------------------------------------------------------------------------------------ the vision tower

@@ -212,18 +212,21 @@ def test_activations_with_and_without_recompute():
     shard = M.TrainShard(dense=0, expert=0, layers=["linear", "full"], largest_unit=0)
     lay = layout(world=8, tp=2, pp=1, ep=1)
     m = tree(TINY)["model"]
-    full_el, lin_el = M.layer_activation_elems_per_token(m, "full"), M.layer_activation_elems_per_token(m, "linear")
+    # bytes per token; the plan assumes fla on accelerators (`megatron_gdn_kernels`)
+    full_b, lin_b = M.megatron_layer_bytes_per_token(m, "full", "fla"), M.megatron_layer_bytes_per_token(m, "linear", "fla")
     base = dict(model=m)
     t = tree(MG35, backend__recompute_granularity=None)
     t.update(base)
     tokens = 3072 / 2  # micro batch 1 x 3072 tokens, sequence parallel over TP2
-    assert M.activations_gib(t, lay, shard) == pytest.approx((full_el + lin_el) * tokens * 2 / GIB)
+    assert M.activations_gib(t, lay, shard) == pytest.approx((full_b + lin_b) * tokens / GIB)
+    torch_lin = M.megatron_layer_bytes_per_token(m, "linear", "torch")
+    assert M.activations_gib(t, lay, shard, "torch") == pytest.approx((full_b + torch_lin) * tokens / GIB)
     t = tree(MG35)  # full, uniform, 1 layer per group
     t.update(base)
-    assert M.activations_gib(t, lay, shard) == pytest.approx((2 * 128 + 2 * lin_el) * tokens * 2 / GIB)
+    assert M.activations_gib(t, lay, shard) == pytest.approx((2 * 128 * 2 + 2 * lin_b) * tokens / GIB)
     t = tree(MG35, backend__recompute_method="block", backend__recompute_num_layers=1)
     t.update(base)
-    assert M.activations_gib(t, lay, shard) == pytest.approx((128 + full_el + 2 * lin_el) * tokens * 2 / GIB)
+    assert M.activations_gib(t, lay, shard) == pytest.approx((128 * 2 + full_b + 2 * lin_b) * tokens / GIB)
 
 
 def test_in_flight_micro_batches():
