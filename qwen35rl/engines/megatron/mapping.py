@@ -1,4 +1,5 @@
-"""Qwen3.5 text-model parameters between the Hugging Face (transformers) layout and megatron-core's.
+"""Qwen3.5 text-model parameters between the Hugging Face (transformers) layout and megatron-core's (a VL model's
+vision tower keeps transformers' module and names: `vision_param_maps` maps it one to one, replicated over TP).
 
 Pure torch: no megatron import, so CI checks the layout on CPU whatever megatron-core is installed.
 
