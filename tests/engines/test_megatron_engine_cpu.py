@@ -20,6 +20,7 @@ from qwen35rl.config.compose import compose
 from qwen35rl.engines.base import Batch
 from qwen35rl.models.build import build_model
 from qwen35rl.runtime.cluster import free_port
+from tests.shared_results import result_dict
 
 pytestmark = pytest.mark.slow
 
@@ -118,7 +119,7 @@ def _run_parallel(model, parallel, world=2):
     cfg = _config(model, parallel)
     batch = _batch(cfg)
     init, logp, grads, agg = _reference(cfg, batch)
-    out = mp.Manager().dict()
+    out = result_dict()
     mp.start_processes(_worker, args=(world, free_port(), cfg, batch, agg, out), nprocs=world, join=True,
                        start_method="spawn")
     if cfg.model.tie_word_embeddings:  # exported once, as the embedding
@@ -187,7 +188,7 @@ def _checkpoint_worker(rank, world, port, cfg, batch, path, out):
 
 def test_checkpoint_resumes_model_optimizer_and_schedule(tmp_path):
     cfg = _config("qwen3_5_tiny", ["parallelism.tp=2", "backend.lr_warmup_steps=3"])
-    out = mp.Manager().dict()
+    out = result_dict()
     mp.start_processes(_checkpoint_worker, args=(2, free_port(), cfg, _batch(cfg), str(tmp_path / "ckpt"), out), nprocs=2,
                        join=True, start_method="spawn")
     for rank, (expected, resumed, steps, weight_diff) in out.items():

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from qwen35rl.algo.core import entropy_from_logits, logprobs_from_logits
 from qwen35rl.engines.megatron import tokens
 from qwen35rl.runtime.cluster import free_port
+from tests.shared_results import result_dict
 
 
 def test_left_align_and_restore_round_trip():
@@ -74,7 +75,7 @@ def test_vocab_parallel_over_two_ranks_matches_full_vocab():
     ent_ref = entropy_from_logits(ref / 1.3)
     ((lp_ref * grad_lp).sum() + (ent_ref * grad_ent).sum()).backward()
 
-    out = mp.Manager().dict()
+    out = result_dict()
     mp.start_processes(_worker, args=(2, free_port(), logits.float(), labels, grad_lp, grad_ent, out), nprocs=2,
                        join=True, start_method="spawn")
     for rank in range(2):

@@ -20,6 +20,7 @@ from qwen35rl.models.special_tokens import special_token_ids
 from qwen35rl.models.tokenizer import build_tokenizer
 from qwen35rl.runtime.cluster import free_port
 from tests.engines.test_megatron_engine_cpu import _check, _config, _worker, reference_loss
+from tests.shared_results import result_dict
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +95,7 @@ def _run(model, parallel, sampled_image_token=False):
     cfg = _config(model, ["data.has_images=true", *parallel])
     batch = vl_batch(cfg, sampled_image_token)
     init, logp, grads, agg = vl_reference(cfg, batch)
-    out = mp.Manager().dict()
+    out = result_dict()
     mp.start_processes(_worker, args=(2, free_port(), cfg, batch, agg, out), nprocs=2, join=True, start_method="spawn")
     return init, logp, grads, dict(out)
 
@@ -140,7 +141,7 @@ def test_vl_checkpoint_resumes(tmp_path):
     from tests.engines.test_megatron_engine_cpu import _checkpoint_worker
 
     cfg = _config("qwen3_5_tiny_vl", ["data.has_images=true", "parallelism.pp=2", "backend.lr_warmup_steps=3"])
-    out = mp.Manager().dict()
+    out = result_dict()
     mp.start_processes(_checkpoint_worker, args=(2, free_port(), cfg, vl_batch(cfg), str(tmp_path / "ckpt"), out),
                        nprocs=2, join=True, start_method="spawn")
     for rank, (expected, resumed, steps, weight_diff) in out.items():

@@ -28,6 +28,7 @@ from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST
 from qwen35rl.runtime.batching import Sequences, split_even, split_sequences
 from qwen35rl.runtime.driver import step_seed
 from qwen35rl.runtime.cluster import free_port
+from tests.shared_results import result_dict
 
 pytestmark = pytest.mark.slow
 
@@ -200,13 +201,13 @@ def _run_layout(model, parallel, tmp_path, resume: bool):
     plain = OmegaConf.to_container(cfg, resolve=True)
     run_dir = tmp_path / "_".join(p.replace("parallelism.", "").replace("=", "") for p in parallel)
     (run_dir / "ckpt").mkdir(parents=True)  # the driver's CheckpointManager.begin makes the directory
-    out = mp.Manager().dict()
+    out = result_dict()
     mp.start_processes(_drive, args=(WORLD, free_port(), plain, str(run_dir), out), nprocs=WORLD, join=True,
                        start_method="spawn")
     out = dict(out)
     _check_layout(cfg, out, run_dir / "hf")
     if resume:
-        resumed = mp.Manager().dict()
+        resumed = result_dict()
         mp.start_processes(_resume, args=(WORLD, free_port(), plain, str(run_dir), out[0]["update_inputs"], resumed),
                            nprocs=WORLD, join=True, start_method="spawn")
         for rank, res in dict(resumed).items():
