@@ -37,3 +37,25 @@ def test_host_buffers_are_reused_across_cycles():
     assert host._host[t.untyped_storage()._cdata] is first  # the same host buffer, refilled
     host.reload()
     assert torch.equal(t, expected)
+
+
+def test_megatron_engine_offloads_only_what_is_on_its_device():
+    """With backend.optimizer_cpu_offload megatron's hybrid optimizer keeps its fp32 states on the host (some in
+    pinned storages that cannot be resized): the between-phase offload leaves them alone and moves only device
+    tensors (here the 'meta' device stands in for the accelerator)."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    from qwen35rl.engines.megatron.engine import MegatronTrainEngine
+
+    layer = torch.nn.Linear(2, 2, device="meta")
+    host_param = torch.zeros(6)
+    host_opt = torch.optim.Adam([host_param])
+    host_opt.state[host_param] = {"exp_avg": torch.zeros(6), "exp_avg_sq": torch.zeros(6)}
+    eng = SimpleNamespace(device=torch.device("meta"), chunks=[layer], reference=False, optimizer=object(),
+                          backend=SimpleNamespace(param_offload=True, grad_offload=False, optimizer_offload=True),
+                          _torch_optimizers=lambda: [host_opt])
+    eng._offload_candidates = partial(MegatronTrainEngine._offload_candidates, eng)
+    assert len(list(eng._offload_candidates())) == 2 + 3  # the layer's weight and bias, the host param and moments
+    moved = list(MegatronTrainEngine._offloadable(eng))
+    assert [t.device.type for t in moved] == ["meta", "meta"]
