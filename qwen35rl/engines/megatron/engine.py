@@ -34,8 +34,8 @@ from qwen35rl.engines.host_offload import HostOffload
 from qwen35rl.engines.megatron import ascend, version
 from qwen35rl.engines.megatron import mapping as mp
 from qwen35rl.engines.megatron.tokens import Aligned, left_align, pad_columns, vocab_parallel_logprobs
-from qwen35rl.engines.megatron.vision import RowImages
-from qwen35rl.models.build import trains_vision
+from qwen35rl.engines.megatron.vision import RowImages, build_vision_tower
+from qwen35rl.models.build import build_model, enable_activation_checkpointing, torch_dtype, trains_vision
 from qwen35rl.models.image_tokens import mrope_positions, prompt_image_mask
 from qwen35rl.runtime.gdn_kernels import fla_gdn_backward_refused
 from qwen35rl.runtime.gdn_kernels import fla_tilelang_usable as _fla_tilelang_usable
@@ -208,8 +208,6 @@ class MegatronTrainEngine(TrainEngine):
 
     def _build(self) -> None:
         from qwen35rl.engines.megatron import model as mm
-        from qwen35rl.engines.megatron.vision import build_vision_tower
-        from qwen35rl.models.build import build_model
 
         self.tconfig = self._transformer_config()
         if self.te_options["moe_grouped_gemm"]:
@@ -236,8 +234,6 @@ class MegatronTrainEngine(TrainEngine):
         if self.cfg.model.freeze_vision_tower:
             tower.requires_grad_(False)
         elif self.tconfig.recompute_granularity == "full":
-            from qwen35rl.models.build import enable_activation_checkpointing
-
             enable_activation_checkpointing(tower)
 
     # ------------------------------------------------------------------------------------------ ranks
@@ -282,8 +278,6 @@ class MegatronTrainEngine(TrainEngine):
         m = self.cfg.model
         if m.init == "pretrained":
             return CheckpointSource(str(m.path))
-        from qwen35rl.models.build import build_model
-
         # the same seeded init as the rollout engine's and the FSDP engine's: every rank builds it identically
         return DictSource(build_model(m, dtype=_dtype(self.backend), device="cpu", seed=int(self.cfg.trainer.seed),
                                       text_only=not self.vision).state_dict())
@@ -659,8 +653,6 @@ class MegatronTrainEngine(TrainEngine):
     def export_weights(self, bucket_mb: int, device: Optional[Any] = None) -> Iterator[List[Tuple[str, torch.Tensor]]]:
         """HF-named full tensors (tied embedding once) in model.dtype, on CPU or on `device` (a rollout engine on
         the trainer's device skips the host). Collective over every rank, one map at a time."""
-        from qwen35rl.models.build import torch_dtype
-
         out = torch.device("cpu") if device is None else torch.device(device)
         return mp.export_hf(self.export_maps, partial(self._fetch, torch_dtype(self.cfg.model.dtype), out), float(bucket_mb))
 
