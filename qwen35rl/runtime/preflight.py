@@ -127,7 +127,7 @@ def probe_node(device_type: str) -> Dict[str, Any]:
     info["device_memory_gb"] = props.total_memory / 1e9
     info["visible_devices"] = int(mod.device_count())
     if device_type == "cuda":
-        from qwen35rl.runtime import gdn_kernels
+        from qwen35rl.engines import gdn_kernels
 
         info["gdn"] = gdn_kernels.probe(0)
     return info

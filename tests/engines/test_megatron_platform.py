@@ -9,7 +9,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 
 from qwen35rl.config.compose import compose
-from qwen35rl.engines.megatron import ascend, version
+from qwen35rl.config import megatron_versions as version
+from qwen35rl.engines.megatron import ascend
 
 
 # ------------------------------------------------------------------------------------------------- versions

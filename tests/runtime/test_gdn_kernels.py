@@ -12,7 +12,8 @@ import torch
 
 from qwen35rl.config.compose import compose
 from qwen35rl.config.problems import ERROR, WARNING
-from qwen35rl.runtime import gdn_kernels, preflight
+from qwen35rl.engines import gdn_kernels
+from qwen35rl.runtime import preflight
 
 HOPPER, AMPERE, BLACKWELL = (9, 0), (8, 0), (10, 0)
 

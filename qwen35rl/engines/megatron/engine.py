@@ -31,15 +31,16 @@ from qwen35rl.config.ignored_keys import ignored_settings
 from qwen35rl.config.layout import Layout, derive_layout
 from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
 from qwen35rl.engines.host_offload import HostOffload
-from qwen35rl.engines.megatron import ascend, version
+from qwen35rl.config import megatron_versions as version
+from qwen35rl.engines.megatron import ascend
 from qwen35rl.engines.megatron import mapping as mp
 from qwen35rl.engines.megatron.tokens import Aligned, left_align, pad_columns, vocab_parallel_logprobs
 from qwen35rl.engines.megatron.vision import RowImages, build_vision_tower
 from qwen35rl.models.build import build_model, enable_activation_checkpointing, torch_dtype, trains_vision
 from qwen35rl.models.image_tokens import mrope_positions, prompt_image_mask
-from qwen35rl.runtime.gdn_kernels import fla_gdn_backward_refused
-from qwen35rl.runtime.gdn_kernels import fla_tilelang_usable as _fla_tilelang_usable
-from qwen35rl.runtime.gdn_kernels import triton_version as _triton_version
+from qwen35rl.engines.gdn_kernels import fla_gdn_backward_refused
+from qwen35rl.engines.gdn_kernels import fla_tilelang_usable as _fla_tilelang_usable
+from qwen35rl.engines.gdn_kernels import triton_version as _triton_version
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """megatron-core version facts the Megatron backend relies on, in one place (checked against the 0.16.1, 0.17.0,
-0.18.0 and 0.19.2 sources). Standard library only: planning rules may read it without torch.
+0.18.0 and 0.19.2 sources). Standard library only: the planning rules and the Megatron engine both read it.
 
 What changes across 0.16 - 0.19 and how the backend copes:
 - GDN (GatedDeltaNet) accepts packed (THD) sequences and context parallelism from 0.18 (`GDN_PACKED_AND_CP`);
