@@ -4,6 +4,11 @@ Without an initialised process group (one CPU process, unit tests) the same code
 Parameters are kept in fp32 (the optimizer's master copy); `backend.mixed_precision` picks bf16 compute on
 accelerators. Log-probs come from the chunked vocab projection of `engines.logprob`, inside the FSDP root's
 forward so that FSDP gathers lm_head for it and reduce-scatters its gradient.
+
+Ranks (the driver's `Layout`): FSDP shard groups are `fsdp_size` consecutive ranks, replicated world / fsdp_size
+times (HSDP when fsdp_size < world); Ulysses SP groups are `sp` consecutive ranks that take the same micro batches
+and split each packed row between them (`engines.ulysses`). FSDP averages gradients over every rank of the world,
+SP ranks included, whatever the two sizes; the loss scale (`agg_loss`'s dp_size = world) accounts for it.
 """
 from __future__ import annotations
 
@@ -20,10 +25,12 @@ from torch import nn
 
 from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics
 from qwen35rl.config.ignored_keys import ignored_settings
+from qwen35rl.config.layout import Layout
 from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
 from qwen35rl.engines.logprob import chunked_logprobs_entropy
 from qwen35rl.engines.packed_attention import use_packed_attention
 from qwen35rl.engines.packed_gdn import enable_packing
+from qwen35rl.engines.ulysses import SpGroup, gather_tokens, sequence_parallel, use_ulysses
 from qwen35rl.models.build import (build_model, enable_activation_checkpointing, init_rotary_buffers, torch_dtype,
                                    trains_vision)
 from qwen35rl.models.image_tokens import mrope_positions, prompt_image_mask
@@ -32,12 +39,12 @@ log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def packing_supported(device: torch.device) -> bool:
-    """Packed sequences (no padding) pay off where flash-linear-attention's GDN kernel takes the sequence boundaries
-    (CUDA). The short convolution keeps documents apart through `packed_gdn.enable_packing`, full attention through
-    `packed_attention` (per-document kernels instead of sdpa over an [N, N] mask); without fla the recurrence would
-    run once per document, slower than a padded batch."""
-    return device.type == "cuda" and importlib.util.find_spec("fla") is not None
+def packing_supported(device: torch.device, sp: int = 1) -> bool:
+    """Whether backend.remove_padding packs sequences. Packing pays off where flash-linear-attention's GDN kernel
+    takes the sequence boundaries (CUDA); elsewhere the recurrence runs once per document (`packed_gdn`), slower
+    than a padded batch, so only Ulysses SP (which splits one packed row) packs there. The short convolution keeps
+    documents apart through `packed_gdn.enable_packing`, full attention through `packed_attention`."""
+    return sp > 1 or (device.type == "cuda" and importlib.util.find_spec("fla") is not None)
 
 
 def packed_call_kwargs(lengths: torch.Tensor) -> Dict[str, Any]:
@@ -97,14 +104,18 @@ class PolicyWithLogProbs(nn.Module):
         self.chunk_size, self.compiled = chunk_size, compiled
 
     def forward(self, input_ids, attention_mask, position_ids, response_mask, temperature: float, with_entropy: bool,
-                pack: bool = False, multimodal: Optional[Dict[str, torch.Tensor]] = None):
-        hidden = self._hidden(input_ids, attention_mask, position_ids, pack, multimodal or {})
+                pack: bool = False, multimodal: Optional[Dict[str, torch.Tensor]] = None, sp: Optional[SpGroup] = None):
+        if pack:
+            return self._packed(input_ids, attention_mask, position_ids, response_mask, temperature, with_entropy,
+                                multimodal or {}, sp)
+        if multimodal:
+            hidden = self._hidden_with_images(input_ids, attention_mask, multimodal)
+        else:
+            hidden = self.lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   use_cache=False).last_hidden_state
         # the token at t is predicted from position t-1
         sel = response_mask[:, 1:].bool()
-        h = hidden[:, :-1][sel]
-        labels = input_ids[:, 1:][sel]
-        logp, ent = chunked_logprobs_entropy(h, self.lm.lm_head.weight, labels, self.chunk_size, temperature, with_entropy,
-                                             self.compiled)
+        logp, ent = self._head(hidden[:, :-1][sel], input_ids[:, 1:][sel], temperature, with_entropy)
         out_logp = hidden.new_zeros(input_ids.shape, dtype=torch.float32)
         out_logp[:, 1:][sel] = logp
         out_ent = None
@@ -113,24 +124,63 @@ class PolicyWithLogProbs(nn.Module):
             out_ent[:, 1:][sel] = ent
         return out_logp, out_ent
 
-    def _hidden(self, input_ids, attention_mask, position_ids, pack, multimodal):
-        base = self.lm.model
-        if multimodal:
-            return self._hidden_with_images(input_ids, attention_mask, multimodal)
-        if not pack:
-            return base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        use_cache=False, **multimodal).last_hidden_state
-        valid = attention_mask.bool()
-        packed = base(input_ids=input_ids[valid][None], position_ids=position_ids[valid][None], attention_mask=None,
-                      use_cache=False, **packed_call_kwargs(valid.sum(1))).last_hidden_state
-        hidden = packed.new_zeros(*input_ids.shape, packed.shape[-1])
-        hidden[valid] = packed[0]
-        return hidden
+    def _head(self, h, labels, temperature, with_entropy):
+        return chunked_logprobs_entropy(h, self.lm.lm_head.weight, labels, self.chunk_size, temperature, with_entropy,
+                                        self.compiled)
 
-    def _hidden_with_images(self, input_ids, attention_mask, multimodal):
-        """The VL model's forward with the image features at `image_mask` (the prompts' image tokens) and the 3-D
-        positions of those tokens. transformers would take every token with the image id as an image slot, also
-        one a response sampled; so the embeddings and positions are built here and passed in."""
+    def _packed(self, input_ids, attention_mask, position_ids, response_mask, temperature, with_entropy, multimodal,
+                sp: Optional[SpGroup]):
+        """The valid tokens of all rows as one row of documents. Under SP each rank runs 1/sp of that row (padded
+        by one extra document to a multiple of sp) and the log-probs are gathered back. What depends on the whole
+        sequence happens first, on every rank: image features merged into the embeddings, M-RoPE positions, the
+        labels shifted by one."""
+        valid = attention_mask.bool()
+        base = self.lm.model
+        text = base.language_model if hasattr(base, "language_model") else base
+        if multimodal:
+            embeds, positions = self._embeds_with_images(input_ids, attention_mask, multimodal)
+        else:
+            embeds, positions = text.embed_tokens(input_ids), position_ids
+        # position t predicts the token at t + 1; the last position of a row predicts nothing
+        next_ids = torch.nn.functional.pad(input_ids[:, 1:], (0, 1))
+        next_sel = torch.nn.functional.pad(response_mask[:, 1:].bool(), (0, 1))
+        rows, pos, labels, sel = embeds[valid], positions[..., valid], next_ids[valid], next_sel[valid]
+        lengths = valid.sum(1)
+        lengths = lengths[lengths > 0]
+        n = rows.shape[0]
+        if sp is not None:
+            pad = -n % sp.size
+            if pad:  # a document of its own at the end: nothing before it sees it, and it predicts nothing
+                rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[-1])])
+                pad_pos = torch.arange(pad, device=pos.device, dtype=pos.dtype).expand(*pos.shape[:-1], pad)
+                pos = torch.cat([pos, pad_pos], -1)
+                labels = torch.nn.functional.pad(labels, (0, pad))
+                sel = torch.nn.functional.pad(sel, (0, pad))
+                lengths = torch.cat([lengths, lengths.new_full((1,), pad)])
+            part = slice(sp.rank * (n + pad) // sp.size, (sp.rank + 1) * (n + pad) // sp.size)
+            rows, pos, labels, sel = rows[part], pos[..., part], labels[part], sel[part]
+        no_masks = {"full_attention": None, "linear_attention": None}  # documents come from cu_seq_lens_q
+        with sequence_parallel(sp):
+            hidden = text(inputs_embeds=rows[None], position_ids=pos[..., None, :], attention_mask=no_masks,
+                          use_cache=False, **packed_call_kwargs(lengths)).last_hidden_state[0]
+        logp, ent = self._head(hidden[sel], labels[sel], temperature, with_entropy)
+        outs = []
+        for values in (logp, ent):
+            if values is None:
+                outs.append(None)
+                continue
+            row = hidden.new_zeros(sel.shape, dtype=torch.float32).masked_scatter(sel, values)
+            if sp is not None:
+                row = gather_tokens(row, sp)[:n]
+            per_pos = hidden.new_zeros(input_ids.shape, dtype=torch.float32)
+            per_pos[valid] = row
+            outs.append(torch.nn.functional.pad(per_pos[:, :-1], (1, 0)))  # the log-prob of token t sits at t
+        return outs[0], outs[1]
+
+    def _embeds_with_images(self, input_ids, attention_mask, multimodal):
+        """Token embeddings with the image features at `image_mask` (the prompts' image tokens), and the 3-D
+        positions [3, B, T] of every token. transformers would take every token with the image id as an image
+        slot, also one a response sampled; so the embeddings and positions are built here."""
         base, image_mask = self.lm.model, multimodal["image_mask"]
         grid = multimodal.get("image_grid_thw")
         embeds = base.get_input_embeddings()(input_ids)
@@ -140,38 +190,44 @@ class PolicyWithLogProbs(nn.Module):
                 raise ValueError(f"{int(image_mask.sum())} image tokens in the prompts for {feats.shape[0]} image "
                                  "features: prompt ids and images do not belong together")
             embeds = embeds.masked_scatter(image_mask[..., None], feats.to(embeds.dtype))
-        positions = mrope_positions(input_ids, attention_mask, image_mask, grid, self.lm.config)
-        return base(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
-                    use_cache=False).last_hidden_state
+        return embeds, mrope_positions(input_ids, attention_mask, image_mask, grid, self.lm.config)
+
+    def _hidden_with_images(self, input_ids, attention_mask, multimodal):
+        embeds, positions = self._embeds_with_images(input_ids, attention_mask, multimodal)
+        return self.lm.model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
+                             use_cache=False).last_hidden_state
 
 
 # ---------------------------------------------------------------------------------------------- the engine
 class FsdpTrainEngine(TrainEngine):
-    """The policy (or, with `reference=True`, a frozen reference copy without optimizer) on one DP rank.
+    """The policy (or, with `reference=True`, a frozen reference copy without optimizer) on one rank.
 
-    cfg: the resolved run config. `total_steps`: optimizer steps of the whole run (needed by the cosine schedule).
+    cfg: the resolved run config; layout: the driver's `Layout` (fsdp_size, sp, dp). `dp_group`: the ranks the engine
+    spans (default: the world). `dp_rank` / `dp_size`: the data-parallel share this rank trains on (its SP group's:
+    world / sp shares). `total_steps`: optimizer steps of the whole run (needed by the cosine schedule).
     """
 
-    def __init__(self, cfg: Any, *, rank: int, world_size: int, device: Any, dp_group: Optional[Any] = None,
-                 reference: bool = False, total_steps: Optional[int] = None):
-        self.cfg, self.rank, self.world_size, self.reference = cfg, rank, world_size, reference
+    def __init__(self, cfg: Any, *, layout: Layout, rank: int, world_size: int, device: Any,
+                 dp_group: Optional[Any] = None, reference: bool = False, total_steps: Optional[int] = None):
+        self.cfg, self.layout, self.rank, self.world_size, self.reference = cfg, layout, rank, world_size, reference
         self.device = torch.device(device)
         self.backend, self.algo = cfg.backend, cfg.algorithm
         self.distributed = dist.is_available() and dist.is_initialized()
         if world_size > 1 and not self.distributed:
             raise RuntimeError(f"world_size={world_size} needs an initialised torch.distributed process group")
-        self.dp_group = dp_group
-        self.dp_size = dist.get_world_size(dp_group) if self.distributed else 1
+        self._groups(dp_group)
         self.compute_dtype = mixed_precision_dtype(self.backend.mixed_precision, self.device)
-        self.temperature = float(cfg.rollout.temperature) if cfg.rollout.temperature > 0 else 1.0
+        self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.text_only = not trains_vision(cfg.model, cfg.data)
         for key, why in ([] if reference else ignored_settings(self.backend)):
             log.warning("%s is not applied by the FSDP engine: %s", key, why)
-        self.pack = bool(self.backend.remove_padding) and packing_supported(self.device)
+        self.pack = self.backend.remove_padding and packing_supported(self.device, layout.sp)
         if self.pack:
             enable_packing()
         elif self.backend.remove_padding:
-            log.info("backend.remove_padding: padded batches (packing needs flash-linear-attention on CUDA)")
+            log.info("backend.remove_padding: padded batches (packing needs flash-linear-attention on CUDA, or SP)")
+        if self.sp is not None and not self.pack:
+            raise ValueError(f"parallelism.sp={layout.sp} splits packed sequences: it needs backend.remove_padding")
         self.skipped_steps = 0
         # FSDP2's CPU offload keeps parameter shards, gradients and optimizer states on the host (one policy)
         b = self.backend
@@ -180,19 +236,20 @@ class FsdpTrainEngine(TrainEngine):
 
         # A frozen reference never updates: keep it in the compute dtype. The policy keeps fp32 master weights.
         param_dtype = self.compute_dtype if reference else torch.float32
-        seed = int(cfg.trainer.seed)
+        seed = cfg.trainer.seed
         if self.distributed:
             lm = build_model(cfg.model, dtype=param_dtype, device="meta", text_only=self.text_only)
         else:
             lm = build_model(cfg.model, dtype=param_dtype, device=self.device, seed=seed, text_only=self.text_only)
         lm.config.use_cache = False
-        if self.pack:
+        if self.sp is not None:
+            use_ulysses(lm)
+        elif self.pack:
             use_packed_attention(lm)
         if self.backend.gradient_checkpointing and not reference:
             enable_activation_checkpointing(lm)
         self.lm = lm
-        self.module: nn.Module = PolicyWithLogProbs(lm, int(self.backend.logprob_chunk_size),
-                                                    bool(self.backend.use_torch_compile))
+        self.module: nn.Module = PolicyWithLogProbs(lm, self.backend.logprob_chunk_size, self.backend.use_torch_compile)
         if self.distributed:
             self._shard()
             self._materialise(param_dtype, seed)
@@ -205,26 +262,51 @@ class FsdpTrainEngine(TrainEngine):
         self.optimizer = self.scheduler = None
         if not reference:
             trainable = [p for p in self.module.parameters() if p.requires_grad]
-            self.optimizer = torch.optim.AdamW(trainable, lr=float(self.backend.lr),
-                                               betas=tuple(float(b) for b in self.backend.betas),
-                                               weight_decay=float(self.backend.weight_decay))
+            self.optimizer = torch.optim.AdamW(trainable, lr=b.lr, betas=tuple(b.betas), weight_decay=b.weight_decay)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(
-                int(self.backend.lr_warmup_steps), self.backend.lr_scheduler, total_steps, float(self.backend.min_lr_ratio)))
+                b.lr_warmup_steps, b.lr_scheduler, total_steps, b.min_lr_ratio))
 
     # ------------------------------------------------------------------------------------------ setup
+    def _groups(self, group: Optional[Any]) -> None:
+        """The meshes over the engine's ranks (consecutive ranks form an FSDP shard group and an SP group):
+        `fsdp_mesh` (shard, or replicate x shard), the SP group and the DP group (one rank of each SP group)."""
+        lay = self.layout
+        self.grad_ranks = dist.get_world_size(group) if self.distributed else 1
+        """Ranks FSDP averages gradients over: the loss scale undoes that average."""
+        if self.grad_ranks != lay.world or lay.world % lay.fsdp_size or lay.world != lay.dp * lay.sp:
+            raise ValueError(f"layout world {lay.world} = dp {lay.dp} x sp {lay.sp}, fsdp_size {lay.fsdp_size}: "
+                             f"does not fit the engine's {self.grad_ranks} ranks")
+        self.dp_size, self.dp_rank = lay.dp, (dist.get_group_rank(group, dist.get_rank()) if group is not None
+                                              else self.rank) // lay.sp
+        self.sp: Optional[SpGroup] = None
+        self.dp_group = group
+        self.fsdp_mesh = None
+        if not self.distributed:
+            return
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = torch.tensor(dist.get_process_group_ranks(group) if group is not None else range(lay.world))
+        replicas = lay.world // lay.fsdp_size
+        if replicas == 1:
+            self.fsdp_mesh = DeviceMesh(self.device.type, ranks, mesh_dim_names=("shard",))
+        else:
+            self.fsdp_mesh = DeviceMesh(self.device.type, ranks.reshape(replicas, lay.fsdp_size),
+                                        mesh_dim_names=("replicate", "shard"))
+        self.shard_group = self.fsdp_mesh["shard"].get_group()
+        if lay.sp > 1:
+            seq_mesh = DeviceMesh(self.device.type, ranks.reshape(lay.dp, lay.sp), mesh_dim_names=("dp", "sp"))
+            sp_group = seq_mesh["sp"].get_group()
+            self.sp = SpGroup(sp_group, lay.sp, dist.get_rank(sp_group))
+            self.dp_group = seq_mesh["dp"].get_group()
+
     def _shard(self) -> None:
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-        if self.dp_group is not None:
-            mesh = DeviceMesh.from_group(self.dp_group, self.device.type)
-        else:
-            mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         offload = CPUOffloadPolicy() if self.offloaded else OffloadPolicy()
-        kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
+        kw = dict(mesh=self.fsdp_mesh, mp_policy=mp, offload_policy=offload)
         for unit in decoder_layers(self.lm):
-            fully_shard(unit, reshard_after_forward=bool(self.backend.reshard_after_forward), **kw)
+            fully_shard(unit, reshard_after_forward=self.backend.reshard_after_forward, **kw)
         fully_shard(self.module, **kw)
 
     def _materialise(self, param_dtype: torch.dtype, seed: int) -> None:
@@ -251,10 +333,10 @@ class FsdpTrainEngine(TrainEngine):
 
     @property
     def micro_batch_layout(self) -> str:
+        """Packed micro batches cost their tokens (under SP: over the SP group, each rank 1/sp of them)."""
         return "packed" if self.pack else "padded"
 
     def _forward(self, batch: Batch, with_entropy: bool):
-        pack = self.pack and not batch.multimodal
         mm = {k: v.to(self.device) for k, v in batch.multimodal.items()}
         position_ids = batch.position_ids
         if position_ids is None:
@@ -268,7 +350,7 @@ class FsdpTrainEngine(TrainEngine):
         with self._autocast():
             return self.module(batch.input_ids.to(self.device), batch.attention_mask.to(self.device),
                                None if position_ids is None else position_ids.to(self.device),
-                               batch.response_mask.to(self.device), self.temperature, with_entropy, pack, mm)
+                               batch.response_mask.to(self.device), self.temperature, with_entropy, self.pack, mm, self.sp)
 
     @torch.no_grad()
     def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -277,18 +359,21 @@ class FsdpTrainEngine(TrainEngine):
         return logp, ent
 
     # ------------------------------------------------------------------------------------------ update
-    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the DP group (on the device: NCCL/HCCL reduce device tensors only); returned on the CPU."""
+    def _all_reduce(self, t: torch.Tensor, group: Optional[Any] = None) -> torch.Tensor:
+        """Sum over the DP group (one rank per SP group: each micro batch once), or `group` (on the device:
+        NCCL/HCCL reduce device tensors only); returned on the CPU."""
         if self.distributed:
             t = t.to(self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp_group)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group or self.dp_group)
         return t.cpu()
 
     def train_mini_batch(self, micro_batches: List[Batch], global_scale: Dict[str, float]) -> Dict[str, float]:
         if self.reference:
             raise RuntimeError("the reference engine is frozen: it has no optimizer")
         algo = self.algo
-        agg = mini_batch_agg(micro_batches, global_scale, algo, int(self.cfg.data.max_response_length), self.dp_size,
+        # every rank of an SP group computes its micro batch's whole loss from the gathered log-probs, but its
+        # gradient only through its own tokens; FSDP averages over all grad_ranks: the loss scale undoes that
+        agg = mini_batch_agg(micro_batches, global_scale, algo, self.cfg.data.max_response_length, self.grad_ranks,
                              self._all_reduce)
 
         self.module.train()
@@ -317,7 +402,7 @@ class FsdpTrainEngine(TrainEngine):
             self.scheduler.step()
         self.module.eval()
         return {
-            **actor_metrics(sums, self.dp_size),
+            **actor_metrics(sums, self.grad_ranks),
             "actor/grad_norm": grad_norm,
             "actor/lr": lr,
             "actor/skipped_steps": float(self.skipped_steps),
@@ -325,15 +410,16 @@ class FsdpTrainEngine(TrainEngine):
 
     def _clip_grad_norm(self) -> float:
         """Global L2 norm of the gradients, then clipping to backend.grad_clip. FSDP shards every parameter over
-        the DP group (each element on one rank), so the squared norm is the all-reduced sum of local shards'.
-        Computed on local shards so it also works when they live on the host (CPU offload)."""
+        a shard group (each element on one rank of it; HSDP replicates the group), so the squared norm is the sum
+        of local shards' over the shard group. Computed on local shards so it also works when they live on the host
+        (CPU offload)."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in local:
             sq += g.detach().double().pow(2).sum().to(self.device)
-        norm = math.sqrt(float(self._all_reduce(sq)))
-        clip = float(self.backend.grad_clip or 0)
+        norm = math.sqrt(float(self._all_reduce(sq, self.shard_group))) if self.distributed else math.sqrt(float(sq))
+        clip = self.backend.grad_clip or 0
         if clip > 0 and math.isfinite(norm) and norm > clip:
             coef = clip / (norm + 1e-6)
             for g in local:
@@ -381,4 +467,4 @@ class FsdpTrainEngine(TrainEngine):
             return
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.skipped_steps = state.get("skipped_steps", 0)

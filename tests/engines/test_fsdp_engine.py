@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from qwen35rl.config.compose import compose
+from qwen35rl.config.layout import derive_layout
 from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, Batch
 from qwen35rl.engines.fsdp_engine import FsdpTrainEngine, lr_lambda
 from qwen35rl.runtime.batching import Sequences, build_batch
@@ -19,9 +20,9 @@ PAD = 259
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
-def _cfg(*overrides):
+def _cfg(*overrides, world=1):
     # grad_clip off: the comparisons below look at raw gradients
-    return compose(["model=qwen3_5_tiny", "hw=cpu", "backend.lr=1e-3", "backend.gradient_checkpointing=false", "backend.grad_clip=0",
+    return compose(["model=qwen3_5_tiny", "hw=cpu", f"hw.devices_per_node={world}", "backend.lr=1e-3", "backend.gradient_checkpointing=false", "backend.grad_clip=0",
                     "algorithm.use_kl_loss=true", "algorithm.entropy_coef=0.01", "backend.lr_warmup_steps=0",
                     *overrides])
 
@@ -38,6 +39,10 @@ def _sequences(n=4, seed=0) -> Sequences:
 
 def _micro_batches(seqs: Sequences, size: int):
     return [build_batch(seqs.select(i, i + size), PAD) for i in range(0, len(seqs), size)]
+
+
+def _engine(cfg, **kw):
+    return FsdpTrainEngine(cfg, layout=derive_layout(cfg), **kw)
 
 
 def _full_grads(engine):
@@ -66,7 +71,7 @@ def _assert_same_update(w_a, w_b, grad, msg):
 
 
 def _run(engine_cfg, seqs, micro, world=1, rank=0):
-    engine = FsdpTrainEngine(engine_cfg, rank=rank, world_size=world, device="cpu")
+    engine = _engine(engine_cfg, rank=rank, world_size=world, device="cpu")
     share = seqs.select(rank * len(seqs) // world, (rank + 1) * len(seqs) // world)
     return _step_capturing_grads(engine, _micro_batches(share, micro))
 
@@ -74,7 +79,7 @@ def _run(engine_cfg, seqs, micro, world=1, rank=0):
 # ----------------------------------------------------------------------------------------- single process
 def test_log_probs_zero_outside_response_and_match_hf_logits():
     cfg = _cfg()
-    engine = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu")
+    engine = _engine(cfg, rank=0, world_size=1, device="cpu")
     batch = build_batch(_sequences(), PAD)
     logp, ent = engine.compute_log_probs(batch, with_entropy=True)
     mask = batch.response_mask.bool()
@@ -89,15 +94,15 @@ def test_log_probs_zero_outside_response_and_match_hf_logits():
 
 def test_temperature_is_applied_to_training_log_probs():
     batch = build_batch(_sequences(), PAD)
-    lp1, _ = FsdpTrainEngine(_cfg("rollout.temperature=1.0"), rank=0, world_size=1, device="cpu").compute_log_probs(batch)
-    lp2, _ = FsdpTrainEngine(_cfg("rollout.temperature=0.5"), rank=0, world_size=1, device="cpu").compute_log_probs(batch)
+    lp1, _ = _engine(_cfg("rollout.temperature=1.0"), rank=0, world_size=1, device="cpu").compute_log_probs(batch)
+    lp2, _ = _engine(_cfg("rollout.temperature=0.5"), rank=0, world_size=1, device="cpu").compute_log_probs(batch)
     mask = batch.response_mask.bool()
     assert not torch.allclose(lp1[mask], lp2[mask])
 
 
 def test_loss_decreases_on_a_fixed_batch():
     # positive advantages on fixed responses: the policy must raise their likelihood
-    engine = FsdpTrainEngine(_cfg("backend.lr=1e-3", "algorithm.use_kl_loss=false"), rank=0, world_size=1, device="cpu")
+    engine = _engine(_cfg("backend.lr=1e-3", "algorithm.use_kl_loss=false"), rank=0, world_size=1, device="cpu")
     seqs = _sequences()
     seqs.advantages = [1.0] * len(seqs)
     seqs.old_log_probs = seqs.ref_log_probs = None
@@ -114,7 +119,7 @@ def test_loss_decreases_on_a_fixed_batch():
 
 def test_metrics_follow_the_loss_definitions():
     cfg = _cfg("algorithm.loss_agg_mode=token-mean")
-    engine = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu")
+    engine = _engine(cfg, rank=0, world_size=1, device="cpu")
     batch = build_batch(_sequences(), PAD)
     logp, ent = engine.compute_log_probs(batch, with_entropy=True)
     mask = batch.response_mask.bool()
@@ -134,7 +139,7 @@ def test_metrics_follow_the_loss_definitions():
 
 
 def test_non_finite_loss_skips_the_step():
-    engine = FsdpTrainEngine(_cfg(), rank=0, world_size=1, device="cpu")
+    engine = _engine(_cfg(), rank=0, world_size=1, device="cpu")
     batch = build_batch(_sequences(), PAD)
     before = {n: t.clone() for n, t in engine.lm.state_dict().items()}
     batch.advantages = batch.advantages.masked_fill(batch.response_mask.bool(), float("nan"))
@@ -162,12 +167,12 @@ def test_explicit_global_counts_equal_computed_ones():
     seqs = _sequences()
     batches = _micro_batches(seqs, 2)
     tokens = float(sum(len(r) for r in seqs.response_ids))
-    a = _step_capturing_grads(FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu"), batches,
+    a = _step_capturing_grads(_engine(cfg, rank=0, world_size=1, device="cpu"), batches,
                               {GLOBAL_TOKENS: tokens, GLOBAL_SEQS: float(len(seqs))})
-    b = _step_capturing_grads(FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu"), batches, {})
+    b = _step_capturing_grads(_engine(cfg, rank=0, world_size=1, device="cpu"), batches, {})
     assert all(torch.equal(a[1][n], b[1][n]) for n in a[1])
     # a doubled token count halves the token-mean gradient
-    c = _step_capturing_grads(FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu"), batches,
+    c = _step_capturing_grads(_engine(cfg, rank=0, world_size=1, device="cpu"), batches,
                               {GLOBAL_TOKENS: 2 * tokens, GLOBAL_SEQS: float(len(seqs))})
     assert c[0]["actor/grad_norm"] == pytest.approx(b[0]["actor/grad_norm"] / 2, rel=1e-4)
 
@@ -183,7 +188,7 @@ def test_lr_schedule():
 
 
 def test_engine_lr_follows_schedule():
-    engine = FsdpTrainEngine(_cfg("backend.lr=1e-3", "backend.lr_warmup_steps=2", "backend.lr_scheduler=cosine",
+    engine = _engine(_cfg("backend.lr=1e-3", "backend.lr_warmup_steps=2", "backend.lr_scheduler=cosine",
                                   "backend.min_lr_ratio=0.5"), rank=0, world_size=1, device="cpu", total_steps=4)
     batch = build_batch(_sequences(), PAD)
     lrs = [engine.train_mini_batch([batch], {})["actor/lr"] for _ in range(5)]
@@ -193,7 +198,7 @@ def test_engine_lr_follows_schedule():
 
 def test_export_round_trip_and_reference_mode():
     cfg = _cfg()
-    engine = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu")
+    engine = _engine(cfg, rank=0, world_size=1, device="cpu")
     engine.train_mini_batch(_micro_batches(_sequences(), 4), {})
     buckets = list(engine.export_weights(bucket_mb=0))  # tiny buckets: one tensor each
     assert len(buckets) == len(list(engine.lm.named_parameters())) and all(len(b) == 1 for b in buckets)
@@ -203,7 +208,7 @@ def test_export_round_trip_and_reference_mode():
     assert all(t.device.type == "cpu" for b in buckets for _, t in b)
     on_meta = [t for b in engine.export_weights(bucket_mb=1024, device="meta") for _, t in b]  # a chosen device
     assert len(on_meta) == len(buckets) and all(t.is_meta and t.dtype == torch.float32 for t in on_meta)
-    ref = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu", reference=True)
+    ref = _engine(cfg, rank=0, world_size=1, device="cpu", reference=True)
     assert ref.optimizer is None and not any(p.requires_grad for p in ref.module.parameters())
     batch = build_batch(_sequences(seed=5), PAD)
     assert not torch.allclose(ref.compute_log_probs(batch)[0], engine.compute_log_probs(batch)[0])
@@ -221,11 +226,11 @@ def test_checkpoint_state_round_trip(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     cfg = _cfg("backend.lr_scheduler=cosine")
-    a = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu", total_steps=10)
+    a = _engine(cfg, rank=0, world_size=1, device="cpu", total_steps=10)
     seqs = _sequences()
     a.train_mini_batch(_micro_batches(seqs, 4), {})
     dcp.save({"engine": a.state_dict_for_checkpoint()}, checkpoint_id=str(tmp_path))
-    b = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu", total_steps=10)
+    b = _engine(cfg, rank=0, world_size=1, device="cpu", total_steps=10)
     state = {"engine": b.state_dict_for_checkpoint()}
     dcp.load(state, checkpoint_id=str(tmp_path))
     b.load_checkpoint_state(state["engine"])
@@ -246,16 +251,16 @@ def _dp2_worker(rank, init_file, out_file):
         for mode in AGG_MODES:
             # FSDP composed with activation checkpointing on one of them (dp=1 runs without)
             ckpt_on = f"backend.gradient_checkpointing={mode == 'seq-mean-token-mean'}"
-            results[mode] = _run(_cfg(f"algorithm.loss_agg_mode={mode}", ckpt_on), seqs, micro=1, world=2, rank=rank)
+            results[mode] = _run(_cfg(f"algorithm.loss_agg_mode={mode}", ckpt_on, world=2), seqs, micro=1, world=2, rank=rank)
         # checkpoint state of a sharded engine: save with DCP, load into a fresh one, take identical steps
-        cfg = _cfg()
+        cfg = _cfg(world=2)
         ckpt = os.path.join(os.path.dirname(out_file), "ckpt")
         import torch.distributed.checkpoint as dcp
-        a = FsdpTrainEngine(cfg, rank=rank, world_size=2, device="cpu")
+        a = _engine(cfg, rank=rank, world_size=2, device="cpu")
         share = seqs.select(2 * rank, 2 * rank + 2)
         a.train_mini_batch(_micro_batches(share, 2), {})
         dcp.save({"engine": a.state_dict_for_checkpoint()}, checkpoint_id=ckpt)
-        b = FsdpTrainEngine(cfg, rank=rank, world_size=2, device="cpu")
+        b = _engine(cfg, rank=rank, world_size=2, device="cpu")
         state = {"engine": b.state_dict_for_checkpoint()}
         dcp.load(state, checkpoint_id=ckpt)
         b.load_checkpoint_state(state["engine"])
@@ -290,7 +295,7 @@ def test_dp2_fsdp_equals_dp1():
 def test_gradient_checkpointing_gives_the_same_gradients():
     seqs = _sequences()
     _, g_plain, _ = _run(_cfg(), seqs, micro=2)
-    engine = FsdpTrainEngine(_cfg("backend.gradient_checkpointing=true"), rank=0, world_size=1, device="cpu")
+    engine = _engine(_cfg("backend.gradient_checkpointing=true"), rank=0, world_size=1, device="cpu")
     assert any(type(m).__name__ == "CheckpointWrapper" or getattr(m, "gradient_checkpointing", False)
                for m in engine.lm.modules())
     _, g_ckpt, _ = _step_capturing_grads(engine, _micro_batches(seqs, 2))
@@ -299,7 +304,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 
 
 def test_moe_model_trains():
-    engine = FsdpTrainEngine(_cfg("model=qwen3_5_tiny_moe"), rank=0, world_size=1, device="cpu")
+    engine = _engine(_cfg("model=qwen3_5_tiny_moe"), rank=0, world_size=1, device="cpu")
     assert type(engine.lm).__name__ == "Qwen3_5MoeForCausalLM"
     m, grads, _ = _step_capturing_grads(engine, _micro_batches(_sequences(), 2))
     assert math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0
@@ -314,7 +319,7 @@ def test_vision_language_batch():
     from qwen35rl.models.tokenizer import build_tokenizer
 
     cfg = _cfg("model=qwen3_5_tiny_vl", "data.has_images=true")
-    engine = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu")
+    engine = _engine(cfg, rank=0, world_size=1, device="cpu")
     assert type(engine.lm).__name__ == "Qwen3_5ForConditionalGeneration"
     proc = build_processor(cfg.model, build_tokenizer(cfg.model))
     img = Image.fromarray((np.random.default_rng(0).random((50, 70, 3)) * 255).astype("uint8"))
@@ -349,7 +354,7 @@ def test_frozen_vision_tower_keeps_its_weights():
     from qwen35rl.models.tokenizer import build_tokenizer
 
     cfg = _cfg("model=qwen3_5_tiny_vl", "data.has_images=true", "model.freeze_vision_tower=true")
-    engine = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu")
+    engine = _engine(cfg, rank=0, world_size=1, device="cpu")
     proc = build_processor(cfg.model, build_tokenizer(cfg.model))
     img = Image.fromarray((np.random.default_rng(0).random((32, 64, 3)) * 255).astype("uint8"))
     prompt = prompt_ids(proc, [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x?"}]}], [img])
