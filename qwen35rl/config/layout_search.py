@@ -38,6 +38,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
+from qwen35rl.config import capabilities
 from qwen35rl.config import memory as M
 from qwen35rl.config import params as P
 from qwen35rl.config import rules as R
@@ -94,7 +95,7 @@ def train_options(cfg: Any, world: int) -> Iterator[Dict[str, Any]]:
         return
     experts = int(cfg["model"]["num_experts"]) if cfg["model"]["moe"] else 1
     for tp in _pow2_upto(world):
-        for cp in _pow2_upto(world // tp):
+        for cp in _pow2_upto(min(world // tp, capabilities.MAX_DEGREE["megatron"]["cp"])):
             for pp in _pow2_upto(world // (tp * cp)):
                 stage_world = world // pp
                 for ep in _pow2_upto(min(stage_world, experts)):

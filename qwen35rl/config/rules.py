@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from qwen35rl.config import known_keys, memory, quirks
+from qwen35rl.config import capabilities, known_keys, memory, quirks
 from qwen35rl.config.compose import did_you_mean
 from qwen35rl.config.layout import Layout, even_pipeline_layout, format_pipeline_layout, parse_pipeline_layout
 from qwen35rl.config.problems import ERROR, WARNING, Problem
@@ -303,47 +303,15 @@ def sp_divides_heads(cfg: Any, layout: Layout) -> List[Problem]:
                 f" and divide or be a multiple of the {m['num_key_value_heads']} KV heads", _try("parallelism.sp", best))
 
 
-# ====================================================================================== GDN and megatron-core
-GDN_PACKING_MCORE = ".".join(map(str, GDN_PACKED_AND_CP))
-
-
-def _old_mcore(cfg: Any, layout: Layout) -> bool:
-    return _megatron(layout) and quirks.version_below(val(cfg, "backend.megatron_core_version"), GDN_PACKING_MCORE)
-
-
-@rule("config")
-def gdn_packing_needs_mcore_0_18(cfg: Any, layout: Layout) -> List[Problem]:
-    """megatron-core < 0.18 cannot pass packed (THD) sequences through GDN on GPU (MindSpeed packs TND on NPU)."""
-    if not _old_mcore(cfg, layout) or val(cfg, "hw.device") == "npu" or not val(cfg, "backend.remove_padding"):
-        return []
-    return _err("gdn_packing_needs_mcore_0_18", "backend.remove_padding", f"megatron-core "
-                f"{val(cfg, 'backend.megatron_core_version')} rejects packed (THD) sequences in Gated DeltaNet layers "
-                f"on GPU (supported from {GDN_PACKING_MCORE})",
-                f"try backend.remove_padding=false or backend.megatron_core_version={GDN_PACKING_MCORE}.0")
-
-
-@rule("config")
-def gdn_dynamic_batch_needs_mcore_0_18(cfg: Any, layout: Layout) -> List[Problem]:
-    """Dynamic batch size packs sequences: the same megatron-core < 0.18 limit on GPU."""
-    if not _old_mcore(cfg, layout) or val(cfg, "hw.device") == "npu" or not val(cfg, "backend.dynamic_batch_size"):
-        return []
-    return _err("gdn_dynamic_batch_needs_mcore_0_18", "backend.dynamic_batch_size", f"dynamic batch size packs "
-                f"sequences, which megatron-core {val(cfg, 'backend.megatron_core_version')} rejects in Gated DeltaNet "
-                f"layers on GPU (supported from {GDN_PACKING_MCORE})",
-                f"try backend.dynamic_batch_size=false or backend.megatron_core_version={GDN_PACKING_MCORE}.0")
-
-
+# ===================================================================================== what the engines build
 @rule("train")
-def gdn_context_parallel_needs_mcore_0_18(cfg: Any, layout: Layout) -> List[Problem]:
-    """Context parallel through GDN needs megatron-core >= 0.18 on every device (MindSpeed included)."""
-    if not _old_mcore(cfg, layout) or layout.cp == 1:
-        return []
-    return _err("gdn_context_parallel_needs_mcore_0_18", "parallelism.cp", f"CP{layout.cp}: megatron-core "
-                f"{val(cfg, 'backend.megatron_core_version')} has no context parallel for Gated DeltaNet layers "
-                f"(supported from {GDN_PACKING_MCORE})",
-                f"try parallelism.cp=1 or backend.megatron_core_version={GDN_PACKING_MCORE}.0")
+def engine_builds_setting(cfg: Any, layout: Layout) -> List[Problem]:
+    """The declaration of what each engine builds (`config.capabilities`): settings it refuses are errors, settings
+    it accepts without applying them warnings that say what runs instead. The engines check the same entries."""
+    return capabilities.problems(cfg, layout)
 
 
+# ============================================================================================ megatron-core
 @rule("train")
 def expert_grads_need_ep_or_etp_equal_tp(cfg: Any, layout: Layout) -> List[Problem]:
     """megatron-core < 0.19 reduces expert gradients like dense ones when EP = 1 and ETP != TP: wrong gradients."""

@@ -9,15 +9,18 @@
 3. Versions: vLLM (rollout=vllm) and megatron-core (backend=megatron) on every node against
    `rollout.vllm_version` / `backend.megatron_core_version`. The config layer derives facts from these versions
    (platform quirks, rules); a difference that changes any of them is an error, any other difference a warning.
-4. GDN kernels (CUDA): where flash-linear-attention is installed but its backward refuses the GPU
+4. What the engines build (`config.capabilities`) on each node's stack, e.g. settings that need Transformer Engine
+   where it is missing: warnings, or errors for what the engine would refuse.
+5. GDN kernels (CUDA): where flash-linear-attention is installed but its backward refuses the GPU
    (`runtime.gdn_kernels`), an FSDP run would fail in its first update, after the first generation: an error. The
    Megatron engine falls back to megatron-core's torch recurrence there: a warning.
 
 With trainer.launcher=local there is no cluster: the probe runs in the driver's process (whose device the worker
-will use) and steps 2-4 check what it saw, the same way.
+will use) and steps 2-5 check what it saw, the same way.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -114,7 +117,10 @@ def probe_node(device_type: str) -> Dict[str, Any]:
     device memory and the installed stack."""
     from qwen35rl.runtime.provenance import package_versions
 
-    info: Dict[str, Any] = {"hostname": socket.gethostname(), "address": node_ip(), "packages": package_versions()}
+    from qwen35rl.config.capabilities import Stack
+
+    info: Dict[str, Any] = {"hostname": socket.gethostname(), "address": node_ip(), "packages": package_versions(),
+                            "stack": dataclasses.asdict(Stack.installed(device_type))}
     if device_type == "cpu":
         info["device_name"] = "cpu"
         info["host_memory_gb"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
@@ -275,11 +281,31 @@ def gdn_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
     return out
 
 
+# ------------------------------------------------------------------------------------ what the engines build
+def capability_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
+    """The engines' declaration (`config.capabilities`) on the stack each node has: what the plan could not know
+    (is Transformer Engine installed there?) decided now, before the engines would refuse it."""
+    from qwen35rl.config import capabilities
+    from qwen35rl.config.layout import derive_layout
+
+    layout = derive_layout(cfg)
+    planned = {(p.code, p.severity) for p in capabilities.problems(cfg, layout)}
+    found: Dict[Tuple[str, str], Tuple[Problem, List[str]]] = {}
+    for probe in probes:
+        if "stack" not in probe:
+            continue
+        for p in capabilities.problems(cfg, layout, capabilities.Stack(**probe["stack"])):
+            if (p.code, p.severity) not in planned:
+                found.setdefault((p.code, p.severity), (p, []))[1].append(str(probe.get("hostname")))
+    return [dataclasses.replace(p, message=f"{p.message} (on {', '.join(hosts)})") for p, hosts in found.values()]
+
+
 # --------------------------------------------------------------------------------------------------- entry
 def check_probes(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
     """What the node probes saw against the config (memory, versions, GDN kernels). Warnings are logged and
     returned; errors raise PreflightError (with every error found)."""
-    problems = memory_problems(cfg, probes) + version_problems(cfg, probes) + gdn_problems(cfg, probes)
+    problems = (memory_problems(cfg, probes) + version_problems(cfg, probes) + gdn_problems(cfg, probes)
+                + capability_problems(cfg, probes))
     for p in problems:
         if p.severity != ERROR:
             log.warning("preflight: %s", p.render())

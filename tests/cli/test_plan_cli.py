@@ -112,7 +112,8 @@ def test_megatron_on_image_data_plans_valid():
         r = run(*cpu, *layout, "format=json")
         assert r.returncode == 0, r.stdout
         plan = json.loads(r.stdout)
-        assert plan["valid"] and plan["problems"] == [] and plan["memory_gib"]["fits"]
+        assert plan["valid"] and plan["memory_gib"]["fits"]
+        assert all(p["severity"] == "warning" for p in plan["problems"])  # TE options, turned off on CPU
     r = run("model=qwen3_5_397b_a17b", "hw=a3_16node", "backend=megatron", "data=geo3k", "format=json")
     assert r.returncode == 0, r.stdout
     plan = json.loads(r.stdout)

@@ -89,12 +89,25 @@ def test_vllm_version_that_changes_a_quirk_is_an_error():
 
 
 def test_megatron_version_that_changes_a_rule_is_an_error():
-    cfg = compose(["backend=megatron", "model=qwen3_5_tiny", "backend.megatron_core_version=0.18.0",
-                   "backend.remove_padding=true"])
+    # EP1 with ETP != TP gets wrong expert gradients before megatron-core 0.19: a rule the node's version brings
+    cfg = compose(["backend=megatron", "model=qwen3_5_tiny_moe", "hw.devices_per_node=2", "parallelism.tp=2",
+                   "parallelism.etp=1", "backend.megatron_core_version=0.19.2"])
     found = preflight.version_problems(cfg, [_probe({"megatron-core": "0.16.1"})])
-    assert found and found[0].severity == ERROR and "appears" in found[0].message
+    assert found and found[0].severity == ERROR and "expert_grads_need_ep_or_etp_equal_tp" in found[0].message
     # the version of a package this run does not use is not checked
     assert preflight.version_problems(compose([]), [_probe({"megatron-core": "0.1.0", "vllm": "0.1.0"})]) == []
+
+
+def test_settings_that_need_transformer_engine_are_decided_on_the_nodes_stack():
+    cfg = compose(["backend=megatron", "model=qwen3_5_tiny_moe", "hw=gpu_1node", "rollout=hf"])
+    with_te = {"device": "cuda", "transformer_engine": True, "fla": True}
+    assert preflight.capability_problems(cfg, [_probe(stack=with_te)]) == []
+    found = preflight.capability_problems(cfg, [_probe(stack={**with_te, "transformer_engine": False})])
+    assert {p.code for p in found} == {"megatron_permute_fusion_needs_te",
+                                       "megatron_precision_aware_optimizer_needs_te"}
+    assert all(p.severity == WARNING and "(on n1)" in p.message for p in found)
+    # what the plan already reported is not repeated
+    assert "megatron_grouped_gemm" not in {p.code for p in found}
 
 
 # --------------------------------------------------------------------------------------------- end to end

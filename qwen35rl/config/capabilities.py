@@ -1,0 +1,172 @@
+"""What each training engine builds, declared once.
+
+The plan's rules, `parallelism=auto`, sweep pruning and the preflight read this declaration; the engines check
+the same declaration when they are constructed and refuse with the plan's own problem code and message. So a
+config the plan calls valid is one the engine builds, and a setting an engine accepts without applying it is a
+plan warning, not a silent difference.
+
+Each `Support` entry names a setting (`key`), when the config asks for it (`asked`), and, for the software stack
+the run will meet (`Stack`), whether the engine refuses it (`REFUSED`: an error before launch) or runs without it
+(`NOT_APPLIED`: a warning that says what runs instead). At plan time the stack is what the config declares
+(`hw.device`, `backend.megatron_core_version`); facts it cannot know there (is Transformer Engine installed?) stay
+unknown and are decided by the preflight's probe of the nodes and by the engine on its own process.
+
+Standard library only.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from qwen35rl.config.problems import ERROR, WARNING, Problem
+
+REFUSED = ERROR
+NOT_APPLIED = WARNING
+
+AXES: Dict[str, Tuple[str, ...]] = {
+    "fsdp": ("fsdp_size", "sp"),
+    "megatron": ("tp", "pp", "cp", "ep", "etp", "vpp", "pipeline_layout"),
+}
+"""The `parallelism.*` layout axes each engine reads; the others must keep their defaults."""
+MAX_DEGREE: Dict[str, Dict[str, int]] = {"megatron": {"cp": 1}}
+"""Axes an engine reads but builds only up to a degree (the entries below say why); the layout search stays
+inside."""
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The installed software an engine meets. None: not known here (the plan cannot see the nodes)."""
+
+    device: str
+    """cpu | cuda | npu"""
+    transformer_engine: Optional[bool] = None
+    fla: Optional[bool] = None
+    """flash-linear-attention (the GDN kernels)."""
+
+    @classmethod
+    def declared(cls, cfg: Any) -> "Stack":
+        """What the config says about the nodes: only the device type (CPU and NPU nodes have no Transformer
+        Engine for these engines)."""
+        device = str(cfg["hw"]["device"])
+        return cls(device=device, transformer_engine=False if device in ("cpu", "npu") else None,
+                   fla=False if device == "cpu" else None)
+
+    @classmethod
+    def installed(cls, device: str) -> "Stack":
+        """This process's stack (the engines and the preflight probe call it)."""
+        def found(name: str) -> bool:
+            return importlib.util.find_spec(name) is not None
+
+        return cls(device=device, transformer_engine=device == "cuda" and found("transformer_engine"),
+                   fla=found("fla"))
+
+
+Predicate = Callable[[Any, Any], bool]
+"""(cfg, layout) -> bool"""
+
+
+@dataclass(frozen=True)
+class Support:
+    code: str
+    """The problem code the plan and the engine both report."""
+    engine: str
+    key: str
+    asked: Predicate
+    verdict: str
+    """REFUSED or NOT_APPLIED"""
+    why: str
+    """What the engine does instead (NOT_APPLIED) or why it cannot (REFUSED)."""
+    hint: str
+    stack_needs: Optional[Callable[[Stack], Optional[bool]]] = None
+    """Only for entries that depend on the stack: True where the stack provides the setting (then it applies and
+    nothing is reported), False where it does not, None where that is unknown (nothing reported yet)."""
+
+
+def _b(key: str) -> Predicate:
+    return lambda cfg, layout: bool(cfg["backend"].get(key, False))
+
+
+def _moe_and(key: str) -> Predicate:
+    return lambda cfg, layout: bool(cfg["model"]["moe"]) and bool(cfg["backend"].get(key, False))
+
+
+def _te(stack: Stack) -> Optional[bool]:
+    return stack.transformer_engine
+
+
+DECLARATION: List[Support] = [
+    # ------------------------------------------------------------------------------------------------ Megatron
+    Support("megatron_context_parallel", "megatron", "parallelism.cp", lambda cfg, layout: layout.cp > MAX_DEGREE["megatron"]["cp"],
+            REFUSED,
+            "context parallelism needs Transformer Engine's attention (the local attention has no CP), and the "
+            "Megatron engine builds megatron-core's local layer specs",
+            "try parallelism.cp=1; long sequences split over parallelism.tp (sequence parallel) or "
+            "backend.dynamic_batch_size=true"),
+    Support("megatron_pads_sequences", "megatron", "backend.remove_padding", _b("remove_padding"), NOT_APPLIED,
+            "the Megatron engine trains padded (right-aligned) batches: packed THD sequences need Transformer "
+            "Engine's attention", "try backend.remove_padding=false (the same padded batches, without this warning)"),
+    Support("megatron_grouped_gemm", "megatron", "backend.moe_grouped_gemm", _moe_and("moe_grouped_gemm"), NOT_APPLIED,
+            "experts run as megatron-core's SequentialMLP (the local layer spec); Transformer Engine's grouped GEMM "
+            "is not built", "try backend.moe_grouped_gemm=false (the same experts, without this warning)"),
+    Support("megatron_permute_fusion_needs_te", "megatron", "backend.moe_permute_fusion", _moe_and("moe_permute_fusion"),
+            NOT_APPLIED, "the fused token permutation is Transformer Engine's: turned off where it is not installed",
+            "try backend.moe_permute_fusion=false, or install transformer-engine on the nodes", _te),
+    Support("megatron_precision_aware_optimizer_needs_te", "megatron", "backend.use_precision_aware_optimizer",
+            _b("use_precision_aware_optimizer"), NOT_APPLIED, "the precision-aware optimizer is Transformer Engine's: "
+            "turned off where it is not installed", "try backend.use_precision_aware_optimizer=false, or "
+            "install transformer-engine on the nodes", _te),
+    Support("megatron_no_torch_compile", "megatron", "backend.use_torch_compile", _b("use_torch_compile"), NOT_APPLIED,
+            "its vocab-parallel log-probs reduce over the tensor-parallel group chunk by chunk; the FSDP engine "
+            "compiles its log-probs", "try backend.use_torch_compile=false"),
+    Support("megatron_own_checkpoints", "megatron", "backend.use_dist_checkpointing", _b("use_dist_checkpointing"),
+            NOT_APPLIED, "checkpoints are torch.distributed.checkpoint shards of the engine's own state "
+            "(trainer.save_freq)", "try backend.use_dist_checkpointing=false"),
+    # ---------------------------------------------------------------------------------------------------- FSDP
+    Support("fsdp_chunked_entropy", "fsdp", "backend.entropy_from_logits_with_chunking",
+            lambda cfg, layout: not cfg["backend"].get("entropy_from_logits_with_chunking", True), NOT_APPLIED,
+            "log-probs and entropy are always computed in chunks of backend.logprob_chunk_size tokens",
+            "try backend.entropy_from_logits_with_chunking=true"),
+]
+
+
+def _reported(entry: Support, cfg: Any, layout: Any, stack: Stack) -> bool:
+    if entry.engine != str(cfg["backend"]["name"]) or not entry.asked(cfg, layout):
+        return False
+    if entry.stack_needs is None:
+        return True
+    return entry.stack_needs(stack) is False
+
+
+def problems(cfg: Any, layout: Any, stack: Optional[Stack] = None) -> List[Problem]:
+    """What the engine of `cfg` refuses (errors) or does not apply (warnings) on `stack` (default: the declared)."""
+    stack = stack or Stack.declared(cfg)
+    return [Problem(e.code, e.key, _message(e, cfg), e.hint, e.verdict)
+            for e in DECLARATION if _reported(e, cfg, layout, stack)]
+
+
+def _message(entry: Support, cfg: Any) -> str:
+    node = cfg
+    for part in entry.key.split("."):
+        node = node[part]
+    value = str(node).lower() if isinstance(node, bool) else node
+    verdict = "is not built" if entry.verdict == REFUSED else "is accepted but not applied"
+    return f"{entry.key}={value} {verdict}: {entry.why}"
+
+
+class Unsupported(RuntimeError):
+    """An engine was asked to build what the declaration refuses (the plan reports the same problems)."""
+
+    def __init__(self, refused: List[Problem]):
+        self.problems = refused
+        super().__init__("the training engine cannot build this run:\n" + "\n".join(p.render() for p in refused))
+
+
+def check_engine(cfg: Any, layout: Any, stack: Stack) -> List[Problem]:
+    """For an engine's constructor: raises Unsupported with the refused settings; returns the warnings (settings
+    accepted but not applied) for the engine to log."""
+    found = problems(cfg, layout, stack)
+    refused = [p for p in found if p.severity == REFUSED]
+    if refused:
+        raise Unsupported(refused)
+    return found
