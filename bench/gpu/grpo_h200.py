@@ -330,7 +330,7 @@ def measure_group(ckpt: bool, kl: bool, shapes, args, port: int, results: List[D
     from qwen35rl.config.layout import derive_layout
     from qwen35rl.config.memory import estimate
     from qwen35rl.data import build_dataset
-    from qwen35rl.runtime import gdn_kernels
+    from qwen35rl.engines import gdn_kernels
     from qwen35rl.runtime.batching import Sequences
     from qwen35rl.runtime.worker import PolicyWorker
 
@@ -343,8 +343,8 @@ def measure_group(ckpt: bool, kl: bool, shapes, args, port: int, results: List[D
     gdn = "fla" if mem.cuda and gdn_kernels.fla_version() is not None else "torch"
     _, micro0, prompts0, p0, r0 = shapes[0]
     cfg = compose(overrides(micro0, prompts0, p0, r0))
-    worker = PolicyWorker(OmegaConf.to_container(cfg, resolve=True), rank=0, world_size=1, local_rank=0,
-                          run_dir="/tmp/qwen35rl-memory", optimizer_steps=10)
+    worker = PolicyWorker(OmegaConf.to_container(cfg, resolve=True), layout=derive_layout(cfg), rank=0,
+                          world_size=1, local_rank=0, run_dir="/tmp/qwen35rl-memory", optimizer_steps=10)
     mem.reset_peak()
     t0 = time.perf_counter()
     worker.init_distributed("127.0.0.1", port)

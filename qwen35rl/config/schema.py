@@ -405,3 +405,18 @@ class RunConfig:
     """Join an existing Ray cluster (also RAY_ADDRESS); null: start a local one."""
     format: str = "text"
     """Plan output: text or json."""
+
+
+BACKENDS = {"fsdp": FsdpConfig, "megatron": MegatronConfig}
+
+
+def typed(plain: Dict[str, Any]) -> Any:
+    """A resolved run config as plain python (what crosses a process boundary) back on this schema: a DictConfig
+    whose values carry their declared types and whose keys are closed, as `compose` made it."""
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.structured(RunConfig)
+    base.backend = OmegaConf.structured(BACKENDS[plain["backend"]["name"]])
+    cfg = OmegaConf.merge(base, plain)
+    OmegaConf.set_struct(cfg, True)
+    return cfg

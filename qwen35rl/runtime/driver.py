@@ -51,7 +51,7 @@ def run_training(cfg: DictConfig, run_dir: Path) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     layout = derive_layout(cfg)
     platform = resolve_platform(cfg)
-    require_stack(platform, str(cfg.rollout.engine))
+    require_stack(platform, cfg.rollout.engine)
 
     from qwen35rl.data import PromptLoader, build_dataset
     from qwen35rl.models.tokenizer import build_tokenizer
@@ -61,20 +61,20 @@ def run_training(cfg: DictConfig, run_dir: Path) -> int:
 
     def prompts(split: str) -> List[Any]:
         examples = build_dataset(cfg.data, tokenizer, split)
-        if str(cfg.data.kind) == "multimodal":
+        if cfg.data.kind == "multimodal":
             from qwen35rl.runtime.image_prompts import tokenize_image_prompts
 
             examples = tokenize_image_prompts(examples, cfg.model, cfg.data, tokenizer)
         return examples
 
-    loader = PromptLoader(prompts("train"), int(cfg.data.train_batch_size), seed=int(cfg.trainer.seed))
-    validating = int(cfg.trainer.test_freq) > 0 or bool(cfg.trainer.val_before_train)
+    loader = PromptLoader(prompts("train"), cfg.data.train_batch_size, seed=cfg.trainer.seed)
+    validating = cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train
     val_set = prompts("val") if validating else []
-    total_steps = int(cfg.trainer.total_steps or int(cfg.trainer.total_epochs) * loader.batches_per_epoch)
+    total_steps = int(cfg.trainer.total_steps or cfg.trainer.total_epochs * loader.batches_per_epoch)
 
-    checkpoints = ckpt.CheckpointManager(run_dir / "checkpoints", int(cfg.trainer.max_keep_checkpoints))
+    checkpoints = ckpt.CheckpointManager(run_dir / "checkpoints", cfg.trainer.max_keep_checkpoints)
     checkpoints.remove_partial()
-    resume_from = checkpoints.resolve(str(cfg.trainer.resume))
+    resume_from = checkpoints.resolve(cfg.trainer.resume)
     start_step = int(ckpt.read_meta(resume_from)["step"]) if resume_from else 0
     start_dir = provenance.record_start(run_dir, cfg, start_step=start_step, resume_from=resume_from)
     tracking = Tracking(cfg, run_dir, total_steps, start_step)
@@ -87,12 +87,12 @@ def run_training(cfg: DictConfig, run_dir: Path) -> int:
     try:
         with launcher(cfg, platform, layout.world) as (preflight, group_cls), StopRequest() as stop:
             provenance.record_cluster(start_dir, preflight())
-            optimizer_steps = (total_steps * int(cfg.algorithm.ppo_epochs)
-                               * (int(cfg.data.train_batch_size) // int(cfg.algorithm.mini_batch_size)))
-            workers = group_cls.create(cfg, platform, PolicyWorker, layout.world, run_dir=str(run_dir),
-                                       optimizer_steps=optimizer_steps)
+            optimizer_steps = (total_steps * cfg.algorithm.ppo_epochs
+                               * (cfg.data.train_batch_size // cfg.algorithm.mini_batch_size))
+            workers = group_cls.create(cfg, platform, PolicyWorker, layout.world, layout=layout,
+                                       run_dir=str(run_dir), optimizer_steps=optimizer_steps)
             try:
-                trainer = GRPOTrainer(cfg, layout, workers, tokenizer, loader, val_set, get_reward_fn(str(cfg.data.reward)),
+                trainer = GRPOTrainer(cfg, layout, workers, tokenizer, loader, val_set, get_reward_fn(cfg.data.reward),
                                       tracking, checkpoints, stop, total_steps, run_dir)
                 if resume_from:
                     trainer.restore(resume_from)
@@ -123,12 +123,12 @@ def launcher(cfg: DictConfig, platform: Platform, world: int) -> Iterator[Tuple[
     """How the workers start (trainer.launcher): yields the preflight to run and the worker group class. `ray`
     connects to Ray for the duration (a local cluster it starts is stopped on exit); `local` needs nothing: the
     one worker lives in this process and the probe runs here."""
-    if str(cfg.trainer.launcher) == "local":
+    if cfg.trainer.launcher == "local":
         yield partial(run_local_preflight, cfg, platform), LocalWorkerGroup
         return
     with ray_session(cfg, platform, world) as started_local:
         # a cluster still being assembled gets time to reach its size; a local one is what it is
-        wait_s = 0.0 if started_local else float(cfg.trainer.placement_timeout_s)
+        wait_s = 0.0 if started_local else cfg.trainer.placement_timeout_s
         yield partial(run_preflight, cfg, platform, wait_s=wait_s), WorkerGroup
 
 
@@ -172,7 +172,7 @@ class GRPOTrainer:
         self.tracking, self.checkpoints, self.stop = tracking, checkpoints, stop
         self.total_steps, self.run_dir = total_steps, run_dir
         self.algo, self.data, self.rollout_cfg = cfg.algorithm, cfg.data, cfg.rollout
-        self.n = int(cfg.rollout.n)
+        self.n = cfg.rollout.n
         shards = workers.run("data_shards")
         self.train_group = [s["train_dp_rank"] for s in shards]
         self.rollout_group = [s["rollout_group"] for s in shards]
@@ -182,8 +182,8 @@ class GRPOTrainer:
         self.use_ref = needs_reference(cfg)
         # One optimizer step per batch on the policy that generated it: the old log-probs are the current ones, so
         # the update takes them from its own forward (detached) instead of a separate pass giving the same numbers.
-        self.single_on_policy_update = (int(self.algo.ppo_epochs) == 1
-                                        and int(self.algo.mini_batch_size) >= int(self.data.train_batch_size)
+        self.single_on_policy_update = (self.algo.ppo_epochs == 1
+                                        and self.algo.mini_batch_size >= self.data.train_batch_size
                                         and not self.algo.use_kl_in_reward)
         self.step = 0
         self.saved_step = -1
@@ -203,7 +203,7 @@ class GRPOTrainer:
                 t0 = time.perf_counter()
                 metrics.update(self.validate())
                 metrics["timing_s/testing"] = time.perf_counter() - t0
-            if self.step % max(int(self.cfg.trainer.log_every), 1) == 0 or self.step == self.total_steps:
+            if self.step % max(self.cfg.trainer.log_every, 1) == 0 or self.step == self.total_steps:
                 self.tracking.log(self.step, metrics)
             # after logging: a step with a checkpoint always has its metrics row (resume keeps rows up to it)
             if self._due(self.cfg.trainer.save_freq) or self.stop.requested:
@@ -236,13 +236,13 @@ class GRPOTrainer:
                     seqs.ref_log_probs = self.log_probs(seqs, reference=True)
             with timer("adv"):
                 rewards = self.final_rewards(batch, seqs, metrics)
-                advantages = grpo_advantages(rewards, batch.group_index, bool(self.algo.norm_adv_by_std))
+                advantages = grpo_advantages(rewards, batch.group_index, self.algo.norm_adv_by_std)
                 seqs.advantages = advantages.tolist()
             with timer("update_actor"):
                 metrics.update(self.update_actor(seqs))
             with timer("sync_weights"):
                 self.workers.run("sync_weights")
-        metrics.update(data_metrics(batch, rewards, advantages, int(self.data.max_response_length)))
+        metrics.update(data_metrics(batch, rewards, advantages, self.data.max_response_length))
         metrics.update(self.decode_metrics())
         metrics.update(timer.metrics())
         metrics.update(self.perf_metrics(batch, timer))
@@ -255,8 +255,8 @@ class GRPOTrainer:
         until `train_batch_size` groups remain. If the rounds run out, dropped groups fill the rest (their
         advantage is 0, so they only dilute the update)."""
         dyn = self.algo.dynamic_sampling
-        want = int(self.data.train_batch_size)
-        rounds = 1 + (int(dyn.max_rounds) if dyn.enable else 0)
+        want = self.data.train_batch_size
+        rounds = 1 + (dyn.max_rounds if dyn.enable else 0)
         kept: List[RolloutBatch] = []
         dropped: List[RolloutBatch] = []
         num_kept = num_dropped = used = 0
@@ -265,15 +265,15 @@ class GRPOTrainer:
             used = round_ + 1
             examples = self.loader.next_batch()
             with timer("gen"):
-                batch = self.generate(examples, n=self.n, temperature=float(self.rollout_cfg.temperature),
-                                      top_p=float(self.rollout_cfg.top_p), top_k=int(self.rollout_cfg.top_k),
+                batch = self.generate(examples, n=self.n, temperature=self.rollout_cfg.temperature,
+                                      top_p=self.rollout_cfg.top_p, top_k=self.rollout_cfg.top_k,
                                       seed=step_seed(self.cfg.trainer.seed, self.step, round_))
             with timer("reward"):
                 for k, v in self.score(batch).items():
                     stats[k] += v
             if not dyn.enable:
                 return batch, dict(stats)
-            signal = batch.scores if str(dyn.metric) == "score" else batch.rewards
+            signal = batch.scores if dyn.metric == "score" else batch.rewards
             keep = group_filter_mask(torch.tensor(signal), batch.group_index)
             kept.append(batch.select_groups(keep.nonzero().flatten().tolist()))
             dropped.append(batch.select_groups((~keep).nonzero().flatten().tolist()))
@@ -295,7 +295,7 @@ class GRPOTrainer:
         """n responses per prompt; prompts split over the workers, each generating its share."""
         shares = split_even(list(examples), max(self.rollout_group) + 1)
         params = dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
-                      max_new_tokens=int(self.data.max_response_length))
+                      max_new_tokens=self.data.max_response_length)
         results = self.scatter("generate", self.rollout_group, [
             ([ex.prompt_ids for ex in share], dict(params, seed=step_seed(seed, group), **_images_of(share)))
             for group, share in enumerate(shares)])
@@ -329,13 +329,13 @@ class GRPOTrainer:
         texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
         examples = batch.response_examples()
         scores, stats = score_responses(self.reward_fn, texts, [ex.answer for ex in examples], examples,
-                                        float(self.data.reward_timeout_s))
+                                        self.data.reward_timeout_s)
         batch.scores = list(scores)
         rewards = torch.tensor(batch.scores, dtype=torch.float32)
         shaping = self.algo.overlong_shaping
         if shaping.enable:
-            rewards = rewards + overlong_penalty(batch.response_lengths(), int(self.data.max_response_length),
-                                                 int(shaping.buffer_len), float(shaping.penalty_factor))
+            rewards = rewards + overlong_penalty(batch.response_lengths(), self.data.max_response_length,
+                                                 shaping.buffer_len, shaping.penalty_factor)
         batch.rewards = rewards.tolist()
         return {k: float(v) for k, v in stats.items()}
 
@@ -352,9 +352,9 @@ class GRPOTrainer:
         the reward (coefficient kl_loss_coef, estimator kl_loss_type, summed over the response)."""
         rewards = torch.tensor(batch.rewards, dtype=torch.float32)
         if self.algo.use_kl_in_reward:
-            kl = torch.tensor([float(kl_penalty(torch.tensor(old), torch.tensor(ref), str(self.algo.kl_loss_type)).sum())
+            kl = torch.tensor([float(kl_penalty(torch.tensor(old), torch.tensor(ref), self.algo.kl_loss_type).sum())
                                for old, ref in zip(seqs.old_log_probs, seqs.ref_log_probs)])
-            rewards = rewards - float(self.algo.kl_loss_coef) * kl
+            rewards = rewards - self.algo.kl_loss_coef * kl
             metrics["critic/kl_in_reward/mean"] = float(kl.mean())
         return rewards
 
@@ -371,10 +371,10 @@ class GRPOTrainer:
     def update_actor(self, seqs: Sequences) -> Dict[str, float]:
         """ppo_epochs passes over the batch in mini batches of mini_batch_size prompts (x n responses); each mini
         batch is one optimizer step, its loss normalised over the whole mini batch across DP ranks."""
-        per_mini = int(self.algo.mini_batch_size) * self.n
+        per_mini = self.algo.mini_batch_size * self.n
         norm_const = float(self.algo.loss_scale_factor or self.data.max_response_length)
         collected: Dict[str, List[float]] = defaultdict(list)
-        for epoch in range(int(self.algo.ppo_epochs)):
+        for epoch in range(self.algo.ppo_epochs):
             order = list(range(len(seqs)))
             if self.algo.shuffle:
                 gen = torch.Generator().manual_seed(step_seed(self.cfg.trainer.seed, self.step, epoch, 1))
@@ -398,9 +398,9 @@ class GRPOTrainer:
         scores: List[float] = []
         lengths: List[int] = []
         failed = 0.0
-        size = max(int(self.data.val_batch_size), 1)
+        size = max(self.data.val_batch_size, 1)
         for i in range(0, len(self.val_set), size):
-            batch = self.generate(self.val_set[i:i + size], n=1, temperature=float(self.rollout_cfg.val_temperature),
+            batch = self.generate(self.val_set[i:i + size], n=1, temperature=self.rollout_cfg.val_temperature,
                                   top_p=1.0, top_k=-1, seed=step_seed(self.cfg.trainer.seed, 0, i))
             stats = self.score(batch)
             failed += stats.get("reward/failed", 0) + stats.get("reward/timeout", 0)
@@ -413,12 +413,12 @@ class GRPOTrainer:
     def perf_metrics(self, batch: RolloutBatch, timer: Timer) -> Dict[str, float]:
         seq_lens = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         step_s = timer.seconds["step"]
-        update_flops = train_flops(self.cfg.model, seq_lens) * int(self.algo.ppo_epochs)
+        update_flops = train_flops(self.cfg.model, seq_lens) * self.algo.ppo_epochs
         return {
             "perf/total_num_tokens": float(sum(seq_lens)),
             "perf/throughput": sum(seq_lens) / step_s / self.workers.world if step_s > 0 else 0.0,
             "perf/mfu/actor": mfu(update_flops, timer.seconds["update_actor"], self.workers.world,
-                                  float(self.cfg.hw.peak_tflops)),
+                                  self.cfg.hw.peak_tflops),
             "perf/max_memory_allocated_gb": max(self.workers.run("max_memory_allocated_gb")),
         }
 

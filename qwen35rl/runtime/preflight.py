@@ -12,7 +12,7 @@
 4. What the engines build (`config.capabilities`) on each node's stack, e.g. settings that need Transformer Engine
    where it is missing: warnings, or errors for what the engine would refuse.
 5. GDN kernels (CUDA): where flash-linear-attention is installed but its backward refuses the GPU
-   (`runtime.gdn_kernels`), an FSDP run would fail in its first update, after the first generation: an error. The
+   (`engines.gdn_kernels`), an FSDP run would fail in its first update, after the first generation: an error. The
    Megatron engine falls back to megatron-core's torch recurrence there: a warning.
 
 With trainer.launcher=local there is no cluster: the probe runs in the driver's process (whose device the worker

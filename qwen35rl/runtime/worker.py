@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from qwen35rl.config.layout import derive_layout
+from qwen35rl.config.layout import Layout
+from qwen35rl.config.schema import typed
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult, TrainEngine
 from qwen35rl.models.build import trains_vision
 from qwen35rl.runtime import checkpoint as ckpt
@@ -37,14 +38,19 @@ def needs_reference(cfg: Any) -> bool:
 
 
 class PolicyWorker:
-    def __init__(self, cfg: Dict[str, Any], *, rank: int, world_size: int, local_rank: int, run_dir: str,
-                 optimizer_steps: Optional[int] = None):
-        """`optimizer_steps`: of the whole run (the cosine LR schedule needs it); `run_dir`: shared by all nodes."""
-        self.cfg = OmegaConf.create(cfg)
+    def __init__(self, cfg: Dict[str, Any], *, layout: Layout, rank: int, world_size: int, local_rank: int,
+                 run_dir: str, optimizer_steps: Optional[int] = None):
+        """`cfg`: the resolved config as plain python (rebuilt here on the typed schema); `layout`: the driver's, which
+        every engine uses as is; `optimizer_steps`: of the whole run (the cosine LR schedule needs it); `run_dir`:
+        shared by all nodes."""
+        self.cfg = cfg if OmegaConf.is_config(cfg) else typed(cfg)
+        if layout.world != world_size:
+            raise ValueError(f"the layout has {layout.world} ranks, the worker group {world_size}")
+        self.layout = layout
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.run_dir, self.optimizer_steps = Path(run_dir), optimizer_steps
         self.platform = resolve_platform(self.cfg)
-        require_stack(self.platform, str(self.cfg.rollout.engine))
+        require_stack(self.platform, self.cfg.rollout.engine)
         self.device = self.platform.torch_device(self.platform.local_device_index(self._accelerator_ids()))
         self.actor: Optional[TrainEngine] = None
         self.ref: Optional[TrainEngine] = None
@@ -73,7 +79,7 @@ class PolicyWorker:
             dist.init_process_group(
                 backend=self.platform.collective_backend, init_method=f"tcp://{master_addr}:{master_port}",
                 rank=self.rank, world_size=self.world_size,
-                timeout=timedelta(seconds=int(self.cfg.backend.dist_timeout_s)))
+                timeout=timedelta(seconds=self.cfg.backend.dist_timeout_s))
         self._build_engines()
 
     def _build_engines(self) -> None:
@@ -82,7 +88,7 @@ class PolicyWorker:
         cfg = self.cfg
         # Same seed on every rank: a random init must be the same model everywhere (and again on resume, for the
         # reference policy); per-step randomness comes from explicit seeds and the restored RNG state.
-        torch.manual_seed(int(cfg.trainer.seed))
+        torch.manual_seed(cfg.trainer.seed)
         self.tokenizer = build_tokenizer(cfg.model)
         if not self.text_only:
             from qwen35rl.models.processor import build_processor
@@ -91,7 +97,7 @@ class PolicyWorker:
         threads = torch.get_num_threads()
         if self.platform.is_accelerator:
             # Ray gives each worker one CPU (one torch thread); the CPU-side model init may use the node's share
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(int(cfg.hw.devices_per_node), 1)))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(cfg.hw.devices_per_node, 1)))
         try:
             self.actor = self._train_engine(reference=False)
             if needs_reference(cfg):
@@ -101,21 +107,21 @@ class PolicyWorker:
             torch.set_num_threads(threads)
 
     def _train_engine(self, reference: bool) -> TrainEngine:
-        backend = str(self.cfg.backend.name)
+        backend = self.cfg.backend.name
         if backend == "fsdp":
             from qwen35rl.engines.fsdp_engine import FsdpTrainEngine as engine_cls
         elif backend == "megatron":
             from qwen35rl.engines.megatron.engine import MegatronTrainEngine as engine_cls
         else:
             raise NotImplementedError(f"backend={backend}: expected fsdp or megatron")
-        return engine_cls(self.cfg, rank=self.rank, world_size=self.world_size, device=self.device,
+        return engine_cls(self.cfg, layout=self.layout, rank=self.rank, world_size=self.world_size, device=self.device,
                           reference=reference, total_steps=self.optimizer_steps)
 
     def data_shards(self) -> Dict[str, int]:
         """Which share of the data this worker takes. Training: its data-parallel rank (the ranks of one
         tensor/pipeline-parallel group take the same micro batches). Rollout: its rollout TP group (the ranks of
         one TP group generate the same prompts)."""
-        rollout_tp = derive_layout(self.cfg).rollout_tp if str(self.cfg.rollout.engine) == "vllm" else 1
+        rollout_tp = self.layout.rollout_tp if self.cfg.rollout.engine == "vllm" else 1
         return {"train_dp_rank": int(getattr(self.actor, "dp_rank", self.rank)),
                 "train_dp_size": int(getattr(self.actor, "dp_size", self.world_size)),
                 "rollout_group": self.rank // rollout_tp, "rollout_groups": self.world_size // rollout_tp}
@@ -123,7 +129,7 @@ class PolicyWorker:
     def _rollout_engine(self) -> RolloutEngine:
         """The driver syncs the policy's weights into the rollout engine before every generation (fresh or
         resumed), so with a random init the hf engine's model is only allocated, not initialised."""
-        engine = str(self.cfg.rollout.engine)
+        engine = self.cfg.rollout.engine
         if engine == "hf":
             from qwen35rl.engines.hf_rollout import HfRolloutEngine
             from qwen35rl.models.build import build_model, generation_config, init_rotary_buffers
@@ -136,21 +142,21 @@ class PolicyWorker:
                 eos = generation_config(self.cfg.model).eos_token_id
             else:
                 model = build_model(self.cfg.model, dtype=self.cfg.model.dtype, device=self.device,
-                                    seed=int(self.cfg.trainer.seed), text_only=self.text_only)
+                                    seed=self.cfg.trainer.seed, text_only=self.text_only)
                 eos = model.generation_config.eos_token_id
             return HfRolloutEngine(model, self.tokenizer, device=self.device, pad_token_id=self.pad_token_id,
                                    eos_token_id=eos, processor=self.processor,
-                                   cuda_graphs=bool(self.cfg.rollout.cuda_graph),
-                                   compile_decode=bool(self.cfg.rollout.compile_decode))
+                                   cuda_graphs=self.cfg.rollout.cuda_graph,
+                                   compile_decode=self.cfg.rollout.compile_decode)
         if engine == "vllm":
             from qwen35rl.engines.vllm_rollout import VllmRolloutEngine
 
             if self.cfg.model.init == "pretrained":
-                model_dir = str(self.cfg.model.path)
+                model_dir = self.cfg.model.path
             else:  # vLLM starts from a checkpoint directory: write the random init once, shared by every rank
                 model_dir = str(self.run_dir / ".rollout_init_hf")
                 self.export_hf(model_dir)
-            return VllmRolloutEngine(self.cfg, model_dir)
+            return VllmRolloutEngine(self.cfg, model_dir, self.layout)
         raise NotImplementedError(f"rollout.engine={engine}: expected hf or vllm")
 
     @property
@@ -169,15 +175,15 @@ class PolicyWorker:
         if stats is not None:
             result.decode = dataclasses.asdict(stats)
         if self.cfg.rollout.free_cache_engine:  # give the memory back to the trainer until the next generation
-            self.rollout.sleep(int(self.cfg.rollout.sleep_level))
+            self.rollout.sleep(self.cfg.rollout.sleep_level)
         return result
 
     def sync_weights(self) -> None:
         """Collective: stream the policy's full weights into the rollout engine bucket by bucket (an engine that
         sleeps takes them asleep and wakes for the next generation)."""
         self._trainers_on_device()
-        bucket_mb = int(self.cfg.rollout.weight_sync_bucket_mb)
-        if str(self.cfg.rollout.engine) == "hf":
+        bucket_mb = self.cfg.rollout.weight_sync_bucket_mb
+        if self.cfg.rollout.engine == "hf":
             # the hf engine shares the trainer's device: both train engines hand the gathered tensors over there,
             # without a round trip through the host
             buckets = self.actor.export_weights(bucket_mb, device=self.device)
@@ -230,8 +236,8 @@ class PolicyWorker:
         (`runtime.micro_batches`)."""
         b = self.cfg.backend
         if not b.dynamic_batch_size:
-            return fixed_groups(len(seqs), int(b.micro_batch_size_per_device))
-        return token_budget_groups(seqs.lengths(), int(b.max_tokens_per_device), engine.micro_batch_layout,
+            return fixed_groups(len(seqs), b.micro_batch_size_per_device)
+        return token_budget_groups(seqs.lengths(), b.max_tokens_per_device, engine.micro_batch_layout,
                                    self._largest_over_ranks)
 
     def _largest_over_ranks(self, count: int) -> int:
@@ -275,15 +281,15 @@ class PolicyWorker:
 
         self._trainers_on_device()
         state: Dict[str, torch.Tensor] = {}
-        for bucket in self.actor.export_weights(int(self.cfg.rollout.weight_sync_bucket_mb)):
+        for bucket in self.actor.export_weights(self.cfg.rollout.weight_sync_bucket_mb):
             if self.rank == 0:
                 state.update({name: t.detach().to("cpu", copy=True) for name, t in bucket})
         if self.rank == 0:
             model = build_model(self.cfg.model, dtype=self.cfg.model.dtype, device="meta", text_only=self.text_only)
             source = self.cfg.model.path if self.cfg.model.init == "pretrained" else None
-            if source and source_weight_files(str(source)):
-                export_over_source(state, model, str(source), path)
-                if str(self.cfg.model.tokenizer) != "checkpoint":  # the ids the policy learned are this tokenizer's
+            if source and source_weight_files(source):
+                export_over_source(state, model, source, path)
+                if self.cfg.model.tokenizer != "checkpoint":  # the ids the policy learned are this tokenizer's
                     (self.processor or self.tokenizer).save_pretrained(path)
             else:
                 missing, unexpected = model.load_state_dict(state, strict=False, assign=True)

@@ -184,3 +184,21 @@ def test_resolved_config_has_no_interpolations():
     cfg = compose(["model=qwen3_5_0_8b", "hw=a3_1node"])
     text = OmegaConf.to_yaml(cfg)
     assert "${" not in text
+
+
+def test_a_config_that_crossed_a_process_boundary_is_typed_again():
+    from omegaconf import OmegaConf
+
+    from qwen35rl.config.schema import MegatronConfig, typed
+
+    cfg = compose(["backend=megatron", "model=qwen3_5_tiny_vl", "data=geo3k", "backend.lr=3"])
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    back = typed(plain)
+    assert OmegaConf.to_container(back) == plain
+    assert OmegaConf.get_type(back.backend) is MegatronConfig
+    assert isinstance(back.backend.lr, float) and back.backend.lr == 3.0  # "3" on the command line, a float here
+    with pytest.raises(Exception):
+        back.backend.no_such_key = 1  # keys stay closed
+    plain["backend"]["lr"] = "fast"
+    with pytest.raises(Exception):
+        typed(plain)

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from qwen35rl.config.layout import derive_layout
 from qwen35rl.config.compose import compose
 from qwen35rl.models.build import build_model, save_hf
 from qwen35rl.models.export import SAFETENSORS_INDEX, export_over_source, source_weight_files
@@ -81,8 +82,8 @@ def test_export_over_a_vl_source_keeps_vision_and_mtp(source, tmp_path):
     cfg = compose(["model=qwen3_5_tiny_vl", "model.init=pretrained", f"model.path={source}",
                    "model.tokenizer=checkpoint", "hw.devices_per_node=1", "rollout.n=2",
                    "data.max_response_length=4"])
-    w = PolicyWorker(OmegaConf.to_container(cfg, resolve=True), rank=0, world_size=1, local_rank=0,
-                     run_dir=str(tmp_path), optimizer_steps=10)
+    w = PolicyWorker(OmegaConf.to_container(cfg, resolve=True), layout=derive_layout(cfg), rank=0, world_size=1,
+                     local_rank=0, run_dir=str(tmp_path), optimizer_steps=10)
     w._build_engines()
     assert w.text_only and type(w.actor.lm).__name__ == "Qwen3_5ForCausalLM"  # text data: the text model trains
     w.sync_weights()

@@ -9,6 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from qwen35rl.config.layout import derive_layout
 from qwen35rl.config.compose import compose
 from qwen35rl.models.special_tokens import BYTE_SPECIAL_IDS
 from qwen35rl.runtime.batching import Sequences
@@ -21,8 +22,8 @@ IM_END, EOS = BYTE_SPECIAL_IDS["im_end"], BYTE_SPECIAL_IDS["eos"]
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     cfg = compose(["hw.devices_per_node=1", "rollout.n=2", "data.max_response_length=4"])
-    w = PolicyWorker(OmegaConf.to_container(cfg, resolve=True), rank=0, world_size=1, local_rank=0,
-                     run_dir=str(tmp_path_factory.mktemp("run")), optimizer_steps=10)
+    w = PolicyWorker(OmegaConf.to_container(cfg, resolve=True), layout=derive_layout(cfg), rank=0, world_size=1,
+                     local_rank=0, run_dir=str(tmp_path_factory.mktemp("run")), optimizer_steps=10)
     w._build_engines()
     w.sync_weights()
     return w

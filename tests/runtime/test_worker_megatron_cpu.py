@@ -116,7 +116,8 @@ def _drive(rank, world, port, cfg, run_dir, out):
     megatron_on_cpu()
     from qwen35rl.runtime.worker import PolicyWorker
 
-    w = PolicyWorker(cfg, rank=rank, world_size=world, local_rank=rank, run_dir=run_dir, optimizer_steps=10)
+    w = PolicyWorker(cfg, layout=derive_layout(cfg), rank=rank, world_size=world, local_rank=rank, run_dir=run_dir,
+                     optimizer_steps=10)
     try:
         w.init_distributed("127.0.0.1", port)
         shards = w.data_shards()
@@ -174,9 +175,11 @@ def _drive(rank, world, port, cfg, run_dir, out):
 def _resume(rank, world, port, cfg, run_dir, seqs, out):
     """A restarted run: fresh workers load the checkpoint, sync and repeat the update the first run repeated."""
     megatron_on_cpu()
+    from qwen35rl.config.layout import derive_layout
     from qwen35rl.runtime.worker import PolicyWorker
 
-    w = PolicyWorker(cfg, rank=rank, world_size=world, local_rank=rank, run_dir=run_dir, optimizer_steps=10)
+    w = PolicyWorker(cfg, layout=derive_layout(cfg), rank=rank, world_size=world, local_rank=rank, run_dir=run_dir,
+                     optimizer_steps=10)
     try:
         w.init_distributed("127.0.0.1", port)
         shards = w.data_shards()
