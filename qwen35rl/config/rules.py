@@ -18,8 +18,7 @@ from qwen35rl.config import capabilities, known_keys, memory, quirks
 from qwen35rl.config.compose import did_you_mean
 from qwen35rl.config.layout import Layout, even_pipeline_layout, format_pipeline_layout, parse_pipeline_layout
 from qwen35rl.config.problems import ERROR, WARNING, Problem
-from qwen35rl.config.megatron_versions import (  # stdlib only: the version facts stated once
-    EXPERT_GROUPS_WITHOUT_EP, GDN_PACKED_AND_CP)
+from qwen35rl.config.megatron_versions import EXPERT_GROUPS_WITHOUT_EP  # the version facts, stated once
 
 Rule = Callable[[Any, Layout], List[Problem]]
 SCOPES = ("config", "train", "rollout", "colocated")
