@@ -264,11 +264,14 @@ def pipeline_splits_layers(cfg: Any, layout: Layout) -> List[Problem]:
 
 
 # ========================================================================================================= FSDP
+# Ranks: FSDP shard groups are fsdp_size consecutive ranks (replicated world / fsdp_size times: HSDP), Ulysses SP
+# groups are sp consecutive ranks taking the same micro batches (DP = world / sp). Both divide the world; neither
+# need divide the other (FSDP averages gradients over the whole world, SP ranks included).
 def _sp_ok(cfg: Any, sp: int) -> bool:
+    """What the engine's Ulysses all-to-all needs (engines/ulysses.py): each rank takes whole query heads and whole
+    GDN value heads; KV heads and GDN key heads fewer than sp are replicated on the ranks that read them."""
     m = val(cfg, "model")
-    kv = int(m["num_key_value_heads"])
-    return (int(m["num_attention_heads"]) % sp == 0 and (kv % sp == 0 or sp % kv == 0)
-            and int(m["linear_num_key_heads"]) % sp == 0 and int(m["linear_num_value_heads"]) % sp == 0)
+    return int(m["num_attention_heads"]) % sp == 0 and int(m["linear_num_value_heads"]) % sp == 0
 
 
 @rule("train")
@@ -283,23 +286,26 @@ def fsdp_size_divides_world(cfg: Any, layout: Layout) -> List[Problem]:
 
 @rule("train")
 def sp_requires_remove_padding(cfg: Any, layout: Layout) -> List[Problem]:
-    """Ulysses SP splits packed (unpadded) sequences."""
+    """Ulysses SP splits the one packed row of a micro batch's documents (conv, recurrence and attention restart
+    at each document); padded rows are not split."""
     if _megatron(layout) or layout.sp == 1 or val(cfg, "backend.remove_padding"):
         return []
-    return _err("sp_requires_remove_padding", "backend.remove_padding", f"Ulysses SP{layout.sp} needs packed sequences "
-                "but backend.remove_padding is false", "try backend.remove_padding=true or parallelism.sp=1")
+    return _err("sp_requires_remove_padding", "backend.remove_padding", f"Ulysses SP{layout.sp} splits packed "
+                "sequences but backend.remove_padding is false (padded batches are not split)",
+                "try backend.remove_padding=true or parallelism.sp=1")
 
 
 @rule("train")
 def sp_divides_heads(cfg: Any, layout: Layout) -> List[Problem]:
-    """Ulysses SP scatters heads: attention heads, KV heads (or replicas of them) and GDN heads split over SP."""
+    """Ulysses SP scatters heads: SP divides the attention (query) heads and the GDN value heads; KV heads and GDN
+    key heads may be fewer than SP (replicated)."""
     if _megatron(layout) or layout.sp == 1 or _sp_ok(cfg, layout.sp):
         return []
     m = val(cfg, "model")
     best = _nearest(layout.sp, [s for s in _divisors(layout.world) if _sp_ok(cfg, s)])
     return _err("sp_divides_heads", "parallelism.sp", f"SP{layout.sp} must divide the {m['num_attention_heads']} "
-                f"attention heads, the GDN key/value heads ({m['linear_num_key_heads']}/{m['linear_num_value_heads']})"
-                f" and divide or be a multiple of the {m['num_key_value_heads']} KV heads", _try("parallelism.sp", best))
+                f"attention heads and the {m['linear_num_value_heads']} GDN value heads (KV and GDN key heads may "
+                "be fewer: they are replicated)", _try("parallelism.sp", best))
 
 
 # ===================================================================================== what the engines build

@@ -10,7 +10,7 @@ Heads fewer than sp are replicated so that every rank holds the heads its own he
 - GDN: value head j reads key head j // (n_v / n_k); value heads split contiguously, q/k heads are repeated the same
   way, the causal conv (per channel) and the recurrence (per value head) run on the rank's channels and heads.
   Needs sp | n_v.
-Both are what `supported_sp` states for the plan. The row keeps its document boundaries (`cu_seq_lens_q` of the
+The plan's rule `sp_divides_heads` (config/rules.py) states both. The row keeps its document boundaries (`cu_seq_lens_q` of the
 whole row) so the conv and the recurrence restart at each document (`packed_gdn`) and attention stays within it
 (`packed_attention`).
 """
@@ -34,11 +34,6 @@ from qwen35rl.engines.packed_attention import packed_sdpa_attention_forward, pac
 from qwen35rl.engines.packed_gdn import packed_causal_conv1d
 
 NAME = "qwen35rl_ulysses"
-
-
-def supported_sp(num_attention_heads: int, linear_num_value_heads: int, sp: int) -> bool:
-    """What this module needs of the heads (KV and GDN key heads may be fewer than sp: they are replicated)."""
-    return num_attention_heads % sp == 0 and linear_num_value_heads % sp == 0
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from qwen35rl.config.problems import ERROR, WARNING
 BASES = {
     "tiny": [],
     "tiny_vl": ["model=qwen3_5_tiny_vl"],
+    "tiny4": ["hw.devices_per_node=4"],
     "fsdp27": ["model=qwen3_5_27b", "hw=gpu_1node", "backend=fsdp"],
     "fsdp27_a3": ["model=qwen3_5_27b", "hw=a3_1node", "backend=fsdp"],
     "mg27": ["model=qwen3_5_27b", "hw=gpu_1node", "backend=megatron", "parallelism.tp=4",
@@ -167,6 +168,23 @@ def test_every_rule_has_a_case():
     expected = [fn.__name__ for _, fn in rules.RULES if fn is not rules.engine_builds_setting]
     expected += [e.code for e in capabilities.DECLARATION]
     assert sorted(c[0] for c in CASES) == sorted(expected)
+
+
+FSDP_SP_CASES = [
+    # 2 KV heads and 2 GDN key heads under SP4 are replicated; 6 query heads do not split over 4 ranks
+    ("sp_divides_heads", "tiny4", {"parallelism__sp": 4}, {"parallelism__sp": 4, "model__num_attention_heads": 6,
+     "model__num_key_value_heads": 3}, "parallelism.sp", ERROR),
+    ("sp_divides_heads", "tiny4", {"parallelism__sp": 2}, {"parallelism__sp": 4, "model__linear_num_value_heads": 2},
+     "parallelism.sp", ERROR),
+    ("fsdp_size_divides_world", "tiny4", {"parallelism__fsdp_size": 2, "parallelism__sp": 2},
+     {"parallelism__fsdp_size": 3, "parallelism__sp": 2}, "parallelism.fsdp_size", ERROR),
+]
+
+
+@pytest.mark.parametrize("code,base,ok,bad,key,severity", FSDP_SP_CASES,
+                         ids=["replicated-kv-and-gdn-key-heads", "gdn-value-heads", "hsdp-with-sp"])
+def test_fsdp_sp_rules_on_the_tiny_model(code, base, ok, bad, key, severity):
+    test_rule_passes_and_fails(code, base, ok, bad, key, severity)
 
 
 @pytest.mark.parametrize("code,base,ok,bad,key,severity", CASES, ids=[c[0] for c in CASES])

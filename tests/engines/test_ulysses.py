@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from qwen35rl.engines.ulysses import SpGroup, repeat_heads, sequence_parallel, supported_sp
+from qwen35rl.engines.ulysses import SpGroup, repeat_heads, sequence_parallel
 from tests.shared_results import result_dict
 
 LENGTHS = [5, 9, 2]  # 16 tokens: splits over SP 2 and 4
@@ -119,4 +119,3 @@ def test_heads_fewer_than_sp_are_repeated_in_order():
     assert repeat_heads(x, 4, 1).flatten().tolist() == [0, 0, 1, 1]
     assert repeat_heads(torch.arange(4)[None, :], 2, 1).flatten().tolist() == [0, 1, 2, 3]
     assert repeat_heads(torch.arange(2)[None, :], 3, 1).flatten().tolist() == [0, 0, 0, 1, 1, 1]
-    assert supported_sp(4, 4, 4) and supported_sp(8, 16, 8) and not supported_sp(4, 4, 8) and not supported_sp(6, 8, 4)
