@@ -8,9 +8,9 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 from qwen35rl.config.compose import ConfigError, searchpath_override
 from qwen35rl.config.paths import config_dir
+from qwen35rl.config.problems import EXIT_CONFIG  # noqa: F401 - the CLI's exit code for a config it refuses
 from qwen35rl.config.store import register
 
-EXIT_CONFIG = 2
 _PASS_THROUGH_FLAGS = ("help", "hydra_help", "info", "shell_completion", "cfg")
 
 

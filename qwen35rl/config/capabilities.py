@@ -170,3 +170,30 @@ def check_engine(cfg: Any, layout: Any, stack: Stack) -> List[Problem]:
     if refused:
         raise Unsupported(refused)
     return found
+
+
+# ----------------------------------------------------------------------------------------------------- resume
+RESHARDING_AXES: Dict[str, Tuple[str, ...]] = {"fsdp": (), "megatron": ("world", "tp", "pp", "ep", "etp", "vpp")}
+"""Layout axes whose change a checkpoint of each engine cannot follow. FSDP's checkpoints are DTensor shards that
+torch.distributed.checkpoint reshards onto any world / fsdp_size / sp. The Megatron engine saves each rank's own
+shards of its model chunks and distributed optimizer, which only the same TP/PP/EP/ETP/VPP split over the same
+world reads back."""
+
+
+def resume_problem(saved: Optional[Dict[str, Any]], layout: Any, key: str = "trainer.resume") -> Optional[Problem]:
+    """Why the checkpoint saved with layout `saved` (a Layout's dict; None: not recorded) cannot resume on `layout`."""
+    if not saved:
+        return None
+    if saved.get("backend") != layout.backend:
+        return Problem("resume_across_engines", key, f"the checkpoint holds backend={saved.get('backend')} state; "
+                       f"this run trains with backend={layout.backend}", "resume with the backend it was saved "
+                       "with, or start afresh: trainer.resume=never or another trainer.run_name")
+    changed = [a for a in RESHARDING_AXES.get(layout.backend, ()) if saved.get(a) != getattr(layout, a)]
+    if not changed:
+        return None
+    was = " ".join(f"{a}={saved.get(a)}" for a in changed)
+    now = " ".join(f"{a}={getattr(layout, a)}" for a in changed)
+    return Problem("resume_needs_saved_layout", key, f"the checkpoint was saved with {was}, this run has {now}: "
+                   f"{layout.backend} checkpoints are per-rank shards of that layout and cannot be resharded",
+                   "resume with the saved layout (parallelism.* and hw.nodes x hw.devices_per_node), or start "
+                   "afresh: trainer.resume=never or another trainer.run_name")

@@ -6,6 +6,8 @@ from typing import Any, Dict, List
 
 ERROR = "error"
 WARNING = "warning"
+EXIT_CONFIG = 2
+"""Exit code of a command that refuses its config (before anything starts)."""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,9 @@ from omegaconf import DictConfig
 
 from qwen35rl.algo.core import grpo_advantages, kl_penalty
 from qwen35rl.algo.dapo import group_filter_mask, overlong_penalty
+from qwen35rl.config import capabilities
 from qwen35rl.config.layout import Layout, derive_layout
+from qwen35rl.config.problems import EXIT_CONFIG
 from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST
 from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.runtime.batching import Sequences, split_even, split_sequences
@@ -75,7 +77,12 @@ def run_training(cfg: DictConfig, run_dir: Path) -> int:
     checkpoints = ckpt.CheckpointManager(run_dir / "checkpoints", cfg.trainer.max_keep_checkpoints)
     checkpoints.remove_partial()
     resume_from = checkpoints.resolve(cfg.trainer.resume)
-    start_step = int(ckpt.read_meta(resume_from)["step"]) if resume_from else 0
+    meta = ckpt.read_meta(resume_from) if resume_from else {}
+    refused = capabilities.resume_problem(meta.get("layout"), layout)
+    if refused:
+        log.error("cannot resume from %s\n%s", resume_from, refused.render())
+        return EXIT_CONFIG
+    start_step = int(meta["step"]) if resume_from else 0
     start_dir = provenance.record_start(run_dir, cfg, start_step=start_step, resume_from=resume_from)
     tracking = Tracking(cfg, run_dir, total_steps, start_step)
     if resume_from:
@@ -428,7 +435,7 @@ class GRPOTrainer:
         self.workers.run("save_checkpoint", str(tmp))
         ckpt.save_trainer_state(tmp, {"step": self.step, "loader": self.loader.state_dict(),
                                       "rng": ckpt.rng_state()})
-        final = self.checkpoints.commit(tmp, self.step, {"world": self.workers.world,
+        final = self.checkpoints.commit(tmp, self.step, {"world": self.workers.world, "layout": self.layout.to_dict(),
                                                           "total_steps": self.total_steps})
         self.saved_step = self.step
         log.info("checkpoint %s (%.1f s)", final, time.perf_counter() - t0)

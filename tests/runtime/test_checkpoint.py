@@ -75,3 +75,27 @@ def test_trainer_state_round_trip(tmp_path):
     ckpt.save_trainer_state(tmp_path, state)
     back = ckpt.load_trainer_state(tmp_path)
     assert back["step"] == 7 and back["loader"] == {"epoch": 1, "position": 3}
+
+
+def test_a_megatron_checkpoint_resumes_only_on_its_own_layout(tmp_path, caplog):
+    """Refused before any worker starts, with both layouts named; FSDP checkpoints reshard (DCP) and pass."""
+    from qwen35rl.config import capabilities
+    from qwen35rl.config.compose import compose
+    from qwen35rl.config.layout import derive_layout
+    from qwen35rl.config.problems import EXIT_CONFIG
+    from qwen35rl.runtime.driver import run_training
+
+    saved = derive_layout(compose(["backend=megatron", "hw.devices_per_node=2", "parallelism.tp=2"]))
+    mgr = ckpt.CheckpointManager(tmp_path / "checkpoints")
+    mgr.commit(mgr.begin(1), 1, {"layout": saved.to_dict()})
+    cfg = compose(["backend=megatron", "hw.devices_per_node=2", "trainer.resume=auto"])
+    assert run_training(cfg, tmp_path) == EXIT_CONFIG
+    assert "resume_needs_saved_layout" in caplog.text and "tp=2" in caplog.text and "tp=1" in caplog.text
+    assert mgr.latest().name == "step_1"  # nothing lost
+
+    same = derive_layout(compose(["backend=megatron", "hw.devices_per_node=2", "parallelism.tp=2"]))
+    assert capabilities.resume_problem(saved.to_dict(), same) is None
+    fsdp = lambda *o: derive_layout(compose(["backend=fsdp", *o]))  # noqa: E731
+    assert capabilities.resume_problem(fsdp("hw.devices_per_node=4").to_dict(), fsdp("hw.devices_per_node=2")) is None
+    assert capabilities.resume_problem(saved.to_dict(), fsdp()).code == "resume_across_engines"
+    assert capabilities.resume_problem(None, same) is None  # older checkpoints recorded no layout
