@@ -112,10 +112,11 @@ DECLARATION: List[Support] = [
     Support("megatron_permute_fusion_needs_te", "megatron", "backend.moe_permute_fusion", _moe_and("moe_permute_fusion"),
             NOT_APPLIED, "the fused token permutation is Transformer Engine's: turned off where it is not installed",
             "try backend.moe_permute_fusion=false, or install transformer-engine on the nodes", _te),
-    Support("megatron_precision_aware_optimizer_needs_te", "megatron", "backend.use_precision_aware_optimizer",
-            _b("use_precision_aware_optimizer"), NOT_APPLIED, "the precision-aware optimizer is Transformer Engine's: "
-            "turned off where it is not installed", "try backend.use_precision_aware_optimizer=false, or "
-            "install transformer-engine on the nodes", _te),
+    Support("megatron_precision_aware_optimizer", "megatron", "backend.use_precision_aware_optimizer",
+            _b("use_precision_aware_optimizer"), NOT_APPLIED, "plain Adam runs: Transformer Engine's precision-aware "
+            "FusedAdam keeps its state in another layout than the torch Adam state the engine's checkpoints and "
+            "offloads read", "try backend.use_precision_aware_optimizer=false (the same optimizer, without this "
+            "warning)"),
     Support("megatron_no_torch_compile", "megatron", "backend.use_torch_compile", _b("use_torch_compile"), NOT_APPLIED,
             "its vocab-parallel log-probs reduce over the tensor-parallel group chunk by chunk; the FSDP engine "
             "compiles its log-probs", "try backend.use_torch_compile=false"),

@@ -27,16 +27,16 @@ def test_context_parallel_is_refused_with_the_plan_code_by_the_engine_check():
 
 def test_settings_not_applied_are_warnings_the_engine_returns_for_its_log():
     cfg = compose(["backend=megatron", "model=qwen3_5_tiny_moe", "backend.moe_grouped_gemm=true",
-                   "backend.remove_padding=true"])
+                   "backend.remove_padding=true", "backend.use_precision_aware_optimizer=true"])
     warned = C.check_engine(cfg, derive_layout(cfg), C.Stack("cpu", transformer_engine=False, fla=False))
     assert {p.code for p in warned} == {"megatron_grouped_gemm", "megatron_pads_sequences",
-                                        "megatron_permute_fusion_needs_te", "megatron_precision_aware_optimizer_needs_te"}
+                                        "megatron_permute_fusion_needs_te", "megatron_precision_aware_optimizer"}
     assert all(p.severity == WARNING for p in warned)
 
 
 def test_stack_dependent_entries_wait_for_the_nodes_stack():
     gpu = ["backend=megatron", "model=qwen3_5_tiny_moe", "hw=gpu_1node", "rollout=hf"]
-    te_codes = {("megatron_permute_fusion_needs_te", WARNING), ("megatron_precision_aware_optimizer_needs_te", WARNING)}
+    te_codes = {("megatron_permute_fusion_needs_te", WARNING)}
     assert not _found(gpu) & te_codes  # the plan cannot know whether the GPU nodes have Transformer Engine
     assert _found(gpu, C.Stack("cuda", transformer_engine=False)) >= te_codes
     assert not _found(gpu, C.Stack("cuda", transformer_engine=True)) & te_codes

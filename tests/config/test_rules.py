@@ -91,7 +91,7 @@ CASES = [
     ("megatron_grouped_gemm", "mg35", {}, {"backend__moe_grouped_gemm": True}, "backend.moe_grouped_gemm", WARNING),
     ("megatron_permute_fusion_needs_te", "mg_cpu", {}, {"backend__moe_permute_fusion": True},
      "backend.moe_permute_fusion", WARNING),
-    ("megatron_precision_aware_optimizer_needs_te", "mg_cpu", {}, {"backend__use_precision_aware_optimizer": True},
+    ("megatron_precision_aware_optimizer", "mg_cpu", {}, {"backend__use_precision_aware_optimizer": True},
      "backend.use_precision_aware_optimizer", WARNING),
     ("megatron_no_torch_compile", "mg27", {}, {"backend__use_torch_compile": True}, "backend.use_torch_compile",
      WARNING),
@@ -248,7 +248,7 @@ def test_tiny_megatron_layouts_on_cpu_are_valid(overrides):
     """The layouts the Megatron CPU tests run, image data included (the vision tower on the first stage)."""
     cfg = compose(TINY_MEGATRON_CPU + overrides)
     found = rules.check_all(cfg, derive_layout(cfg))
-    assert {p.code for p in found} <= {"megatron_permute_fusion_needs_te", "megatron_precision_aware_optimizer_needs_te"}
+    assert {p.code for p in found} <= {"megatron_permute_fusion_needs_te", "megatron_precision_aware_optimizer"}
     assert all(p.severity == WARNING for p in found)
 
 

@@ -103,8 +103,7 @@ def test_settings_that_need_transformer_engine_are_decided_on_the_nodes_stack():
     with_te = {"device": "cuda", "transformer_engine": True, "fla": True}
     assert preflight.capability_problems(cfg, [_probe(stack=with_te)]) == []
     found = preflight.capability_problems(cfg, [_probe(stack={**with_te, "transformer_engine": False})])
-    assert {p.code for p in found} == {"megatron_permute_fusion_needs_te",
-                                       "megatron_precision_aware_optimizer_needs_te"}
+    assert {p.code for p in found} == {"megatron_permute_fusion_needs_te"}
     assert all(p.severity == WARNING and "(on n1)" in p.message for p in found)
     # what the plan already reported is not repeated
     assert "megatron_grouped_gemm" not in {p.code for p in found}
