@@ -350,9 +350,14 @@ class ParallelismConfig:
     pipeline_layout: Optional[str] = None
     """Explicit uneven pipeline split, e.g. "E|t*9|t*10|t*10|t*11,L" (Megatron layout syntax)."""
     fsdp_size: int = -1
-    """FSDP shard group size (-1: whole world)."""
+    """FSDP shard group size (-1: whole world): parameters, gradients and optimizer states shard over groups of
+    fsdp_size consecutive ranks; below the world the groups are replicated world / fsdp_size times (HSDP). Must
+    divide the world; need not relate to sp (FSDP averages gradients over every rank, SP ranks included)."""
     sp: int = 1
-    """Ulysses sequence parallel size (FSDP; requires remove_padding)."""
+    """Ulysses sequence parallel size (FSDP): groups of sp consecutive ranks take the same micro batches and split
+    each packed row of documents between them, all-to-all over heads around attention and GDN (DP = world / sp).
+    Must divide the world, the attention heads and the GDN value heads; KV and GDN key heads fewer than sp are
+    replicated. Requires backend.remove_padding (packs on every device, CPU included)."""
     rollout: RolloutParallelism = field(default_factory=RolloutParallelism)
 
 
