@@ -2,7 +2,7 @@
 
 fla 0.6's gated chunk backward (dq/dk/dw/dg) is miscompiled by Triton 3.4.0 up to 3.7.1 on Hopper, so fla raises
 there unless its TileLang backend takes that kernel (fla issue #640). The trainers react differently: megatron-core
-can switch to its own torch recurrence (`engines/megatron/engine.py`), transformers' modules pick fla whenever it
+can switch to its own torch recurrence (`engines/megatron/build.py`), transformers' modules pick fla whenever it
 imports and then fail in the first backward, after the first generation. The preflight probes every node with
 `probe()` and refuses such an FSDP run before it starts (`runtime/preflight.py`).
 

@@ -6,7 +6,6 @@ megatron-core comes with the `[test]` extra (python < 3.12); without it this mod
 transformers' GDN recurrence)."""
 from tests.megatron_cpu import CPU_TRANSFORMER_OVERRIDES, megatron_on_cpu  # first: the prelude (skips without megatron)
 
-import functools
 import os
 
 import pytest
@@ -17,7 +16,9 @@ from omegaconf import OmegaConf
 
 from qwen35rl.algo.core import agg_loss, kl_penalty, local_batch_counts, logprobs_from_logits, policy_loss
 from qwen35rl.config.compose import compose
+from qwen35rl.config.layout import derive_layout
 from qwen35rl.engines.base import Batch
+from qwen35rl.engines.megatron import checkpoint_state
 from qwen35rl.models.build import build_model
 from qwen35rl.runtime.cluster import free_port
 from tests.shared_results import result_dict
@@ -87,7 +88,8 @@ def _worker(rank, world, port, cfg, batch, agg, out):
     try:
         from qwen35rl.engines.megatron.engine import MegatronTrainEngine
 
-        eng = MegatronTrainEngine(cfg, rank=rank, world_size=world, device="cpu", total_steps=10)
+        eng = MegatronTrainEngine(cfg, layout=derive_layout(cfg), rank=rank, world_size=world, device="cpu",
+                                  total_steps=10)
         res = {"dp": (eng.dp_rank, eng.dp_size),
                "tower_checkpointed": [bool(c.visual.gradient_checkpointing) for c in eng.chunks if hasattr(c, "visual")]}
         res["export"] = {k: v for b in eng.export_weights(1) for k, v in b}
@@ -95,10 +97,7 @@ def _worker(rank, world, port, cfg, batch, agg, out):
         # gradients of one mini batch (every DP rank holds the same batch: the global counts double)
         scaled = dict(agg, dp_size=eng.dp_size, global_tokens=agg["global_tokens"] * eng.dp_size,
                       global_seqs=agg["global_seqs"] * eng.dp_size)
-        for c in eng.model:
-            c.train()
-            c.zero_grad_buffer()
-        eng._run([eng._prepare(batch, train=True)], functools.partial(eng._train_loss, scaled), forward_only=False)
+        eng.step.backward([batch], scaled)
         eng.optimizer.prepare_grads()
         res["grad_norm"] = float(eng.optimizer.get_grad_norm())
         params = {p: p.data for c in eng.chunks for p in c.parameters()}
@@ -165,7 +164,8 @@ def _checkpoint_worker(rank, world, port, cfg, batch, path, out):
         from qwen35rl.engines.megatron.engine import MegatronTrainEngine
 
         batch.ref_log_probs = batch.old_log_probs
-        first = MegatronTrainEngine(cfg, rank=rank, world_size=world, device="cpu", total_steps=10)
+        first = MegatronTrainEngine(cfg, layout=derive_layout(cfg), rank=rank, world_size=world, device="cpu",
+                                    total_steps=10)
         first.train_mini_batch([batch], {})
         dcp.save({"engine": first.state_dict_for_checkpoint()}, checkpoint_id=path)
         expected = first.train_mini_batch([batch], {})  # the step a resumed run must reproduce
@@ -173,7 +173,8 @@ def _checkpoint_worker(rank, world, port, cfg, batch, path, out):
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
-        second = MegatronTrainEngine(cfg, rank=rank, world_size=world, device="cpu", total_steps=10)
+        second = MegatronTrainEngine(cfg, layout=derive_layout(cfg), rank=rank, world_size=world, device="cpu",
+                                     total_steps=10)
         state = {"engine": second.state_dict_for_checkpoint()}
         dcp.load(state, checkpoint_id=path)
         second.load_checkpoint_state(state["engine"])
@@ -191,6 +192,8 @@ def test_checkpoint_resumes_model_optimizer_and_schedule(tmp_path):
     out = result_dict()
     mp.start_processes(_checkpoint_worker, args=(2, free_port(), cfg, _batch(cfg), str(tmp_path / "ckpt"), out), nprocs=2,
                        join=True, start_method="spawn")
+    # the layout it was saved with, readable before launch (no process group)
+    assert checkpoint_state.saved_layout(tmp_path / "ckpt") == checkpoint_state.shard_layout(cfg, derive_layout(cfg))
     for rank, (expected, resumed, steps, weight_diff) in out.items():
         assert steps == 2  # one step before the checkpoint, one after
         assert resumed == pytest.approx(expected, rel=1e-6), rank

@@ -3,34 +3,31 @@ TileLang: fla issue #640), the Megatron policy trains with megatron-core's torch
 The GPU, Triton and TileLang are faked: no GPU or megatron-core needed."""
 import logging
 import os
-from types import SimpleNamespace
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
 
-from qwen35rl.engines.megatron import engine
-from qwen35rl.engines.megatron.engine import MegatronTrainEngine
+from qwen35rl.engines.megatron import build
 
 HOPPER, AMPERE, BLACKWELL = (9, 0), (8, 0), (10, 0)
 
 
 def _gpu(monkeypatch, capability, triton, tilelang):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(engine, "_triton_version", lambda: triton)
-    monkeypatch.setattr(engine, "_fla_tilelang_usable", lambda: tilelang)
+    monkeypatch.setattr(build, "triton_version", lambda: triton)
+    monkeypatch.setattr(build, "fla_tilelang_usable", lambda: tilelang)
 
 
 def _choose(overrides, reference=False, device="cuda"):
-    stub = SimpleNamespace(reference=reference, device=torch.device(device))
-    MegatronTrainEngine._gdn_fallback(stub, overrides)
+    build.gdn_fallback(overrides, reference=reference, device=torch.device(device))
     return overrides
 
 
 def test_policy_falls_back_to_the_torch_recurrence_with_one_log_line(monkeypatch, caplog):
     _gpu(monkeypatch, HOPPER, "3.6.0", tilelang=False)
-    with caplog.at_level(logging.INFO, logger=engine.__name__):
+    with caplog.at_level(logging.INFO, logger=build.__name__):
         assert _choose({"moe_token_dispatcher_type": "alltoall"}) == {"moe_token_dispatcher_type": "alltoall",
                                                                       "deterministic_mode": True}
     lines = [r.getMessage() for r in caplog.records]
@@ -40,7 +37,7 @@ def test_policy_falls_back_to_the_torch_recurrence_with_one_log_line(monkeypatch
 @pytest.mark.parametrize("chosen", [True, False])
 def test_an_explicit_deterministic_mode_is_kept(monkeypatch, caplog, chosen):
     _gpu(monkeypatch, HOPPER, "3.6.0", tilelang=False)
-    with caplog.at_level(logging.INFO, logger=engine.__name__):
+    with caplog.at_level(logging.INFO, logger=build.__name__):
         assert _choose({"deterministic_mode": chosen}) == {"deterministic_mode": chosen}
     assert not caplog.records
 

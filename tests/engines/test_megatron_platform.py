@@ -123,6 +123,8 @@ def test_megatron_imported_first_is_refused(monkeypatch):
 def test_engine_without_megatron_names_the_install():
     from qwen35rl.engines.megatron.engine import MegatronTrainEngine
 
+    from qwen35rl.config.layout import derive_layout
+
     cfg = compose(["model=qwen3_5_tiny", "backend=megatron", "hw=cpu"])
     with pytest.raises(ImportError, match=r"pip install 'qwen35rl\[gpu\]'"):
-        MegatronTrainEngine(cfg, rank=0, world_size=1, device="cpu")
+        MegatronTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device="cpu")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -78,6 +79,8 @@ def install() -> None:
 def _fla_standins() -> None:
     fla = {name: types.ModuleType(name) for name in
            ("fla", "fla.modules", "fla.modules.l2norm", "fla.modules.convolution", "fla.ops", "fla.ops.gated_delta_rule")}
+    for name, module in fla.items():  # importlib.util.find_spec raises on a module in sys.modules without one
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, origin="qwen35rl CPU stand-in")
     fla["fla.modules.l2norm"].l2norm = lambda x, dim=-1, eps=1e-6, **_: x * torch.rsqrt((x * x).sum(dim, keepdim=True) + eps)
     fla["fla.modules.convolution"].causal_conv1d = None
     fla["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = None  # deterministic_mode uses megatron's torch recurrence

@@ -1,0 +1,108 @@
+"""Forward and backward passes through megatron's pipeline schedule: per-token log-probs (and entropy) of a batch,
+and the GRPO loss's gradients over a mini batch. Results exist on the last pipeline stage; they are broadcast so
+every rank returns the same."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from qwen35rl.algo.core import ACTOR_SUMS, actor_loss
+from qwen35rl.engines.base import Batch
+from qwen35rl.engines.megatron import batches
+from qwen35rl.engines.megatron.batches import BatchShape
+from qwen35rl.engines.megatron.ranks import Ranks
+from qwen35rl.engines.megatron.tokens import vocab_parallel_logprobs
+
+
+@dataclass
+class Step:
+    """`model`: the chunks the schedule runs (DDP-wrapped for the policy); `temperature` divides the logits."""
+
+    model: Sequence[torch.nn.Module]
+    ranks: Ranks
+    shape: BatchShape
+    temperature: float
+    logprob_chunk_size: int
+    algo: Any
+
+    # ------------------------------------------------------------------------------------------ the schedule
+    def _forward_step(self, loss_fn, data_iterator, model):
+        b = next(data_iterator)
+        positions, images = b["position_ids"], {}
+        if self.shape.vl_config is not None:
+            positions = positions.permute(1, 0, 2)  # [3, rows, cols], as M-RoPE takes them
+            if b["images"] is not None:
+                images = dict(pixel_values=b["images"].pixel_values, image_grid_thw=b["images"].grid_thw,
+                              image_mask=b["image_mask"])
+        output = model(input_ids=b["input_ids"], position_ids=positions, attention_mask=None, **images)
+        return output, partial(loss_fn, b)
+
+    def run(self, prepared: List[Dict[str, Any]], loss_fn, forward_only: bool) -> List[Dict[str, torch.Tensor]]:
+        """megatron's pipeline schedule over `prepared`; `loss_fn(num_micro, batch, logits)` on the last stage.
+        Returns the last stage's per-micro-batch results (padding micro batches last)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        ready = batches.schedule_ready(prepared, self.shape)
+        rows, cols = ready[0]["input_ids"].shape
+        iterators = [iter(list(ready)) for _ in self.model]
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, partial(loss_fn, len(ready))),
+            data_iterator=iterators if len(iterators) > 1 else iterators[0], model=list(self.model),
+            num_microbatches=len(ready), seq_length=cols, micro_batch_size=rows, forward_only=forward_only)
+
+    # ------------------------------------------------------------------------------------------ losses
+    def _logprobs(self, b, logits, with_entropy: bool):
+        return vocab_parallel_logprobs(logits, b["labels"], self.ranks.tp_group(), self.temperature, with_entropy,
+                                       self.logprob_chunk_size)
+
+    def _logprob_loss(self, with_entropy: bool, num_micro: int, b, logits):
+        logp, ent = self._logprobs(b, logits, with_entropy)
+        out = {"logp": logp.detach()}
+        if ent is not None:
+            out["ent"] = ent.detach()
+        return logits.new_zeros(()), out
+
+    def train_loss(self, agg: Dict[str, Any], num_micro: int, b, logits):
+        logp, ent = self._logprobs(b, logits, with_entropy=True)
+        loss, sums = actor_loss(logp, ent, b["old"], b["ref"], b["advantages"], b["loss_mask"], self.algo, agg)
+        # megatron's schedule divides the loss by the number of micro batches; agg_loss already normalises over
+        # the global mini batch, so undo it
+        return loss * num_micro, {"sums": sums}
+
+    # ------------------------------------------------------------------------------------------ passes
+    @torch.no_grad()
+    def log_probs(self, batch: Batch, with_entropy: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        for c in self.model:
+            c.eval()
+        prepared = batches.prepare(batch, self.shape, train=False)
+        # the interleaved schedule wants a multiple of PP micro batches: split the rows
+        parts = batches.split_rows(prepared, self.shape.micro_multiple)
+        out = self.run(parts, partial(self._logprob_loss, with_entropy), forward_only=True)
+        shape = prepared["input_ids"].shape
+        stacked = torch.zeros((2 if with_entropy else 1, *shape), dtype=torch.float32, device=self.shape.device)
+        if self.ranks.is_last_stage():
+            sizes = [p["input_ids"].shape[0] for p in parts]
+            stacked[0] = torch.cat([o["logp"][:r, :shape[1]] for o, r in zip(out, sizes)])
+            if with_entropy:
+                stacked[1] = torch.cat([o["ent"][:r, :shape[1]] for o, r in zip(out, sizes)])
+        stacked = self.ranks.pp_broadcast(stacked)
+        logp = batches.to_batch_layout(prepared, stacked[0], batch.response_mask)
+        ent = batches.to_batch_layout(prepared, stacked[1], batch.response_mask) if with_entropy else None
+        return logp, ent
+
+    def backward(self, micro_batches: List[Batch], agg: Dict[str, Any]) -> torch.Tensor:
+        """Gradients of the GRPO loss over `micro_batches` into megatron's gradient buffers (zeroed first); returns
+        the loss sums (`ACTOR_SUMS`) over the data-parallel ranks, on the host, the same on every rank."""
+        prepared = [batches.prepare(mb, self.shape, train=True) for mb in micro_batches]
+        for c in self.model:
+            c.train()
+            c.zero_grad_buffer()
+        out = self.run(prepared, partial(self.train_loss, agg), forward_only=False)
+        sums = torch.zeros(len(ACTOR_SUMS), dtype=torch.float64, device=self.shape.device)
+        if self.ranks.is_last_stage():
+            for o in out:
+                sums += o["sums"].to(self.shape.device)
+        return self.ranks.pp_broadcast(self.ranks.sum_over_dp(sums)).cpu()

@@ -1,0 +1,90 @@
+"""What this engine builds of a run on the stack it finds, checked once at construction.
+
+Refusals and accepted-but-not-applied settings come from the declaration the plan reads (`config.capabilities`):
+the engine refuses with the plan's problem code and message and logs the plan's warnings, so the two cannot
+disagree. What is left here is what only this process can see: the installed megatron-core version, whether the
+Transformer Engine kernels an option calls import, and whether flash-linear-attention is there on a GPU.
+
+The layer specs are megatron-core's local ones whether or not Transformer Engine is installed (the specs' norms,
+attention and GDN modules are this package's; see `model.py`), so of the TE options:
+- `moe_grouped_gemm` is never applied: experts are a SequentialMLP (the declaration says so).
+- `moe_permute_fusion` is the token dispatcher's, independent of the specs: applied when Transformer Engine is
+  installed and megatron-core finds its fused permutation kernels (TE >= 2.1; TransformerConfig raises otherwise).
+- `use_precision_aware_optimizer` swaps in TE's FusedAdam (or the hybrid optimizer's precision-aware mode), whose
+  state (master weights, parameter remainders, decoupled gradients) the checkpoint and offload code here do not
+  read: not applied.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qwen35rl.config import capabilities
+from qwen35rl.config import megatron_versions as versions
+from qwen35rl.config.layout import Layout
+
+log = logging.getLogger(__name__)
+
+UNVERIFIED_WITH_TE = {
+    "use_precision_aware_optimizer": "the engine's checkpoints and offload read torch Adam's state; Transformer "
+                                     "Engine's precision-aware FusedAdam keeps another layout: plain Adam runs",
+}
+"""TE options the declaration applies where Transformer Engine is installed but this engine does not (yet)."""
+
+
+@dataclass(frozen=True)
+class TeOptions:
+    """The Transformer Engine options as they apply on this rank."""
+
+    moe_grouped_gemm: bool = False
+    moe_permute_fusion: bool = False
+    use_precision_aware_optimizer: bool = False
+
+
+def check_stack(cfg: Any, layout: Layout, device: torch.device) -> TeOptions:
+    """Raise `capabilities.Unsupported` (or ImportError naming the install) for what this run cannot build here;
+    log a warning for each setting accepted but not applied; return the TE options that apply."""
+    stack = capabilities.Stack.installed(device.type)
+    not_applied = capabilities.check_engine(cfg, layout, stack)
+    for p in not_applied:
+        log.warning("%s is accepted but not applied [%s]: %s", p.key, p.code, p.message)
+    skipped = {p.key for p in not_applied}
+    caps = versions.capabilities()
+    caps.check_layout(cp=layout.cp, packed=False, tp=layout.tp, ep=layout.ep, etp=layout.etp, moe=cfg.model.moe)
+    _import_megatron()
+    if device.type == "cuda" and importlib.util.find_spec("fla") is None:
+        raise ImportError("megatron-core's GatedDeltaNet needs flash-linear-attention: pip install "
+                          "flash-linear-attention (see ../shared/gpu/README.md for the Hopper stack)")
+
+    b = cfg.backend
+    permute = (cfg.model.moe and b.moe_permute_fusion and stack.transformer_engine
+               and "backend.moe_permute_fusion" not in skipped)
+    if permute and not _fused_permutation():
+        log.warning("backend.moe_permute_fusion is accepted but not applied: this Transformer Engine lacks the fused "
+                    "permutation kernels megatron-core calls (TE >= 2.1); the unfused permutation runs")
+        permute = False
+    for name, why in UNVERIFIED_WITH_TE.items():
+        if b[name] and stack.transformer_engine and f"backend.{name}" not in skipped:
+            log.warning("backend.%s is accepted but not applied: %s", name, why)
+    return TeOptions(moe_permute_fusion=bool(permute))
+
+
+def _import_megatron() -> None:
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"backend=megatron needs megatron-core: {versions.INSTALL_HINT} ({e})") from e
+
+
+def _fused_permutation() -> bool:
+    """Whether megatron-core's MoE utilities found Transformer Engine's fused permutation kernels (the check
+    TransformerConfig makes for moe_permute_fusion)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    names = ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+             "fused_sort_chunks_by_index_with_probs", "fused_unpermute")
+    return all(getattr(moe_utils, n, None) is not None for n in names)
