@@ -139,6 +139,8 @@ class PolicyWithLogProbs(nn.Module):
         text = base.language_model if hasattr(base, "language_model") else base
         if multimodal:
             embeds, positions = self._embeds_with_images(input_ids, attention_mask, multimodal)
+            # a 4th row first: transformers takes it as the text positions, whose restarts mark the documents
+            positions = torch.cat([(attention_mask.long().cumsum(1) - 1).clamp(min=0)[None], positions])
         else:
             embeds, positions = text.embed_tokens(input_ids), position_ids
         # position t predicts the token at t + 1; the last position of a row predicts nothing
@@ -159,9 +161,10 @@ class PolicyWithLogProbs(nn.Module):
                 lengths = torch.cat([lengths, lengths.new_full((1,), pad)])
             part = slice(sp.rank * (n + pad) // sp.size, (sp.rank + 1) * (n + pad) // sp.size)
             rows, pos, labels, sel = rows[part], pos[..., part], labels[part], sel[part]
-        no_masks = {"full_attention": None, "linear_attention": None}  # documents come from cu_seq_lens_q
+        # under SP the masks are the mixers' business (this rank holds part of the row): none built
+        masks = None if sp is None else {"full_attention": None, "linear_attention": None}
         with sequence_parallel(sp):
-            hidden = text(inputs_embeds=rows[None], position_ids=pos[..., None, :], attention_mask=no_masks,
+            hidden = text(inputs_embeds=rows[None], position_ids=pos[..., None, :], attention_mask=masks,
                           use_cache=False, **packed_call_kwargs(lengths)).last_hidden_state[0]
         logp, ent = self._head(hidden[sel], labels[sel], temperature, with_entropy)
         outs = []

@@ -12,6 +12,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from qwen35rl.config.compose import compose
+from qwen35rl.config.layout import derive_layout
 from qwen35rl.engines import fsdp_engine, packed_attention
 from qwen35rl.engines.fsdp_engine import FsdpTrainEngine
 from qwen35rl.engines.packed_attention import (NAME, cu_seqlens_from_position_ids, packed_sdpa_attention_forward,
@@ -270,7 +271,7 @@ def test_use_packed_attention_switches_the_language_model_only():
 
 # ------------------------------------------------------------------------------------------ the engine
 def _engine_cfg(remove_padding):
-    return compose(["model=qwen3_5_tiny", "hw=cpu", "backend.gradient_checkpointing=false", "backend.grad_clip=0",
+    return compose(["model=qwen3_5_tiny", "hw=cpu", "hw.devices_per_node=1", "backend.gradient_checkpointing=false", "backend.grad_clip=0",
                     "backend.mixed_precision=fp32", "algorithm.use_kl_loss=false",
                     f"backend.remove_padding={str(remove_padding).lower()}"])
 
@@ -284,10 +285,10 @@ def test_engine_packs_with_this_attention_and_matches_padded(monkeypatch):
     batch = build_batch(seqs, PAD)
     mask = batch.response_mask.bool()
     before = {m.__name__ for m in modeling_modules() if is_packing_enabled(m)}
-    monkeypatch.setattr(fsdp_engine, "packing_supported", lambda device: True)
+    monkeypatch.setattr(fsdp_engine, "packing_supported", lambda device, sp=1: True)
     try:
-        packed = FsdpTrainEngine(_engine_cfg(True), rank=0, world_size=1, device="cpu")
-        padded = FsdpTrainEngine(_engine_cfg(False), rank=0, world_size=1, device="cpu")
+        packed, padded = (FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device="cpu")
+                          for cfg in (_engine_cfg(True), _engine_cfg(False)))
         assert packed.pack and not padded.pack
         assert packed.lm.config._attn_implementation == NAME and padded.lm.config._attn_implementation == "sdpa"
         calls = _count_documents_attended(monkeypatch)
