@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from qwen35rl.config.compose import compose
+from qwen35rl.config.layout import derive_layout
 from qwen35rl.engines.base import RolloutRequest
 from qwen35rl.engines.fsdp_engine import FsdpTrainEngine, packing_supported
 from qwen35rl.engines.hf_rollout import HfRolloutEngine
@@ -26,6 +27,10 @@ PAD = BYTE_SPECIAL_IDS["pad"]
 
 def _cfg(*overrides):
     return compose(["model=qwen3_5_tiny", "hw=gpu_1x", "backend.lr=1e-3", "backend.lr_warmup_steps=0", *overrides])
+
+
+def _engine(cfg, **kw):
+    return FsdpTrainEngine(cfg, layout=derive_layout(cfg), **kw)
 
 
 def _sequences(n=6, seed=0):
@@ -48,11 +53,11 @@ def nccl_world_1():
 def test_fsdp_bf16_matches_fp32_and_trains(nccl_world_1):
     batch = build_batch(_sequences(), PAD)
     mask = batch.response_mask.bool()
-    fsdp = FsdpTrainEngine(_cfg("backend.mixed_precision=auto"), rank=0, world_size=1, device="cuda")
+    fsdp = _engine(_cfg("backend.mixed_precision=auto"), rank=0, world_size=1, device="cuda")
     assert fsdp.distributed and fsdp.compute_dtype == torch.bfloat16
     lp_bf16 = fsdp.compute_log_probs(batch)[0].cpu()
     dist.barrier()
-    fp32 = FsdpTrainEngine(_cfg("backend.mixed_precision=fp32"), rank=0, world_size=1, device="cuda")
+    fp32 = _engine(_cfg("backend.mixed_precision=fp32"), rank=0, world_size=1, device="cuda")
     lp_fp32 = fp32.compute_log_probs(batch)[0].cpu()
     assert (lp_bf16[mask] - lp_fp32[mask]).abs().max() < 0.05
     metrics = [fsdp.train_mini_batch([batch], {}) for _ in range(3)]
@@ -63,7 +68,7 @@ def test_fsdp_bf16_matches_fp32_and_trains(nccl_world_1):
 
 def test_rollout_on_cuda_agrees_with_fp32_recompute(nccl_world_1):
     cfg = _cfg("backend.mixed_precision=fp32", "rollout.temperature=0.8")
-    train = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cuda")
+    train = _engine(cfg, rank=0, world_size=1, device="cuda")
     model = build_model(cfg.model, dtype=torch.float32, seed=99)
     rollout = HfRolloutEngine(model, None, device="cuda", pad_token_id=PAD,
                               eos_token_id=[BYTE_SPECIAL_IDS["im_end"], BYTE_SPECIAL_IDS["eos"]])
@@ -88,8 +93,8 @@ def test_packed_equals_padded(nccl_world_1, precision, tol):
     batch = build_batch(seqs, PAD)
     mask = batch.response_mask.bool()
     common = (f"backend.mixed_precision={precision}", "algorithm.use_kl_loss=false")
-    packed = FsdpTrainEngine(_cfg("backend.remove_padding=true", *common), rank=0, world_size=1, device="cuda")
-    padded = FsdpTrainEngine(_cfg("backend.remove_padding=false", *common), rank=0, world_size=1, device="cuda")
+    packed = _engine(_cfg("backend.remove_padding=true", *common), rank=0, world_size=1, device="cuda")
+    padded = _engine(_cfg("backend.remove_padding=false", *common), rank=0, world_size=1, device="cuda")
     assert packed.pack and not padded.pack
     a, b = packed.compute_log_probs(batch)[0], padded.compute_log_probs(batch)[0]
     torch.testing.assert_close(a[mask], b[mask], rtol=tol, atol=tol)
@@ -101,8 +106,8 @@ def test_packed_equals_padded(nccl_world_1, precision, tol):
 def test_cpu_offload_matches_on_device(nccl_world_1):
     batch = build_batch(_sequences(), PAD)
     common = ("backend.mixed_precision=fp32", "algorithm.use_kl_loss=true")
-    on_device = FsdpTrainEngine(_cfg(*common), rank=0, world_size=1, device="cuda")
-    offloaded = FsdpTrainEngine(_cfg(*common, "backend.offload_policy=true"), rank=0, world_size=1, device="cuda")
+    on_device = _engine(_cfg(*common), rank=0, world_size=1, device="cuda")
+    offloaded = _engine(_cfg(*common, "backend.offload_policy=true"), rank=0, world_size=1, device="cuda")
     assert offloaded.offloaded and not on_device.offloaded
     assert next(iter(offloaded.module.parameters())).to_local().device.type == "cpu"
     a, b = on_device.train_mini_batch([batch], {}), offloaded.train_mini_batch([batch], {})
