@@ -192,5 +192,6 @@ class MegatronTrainEngine(TrainEngine):
         checkpoint_state.check_loaded(state, self.checkpoint_layout())
         if self.reference:
             return
+        opt.restore_group_steps(self.optimizer, state["optimizer"], f"rank{dist.get_rank()}")
         counters = state[f"counters_rank{dist.get_rank()}"]
         self.steps, self.skipped_steps = int(counters[0]), int(counters[1])

@@ -72,18 +72,31 @@ def guarded_step(optimizer: Any, model: Sequence[torch.nn.Module], device: torch
 
 def optimizer_tensors(optimizer: Any, prefix: str) -> Dict[str, torch.Tensor]:
     """Main (fp32) params and Adam moments of this rank's optimizer shards, as plain tensors under keys unique
-    to this rank (`prefix`; DCP stores each once). Which tensors a rank holds depends on the layout: see
-    `checkpoint_layout`."""
+    to this rank (`prefix`; DCP stores each once), and each param group's step count: torch's Adam counts steps
+    per parameter (a state tensor), Transformer Engine's FusedAdam (megatron's Adam wherever TE is installed) in
+    the param group, which `restore_group_steps` puts back after loading. Which tensors a rank holds depends on
+    the layout: see `checkpoint_state`."""
     out: Dict[str, torch.Tensor] = {}
     for i, torch_opt in enumerate(torch_optimizers(optimizer)):
         for g, group in enumerate(torch_opt.param_groups):
+            out[f"{prefix}/{i}/{g}/group_step"] = torch.tensor(int(group.get("step", 0)), dtype=torch.int64)
             for j, p in enumerate(group["params"]):
                 state = torch_opt.state[p]
-                if not state:  # before the first step: placeholders DCP can load into
-                    state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
-                                 exp_avg_sq=torch.zeros_like(p))
+                if not state:  # before the first step: placeholders DCP can load into, the keys a step makes
+                    state.update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                    if isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW)):
+                        state["step"] = torch.zeros((), dtype=torch.float32)
                 out[f"{prefix}/{i}/{g}/{j}/param"] = p.data
                 for k, v in state.items():
                     if torch.is_tensor(v):
                         out[f"{prefix}/{i}/{g}/{j}/{k}"] = v
     return out
+
+
+def restore_group_steps(optimizer: Any, tensors: Dict[str, torch.Tensor], prefix: str) -> None:
+    """The param groups' step counts from loaded `optimizer_tensors` (the other entries were loaded in place)."""
+    for i, torch_opt in enumerate(torch_optimizers(optimizer)):
+        for g, group in enumerate(torch_opt.param_groups):
+            step = int(tensors[f"{prefix}/{i}/{g}/group_step"])
+            if step or "step" in group:
+                group["step"] = step

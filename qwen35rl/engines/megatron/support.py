@@ -10,9 +10,10 @@ attention and GDN modules are this package's; see `model.py`), so of the TE opti
 - `moe_grouped_gemm` is never applied: experts are a SequentialMLP (the declaration says so).
 - `moe_permute_fusion` is the token dispatcher's, independent of the specs: applied when Transformer Engine is
   installed and megatron-core finds its fused permutation kernels (TE >= 2.1; TransformerConfig raises otherwise).
-- `use_precision_aware_optimizer` swaps in TE's FusedAdam (or the hybrid optimizer's precision-aware mode), whose
-  state (master weights, parameter remainders, decoupled gradients) the checkpoint and offload code here do not
-  read: not applied.
+- `use_precision_aware_optimizer` would give TE's FusedAdam master weights, parameter remainders and decoupled
+  gradients, a state the checkpoint and offload code here do not read: never applied (the declaration says so).
+  Without it megatron-core still uses TE's FusedAdam wherever TE imports (plain AdamW math; its step count lives in
+  the param groups, which `optimizer.optimizer_tensors` saves).
 """
 from __future__ import annotations
 
@@ -29,13 +30,6 @@ from qwen35rl.config.layout import Layout
 
 log = logging.getLogger(__name__)
 
-UNVERIFIED_WITH_TE = {
-    "use_precision_aware_optimizer": "the engine's checkpoints and offload read torch Adam's state; Transformer "
-                                     "Engine's precision-aware FusedAdam keeps another layout: plain Adam runs",
-}
-"""TE options the declaration applies where Transformer Engine is installed but this engine does not (yet)."""
-
-
 @dataclass(frozen=True)
 class TeOptions:
     """The Transformer Engine options as they apply on this rank."""
@@ -51,7 +45,7 @@ def check_stack(cfg: Any, layout: Layout, device: torch.device) -> TeOptions:
     stack = capabilities.Stack.installed(device.type)
     not_applied = capabilities.check_engine(cfg, layout, stack)
     for p in not_applied:
-        log.warning("%s is accepted but not applied [%s]: %s", p.key, p.code, p.message)
+        log.warning("%s [%s]", p.message, p.code)  # the plan's own wording
     skipped = {p.key for p in not_applied}
     caps = versions.capabilities()
     caps.check_layout(cp=layout.cp, packed=False, tp=layout.tp, ep=layout.ep, etp=layout.etp, moe=cfg.model.moe)
@@ -64,13 +58,10 @@ def check_stack(cfg: Any, layout: Layout, device: torch.device) -> TeOptions:
     permute = (cfg.model.moe and b.moe_permute_fusion and stack.transformer_engine
                and "backend.moe_permute_fusion" not in skipped)
     if permute and not _fused_permutation():
-        log.warning("backend.moe_permute_fusion is accepted but not applied: this Transformer Engine lacks the fused "
-                    "permutation kernels megatron-core calls (TE >= 2.1); the unfused permutation runs")
+        log.warning("backend.moe_permute_fusion=true is accepted but not applied: this Transformer Engine lacks the "
+                    "fused permutation kernels megatron-core calls (TE >= 2.1); the unfused permutation runs")
         permute = False
-    for name, why in UNVERIFIED_WITH_TE.items():
-        if b[name] and stack.transformer_engine and f"backend.{name}" not in skipped:
-            log.warning("backend.%s is accepted but not applied: %s", name, why)
-    return TeOptions(moe_permute_fusion=bool(permute))
+    return TeOptions(moe_permute_fusion=bool(permute))  # grouped GEMM and the precision-aware optimizer: never
 
 
 def _import_megatron() -> None:
