@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from qwen35rl.config.layout import derive_layout
 from qwen35rl.config.compose import compose  # noqa: E402
 from qwen35rl.engines.fsdp_engine import FsdpTrainEngine  # noqa: E402
 from qwen35rl.runtime.batching import Sequences, build_batch, chunk  # noqa: E402
@@ -23,8 +24,13 @@ from qwen35rl.runtime.batching import Sequences, build_batch, chunk  # noqa: E40
 LAYERS, ROWS, MICRO = 24, 16, 2
 
 
+def engine():
+    cfg = config()
+    return FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device="cpu")
+
+
 def config():
-    return compose(["model=qwen3_5_tiny", "hw=cpu", f"model.num_hidden_layers={LAYERS}", "backend.mixed_precision=fp32",
+    return compose(["model=qwen3_5_tiny", "hw=cpu", "hw.devices_per_node=1", f"model.num_hidden_layers={LAYERS}", "backend.mixed_precision=fp32",
                     "algorithm.use_kl_loss=false", "backend.gradient_checkpointing=false",
                     f"backend.micro_batch_size_per_device={MICRO}"])
 
@@ -50,10 +56,10 @@ def main():
                      [torch.randint(0, 200, (8,), generator=g).tolist() for _ in range(ROWS)], advantages=[1.0] * ROWS)
     batches = [build_batch(m, 0) for m in chunk(seqs, MICRO)]
     calls = len(batches) * LAYERS
-    results = {"plain module": measure(FsdpTrainEngine(config(), rank=0, world_size=1, device="cpu"), batches)}
+    results = {"plain module": measure(engine(), batches)}
     with tempfile.TemporaryDirectory() as d:
         dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=0, world_size=1)
-        results["FSDP2, world 1"] = measure(FsdpTrainEngine(config(), rank=0, world_size=1, device="cpu"), batches)
+        results["FSDP2, world 1"] = measure(engine(), batches)
         dist.destroy_process_group()
     print(f"| engine | log-prob passes ({len(batches)} micro batches) | per layer call | update | per layer call |")
     print("| --- | ---: | ---: | ---: | ---: |")

@@ -223,8 +223,10 @@ def run_layout(model: str, layout_name: str, args, hf_state, refs, batch) -> Dic
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    eng = MegatronTrainEngine(cfg, rank=dist.get_rank(), world_size=dist.get_world_size(), device=device,
-                              total_steps=args.steps, hf_state=hf_state)
+    from qwen35rl.config.layout import derive_layout
+
+    eng = MegatronTrainEngine(cfg, layout=derive_layout(cfg), rank=dist.get_rank(), world_size=dist.get_world_size(),
+                              device=device, total_steps=args.steps, hf_state=hf_state)
     build_s = time.perf_counter() - t0
     out: Dict[str, Any] = {"model": model, "layout": layout_name, "dp": eng.dp_size, "build_s": build_s}
 

@@ -60,13 +60,14 @@ def measure(cfg, seqs, args, mode: str) -> Dict[str, Any]:
 
     from qwen35rl.engines import fsdp_engine
     from qwen35rl.engines.packed_attention import use_packed_attention
+    from qwen35rl.config.layout import derive_layout
     from qwen35rl.engines.packed_gdn import enable_packing
     from qwen35rl.runtime.batching import build_batch, response_values
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     packed = mode != "padded"
     cfg.backend.remove_padding = packed
-    engine = fsdp_engine.FsdpTrainEngine(cfg, rank=0, world_size=1, device=device)
+    engine = fsdp_engine.FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device=device)
     if packed and not engine.pack:
         if not args.tiny:
             return {"mode": mode, "error": "packing is not supported here (CUDA with flash-linear-attention)"}

@@ -103,7 +103,8 @@ DECLARATION: List[Support] = [
             "Megatron engine builds megatron-core's local layer specs",
             "try parallelism.cp=1; long sequences split over parallelism.tp (sequence parallel) or "
             "backend.dynamic_batch_size=true"),
-    Support("megatron_pads_sequences", "megatron", "backend.remove_padding", _b("remove_padding"), NOT_APPLIED,
+    Support("megatron_pads_sequences", "megatron", "backend.remove_padding",
+            lambda cfg, layout: cfg["backend"]["remove_padding"] is True, NOT_APPLIED,
             "the Megatron engine trains padded (right-aligned) batches: packed THD sequences need Transformer "
             "Engine's attention", "try backend.remove_padding=false (the same padded batches, without this warning)"),
     Support("megatron_grouped_gemm", "megatron", "backend.moe_grouped_gemm", _moe_and("moe_grouped_gemm"), NOT_APPLIED,
@@ -124,6 +125,10 @@ DECLARATION: List[Support] = [
             NOT_APPLIED, "checkpoints are torch.distributed.checkpoint shards of the engine's own state "
             "(trainer.save_freq)", "try backend.use_dist_checkpointing=false"),
     # ---------------------------------------------------------------------------------------------------- FSDP
+    Support("sp_requires_remove_padding", "fsdp", "backend.remove_padding",
+            lambda cfg, layout: layout.sp > 1 and cfg["backend"]["remove_padding"] is False, REFUSED,
+            "Ulysses SP splits packed rows of documents between its ranks; padded rows are not split",
+            "try backend.remove_padding=null (packs where it pays; SP always packs) or parallelism.sp=1"),
     Support("fsdp_chunked_entropy", "fsdp", "backend.entropy_from_logits_with_chunking",
             lambda cfg, layout: not cfg["backend"].get("entropy_from_logits_with_chunking", True), NOT_APPLIED,
             "log-probs and entropy are always computed in chunks of backend.logprob_chunk_size tokens",

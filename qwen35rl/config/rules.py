@@ -285,17 +285,6 @@ def fsdp_size_divides_world(cfg: Any, layout: Layout) -> List[Problem]:
 
 
 @rule("train")
-def sp_requires_remove_padding(cfg: Any, layout: Layout) -> List[Problem]:
-    """Ulysses SP splits the one packed row of a micro batch's documents (conv, recurrence and attention restart
-    at each document); padded rows are not split."""
-    if _megatron(layout) or layout.sp == 1 or val(cfg, "backend.remove_padding"):
-        return []
-    return _err("sp_requires_remove_padding", "backend.remove_padding", f"Ulysses SP{layout.sp} splits packed "
-                "sequences but backend.remove_padding is false (padded batches are not split)",
-                "try backend.remove_padding=true or parallelism.sp=1")
-
-
-@rule("train")
 def sp_divides_heads(cfg: Any, layout: Layout) -> List[Problem]:
     """Ulysses SP scatters heads: SP divides the attention (query) heads and the GDN value heads; KV heads and GDN
     key heads may be fewer than SP (replicated)."""

@@ -132,10 +132,11 @@ class BackendConfig:
     dynamic_batch_size: bool = False
     """Fill micro batches up to `max_tokens_per_device` tokens (as the engine lays them out: packed, padded, or the
     Megatron engine's uniform shape) instead of a fixed count of responses; every rank runs the same number."""
-    remove_padding: bool = True
-    """Pack each micro batch's sequences into one row, without padding. FSDP packs where flash-linear-attention runs
-    the GDN recurrence (CUDA) and keeps padded batches elsewhere; the Megatron engine always trains padded batches
-    (the plan checks the megatron-core version facts for packing: GDN needs >= 0.18)."""
+    remove_padding: Optional[bool] = None
+    """Pack each micro batch's sequences into one row, without padding. FSDP: true packs on every device (on CPU the
+    GDN recurrence then runs once per document: slower than padding), false pads, null (the default) packs where it
+    pays: CUDA with flash-linear-attention's GDN kernels, or Ulysses SP (which splits packed rows). The Megatron
+    engine trains padded batches (true is a plan warning)."""
     gradient_checkpointing: bool = True
     param_offload: bool = False
     optimizer_offload: bool = False
@@ -357,7 +358,7 @@ class ParallelismConfig:
     """Ulysses sequence parallel size (FSDP): groups of sp consecutive ranks take the same micro batches and split
     each packed row of documents between them, all-to-all over heads around attention and GDN (DP = world / sp).
     Must divide the world, the attention heads and the GDN value heads; KV and GDN key heads fewer than sp are
-    replicated. Requires backend.remove_padding (packs on every device, CPU included)."""
+    replicated. Packs on every device, CPU included (backend.remove_padding=false is refused)."""
     rollout: RolloutParallelism = field(default_factory=RolloutParallelism)
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics
-from qwen35rl.config.ignored_keys import ignored_settings
+from qwen35rl.config import capabilities
 from qwen35rl.config.layout import Layout
 from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
 from qwen35rl.engines.logprob import chunked_logprobs_entropy
@@ -40,11 +40,16 @@ log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------------------------- helpers
 def packing_supported(device: torch.device, sp: int = 1) -> bool:
-    """Whether backend.remove_padding packs sequences. Packing pays off where flash-linear-attention's GDN kernel
+    """Whether packing pays (what backend.remove_padding=null decides): where flash-linear-attention's GDN kernel
     takes the sequence boundaries (CUDA); elsewhere the recurrence runs once per document (`packed_gdn`), slower
-    than a padded batch, so only Ulysses SP (which splits one packed row) packs there. The short convolution keeps
+    than a padded batch, so there only Ulysses SP (which splits one packed row) packs. The short convolution keeps
     documents apart through `packed_gdn.enable_packing`, full attention through `packed_attention`."""
     return sp > 1 or (device.type == "cuda" and importlib.util.find_spec("fla") is not None)
+
+
+def packs(remove_padding: Optional[bool], device: torch.device, sp: int = 1) -> bool:
+    """backend.remove_padding: true packs, false pads, null packs where it pays."""
+    return remove_padding if remove_padding is not None else packing_supported(device, sp)
 
 
 def packed_call_kwargs(lengths: torch.Tensor) -> Dict[str, Any]:
@@ -222,15 +227,14 @@ class FsdpTrainEngine(TrainEngine):
         self.compute_dtype = mixed_precision_dtype(self.backend.mixed_precision, self.device)
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.text_only = not trains_vision(cfg.model, cfg.data)
-        for key, why in ([] if reference else ignored_settings(self.backend)):
-            log.warning("%s is not applied by the FSDP engine: %s", key, why)
-        self.pack = self.backend.remove_padding and packing_supported(self.device, layout.sp)
+        for p in capabilities.check_engine(cfg, layout, capabilities.Stack.installed(self.device.type)):
+            if not reference:
+                log.warning("%s [%s]", p.message, p.code)
+        self.pack = packs(self.backend.remove_padding, self.device, layout.sp)
         if self.pack:
             enable_packing()
-        elif self.backend.remove_padding:
-            log.info("backend.remove_padding: padded batches (packing needs flash-linear-attention on CUDA, or SP)")
-        if self.sp is not None and not self.pack:
-            raise ValueError(f"parallelism.sp={layout.sp} splits packed sequences: it needs backend.remove_padding")
+        log.info("%s batches (backend.remove_padding=%s)", "packed" if self.pack else "padded",
+                 str(self.backend.remove_padding).lower())
         self.skipped_steps = 0
         # FSDP2's CPU offload keeps parameter shards, gradients and optimizer states on the host (one policy)
         b = self.backend

@@ -5,6 +5,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 
+from qwen35rl.config.layout import derive_layout
 from qwen35rl.config.compose import compose
 from qwen35rl.engines.base import RolloutRequest
 from qwen35rl.engines.fsdp_engine import FsdpTrainEngine
@@ -19,7 +20,8 @@ PAD, IM_END, EOS = BYTE_SPECIAL_IDS["pad"], BYTE_SPECIAL_IDS["im_end"], BYTE_SPE
 
 
 def _cfg(*overrides):
-    return compose(["model=qwen3_5_tiny", "hw=cpu", "backend.gradient_checkpointing=false", *overrides])
+    return compose(["model=qwen3_5_tiny", "hw=cpu", "hw.devices_per_node=1", "backend.gradient_checkpointing=false",
+                    *overrides])
 
 
 def _rollout(cfg, seed=0):
@@ -76,7 +78,7 @@ def test_eos_stops_and_finish_reason():
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_rollout_log_probs_match_train_engine_recompute(temperature):
     cfg = _cfg(f"rollout.temperature={temperature}")
-    train = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu")
+    train = FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device="cpu")
     eng = _rollout(cfg, seed=123)  # different init: the weight sync below must make them agree
     eng.load_weights(train.export_weights(bucket_mb=1))
     prompts = _prompts(eng.tokenizer)

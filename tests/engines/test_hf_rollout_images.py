@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from qwen35rl.config.layout import derive_layout
 from qwen35rl.config.compose import compose
 from qwen35rl.engines.base import RolloutRequest
 from qwen35rl.engines.fsdp_engine import FsdpTrainEngine
@@ -28,7 +29,8 @@ def _image(h, w, seed):
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = compose(["model=qwen3_5_tiny_vl", "data.has_images=true", "backend.gradient_checkpointing=false",
+    cfg = compose(["model=qwen3_5_tiny_vl", "hw.devices_per_node=1", "data.has_images=true",
+                   "backend.gradient_checkpointing=false",
                    "rollout.temperature=1.0"])
     tok = build_tokenizer(cfg.model)
     proc = build_processor(cfg.model, tok)
@@ -74,7 +76,7 @@ def cfg_image_token(eng):
 
 def test_rollout_log_probs_match_the_train_engine_on_images(setup):
     cfg, tok, proc, images, prompts = setup
-    train = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu")
+    train = FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device="cpu")
     eng = _engine(cfg, tok, proc, seed=123)
     eng.load_weights(train.export_weights(bucket_mb=1))
     out = eng.generate(RolloutRequest(prompt_ids=prompts, n=3, temperature=1.0, max_new_tokens=8, images=images,

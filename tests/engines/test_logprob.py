@@ -5,6 +5,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 
+from qwen35rl.config.layout import derive_layout
 from qwen35rl.engines.logprob import chunked_logprobs_entropy
 
 
@@ -112,9 +113,9 @@ def test_fsdp_engine_with_compiled_log_probs_trains_as_eager():
     batch = build_batch(seqs, 0)
     runs = {}
     for flag in (False, True):
-        cfg = compose(["model=qwen3_5_tiny", "hw=cpu", "algorithm.use_kl_loss=false",
+        cfg = compose(["model=qwen3_5_tiny", "hw=cpu", "hw.devices_per_node=1", "algorithm.use_kl_loss=false",
                        f"backend.use_torch_compile={str(flag).lower()}"])
-        engine = FsdpTrainEngine(cfg, rank=0, world_size=1, device="cpu")
+        engine = FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device="cpu")
         assert engine.module.compiled is flag
         runs[flag] = (engine.compute_log_probs(batch)[0], engine.train_mini_batch([batch], {}))
     (lp_eager, m_eager), (lp_compiled, m_compiled) = runs[False], runs[True]

@@ -97,14 +97,15 @@ def test_image_prompts_generate_with_the_trainers_prompt(vl):
 def _train_engine_log_probs(model_dir, proc, prompts, images, responses, n, temperature):
     """The FSDP train engine's recompute (fp32, from the checkpoint), through the trainer's batching."""
     from qwen35rl.config.compose import compose
+    from qwen35rl.config.layout import derive_layout
     from qwen35rl.engines.fsdp_engine import FsdpTrainEngine
     from qwen35rl.models.special_tokens import BYTE_SPECIAL_IDS
     from qwen35rl.runtime.batching import Sequences, build_batch, response_values
 
-    train_cfg = compose(["model=qwen3_5_tiny_vl", "hw=cpu", "data.has_images=true", "model.init=pretrained",
+    train_cfg = compose(["model=qwen3_5_tiny_vl", "hw=cpu", "hw.devices_per_node=1", "data.has_images=true", "model.init=pretrained",
                          f"model.path={model_dir}", f"rollout.temperature={temperature}",
                          "backend.gradient_checkpointing=false"])
-    train = FsdpTrainEngine(train_cfg, rank=0, world_size=1, device="cpu")
+    train = FsdpTrainEngine(train_cfg, layout=derive_layout(train_cfg), rank=0, world_size=1, device="cpu")
     rows = [p for p in prompts for _ in range(n)]
     seqs = Sequences(rows, responses, images=[list(imgs) for imgs in images for _ in range(n)])
     batch = build_batch(seqs, BYTE_SPECIAL_IDS["pad"], "cpu", proc.image_processor)
