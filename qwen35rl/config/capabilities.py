@@ -179,27 +179,36 @@ def check_engine(cfg: Any, layout: Any, stack: Stack) -> List[Problem]:
 
 
 # ----------------------------------------------------------------------------------------------------- resume
-RESHARDING_AXES: Dict[str, Tuple[str, ...]] = {"fsdp": (), "megatron": ("world", "tp", "pp", "ep", "etp", "vpp")}
-"""Layout axes whose change a checkpoint of each engine cannot follow. FSDP's checkpoints are DTensor shards that
-torch.distributed.checkpoint reshards onto any world / fsdp_size / sp. The Megatron engine saves each rank's own
-shards of its model chunks and distributed optimizer, which only the same TP/PP/EP/ETP/VPP split over the same
-world reads back."""
+def checkpoint_layout(cfg: Any, layout: Any) -> Dict[str, Any]:
+    """What decides which tensors each rank of the engine saves, under which keys and shapes. FSDP's checkpoints are
+    DTensor shards that torch.distributed.checkpoint reshards onto any world / fsdp_size / sp: only the engine
+    counts. The Megatron engine saves each rank's own shards of its model chunks and optimizer under keys of its
+    coordinates, which only the same split reads back (a moved pipeline boundary could even load wrong layers)."""
+    if layout.backend != "megatron":
+        return {"backend": layout.backend}
+    b = cfg["backend"]
+    return {"backend": "megatron", "world": layout.world, "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp,
+            "cp": layout.cp, "ep": layout.ep, "etp": layout.etp,
+            "pipeline_layout": cfg["parallelism"]["pipeline_layout"] or None,
+            "use_distributed_optimizer": b["use_distributed_optimizer"],
+            "optimizer_cpu_offload": b["optimizer_cpu_offload"],
+            "optimizer_offload_fraction": b["optimizer_offload_fraction"] if b["optimizer_cpu_offload"] else None}
 
 
-def resume_problem(saved: Optional[Dict[str, Any]], layout: Any, key: str = "trainer.resume") -> Optional[Problem]:
-    """Why the checkpoint saved with layout `saved` (a Layout's dict; None: not recorded) cannot resume on `layout`."""
+def resume_problem(saved: Optional[Dict[str, Any]], current: Dict[str, Any],
+                   key: str = "trainer.resume") -> Optional[Problem]:
+    """Why a checkpoint saved with `checkpoint_layout` `saved` (None: not recorded) cannot resume on `current`."""
     if not saved:
         return None
-    if saved.get("backend") != layout.backend:
+    if saved.get("backend") != current.get("backend"):
         return Problem("resume_across_engines", key, f"the checkpoint holds backend={saved.get('backend')} state; "
-                       f"this run trains with backend={layout.backend}", "resume with the backend it was saved "
-                       "with, or start afresh: trainer.resume=never or another trainer.run_name")
-    changed = [a for a in RESHARDING_AXES.get(layout.backend, ()) if saved.get(a) != getattr(layout, a)]
+                       f"this run trains with backend={current.get('backend')}", "resume with the backend it was "
+                       "saved with, or start afresh: trainer.resume=never or another trainer.run_name")
+    changed = [k for k in current if saved.get(k) != current.get(k)]
     if not changed:
         return None
-    was = " ".join(f"{a}={saved.get(a)}" for a in changed)
-    now = " ".join(f"{a}={getattr(layout, a)}" for a in changed)
-    return Problem("resume_needs_saved_layout", key, f"the checkpoint was saved with {was}, this run has {now}: "
-                   f"{layout.backend} checkpoints are per-rank shards of that layout and cannot be resharded",
-                   "resume with the saved layout (parallelism.* and hw.nodes x hw.devices_per_node), or start "
-                   "afresh: trainer.resume=never or another trainer.run_name")
+    diff = ", ".join(f"{k}: {saved.get(k)} -> {current.get(k)}" for k in changed)
+    return Problem("resume_needs_saved_layout", key, f"the checkpoint was saved with another layout ({diff}); "
+                   f"{current['backend']} checkpoints are per-rank shards of their layout and cannot be resharded",
+                   "resume with the saved layout (parallelism.*, hw.nodes x hw.devices_per_node, the optimizer "
+                   "offload), or start afresh: trainer.resume=never or another trainer.run_name")

@@ -78,7 +78,7 @@ def run_training(cfg: DictConfig, run_dir: Path) -> int:
     checkpoints.remove_partial()
     resume_from = checkpoints.resolve(cfg.trainer.resume)
     meta = ckpt.read_meta(resume_from) if resume_from else {}
-    refused = capabilities.resume_problem(meta.get("layout"), layout)
+    refused = capabilities.resume_problem(meta.get("checkpoint_layout"), capabilities.checkpoint_layout(cfg, layout))
     if refused:
         log.error("cannot resume from %s\n%s", resume_from, refused.render())
         return EXIT_CONFIG
@@ -435,8 +435,9 @@ class GRPOTrainer:
         self.workers.run("save_checkpoint", str(tmp))
         ckpt.save_trainer_state(tmp, {"step": self.step, "loader": self.loader.state_dict(),
                                       "rng": ckpt.rng_state()})
-        final = self.checkpoints.commit(tmp, self.step, {"world": self.workers.world, "layout": self.layout.to_dict(),
-                                                          "total_steps": self.total_steps})
+        final = self.checkpoints.commit(tmp, self.step, {
+            "world": self.workers.world, "layout": self.layout.to_dict(), "total_steps": self.total_steps,
+            "checkpoint_layout": capabilities.checkpoint_layout(self.cfg, self.layout)})
         self.saved_step = self.step
         log.info("checkpoint %s (%.1f s)", final, time.perf_counter() - t0)
         return final

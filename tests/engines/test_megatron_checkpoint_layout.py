@@ -33,7 +33,7 @@ def test_another_layout_is_refused_with_what_differs(change):
     why = cs.layout_change(saved, current)
     assert why and "cannot be resharded" in why
     key = change[0].split(".")[-1].split("=")[0]
-    assert (key if key != "devices_per_node" else "world=4 -> 2") in why
+    assert (key if key != "devices_per_node" else "world: 4 -> 2") in why
     with pytest.raises(RuntimeError, match="cannot be resharded"):
         cs.check_loaded({cs.LAYOUT_KEY: cs.encode(saved)}, current)
 

@@ -85,17 +85,22 @@ def test_a_megatron_checkpoint_resumes_only_on_its_own_layout(tmp_path, caplog):
     from qwen35rl.config.problems import EXIT_CONFIG
     from qwen35rl.runtime.driver import run_training
 
-    saved = derive_layout(compose(["backend=megatron", "hw.devices_per_node=2", "parallelism.tp=2"]))
+    def record(*overrides):
+        cfg = compose(list(overrides))
+        return capabilities.checkpoint_layout(cfg, derive_layout(cfg))
+
+    tp2 = ["backend=megatron", "hw.devices_per_node=2", "parallelism.tp=2"]
     mgr = ckpt.CheckpointManager(tmp_path / "checkpoints")
-    mgr.commit(mgr.begin(1), 1, {"layout": saved.to_dict()})
+    mgr.commit(mgr.begin(1), 1, {"checkpoint_layout": record(*tp2)})
     cfg = compose(["backend=megatron", "hw.devices_per_node=2", "trainer.resume=auto"])
     assert run_training(cfg, tmp_path) == EXIT_CONFIG
-    assert "resume_needs_saved_layout" in caplog.text and "tp=2" in caplog.text and "tp=1" in caplog.text
+    assert "resume_needs_saved_layout" in caplog.text and "tp: 2 -> 1" in caplog.text
     assert mgr.latest().name == "step_1"  # nothing lost
 
-    same = derive_layout(compose(["backend=megatron", "hw.devices_per_node=2", "parallelism.tp=2"]))
-    assert capabilities.resume_problem(saved.to_dict(), same) is None
-    fsdp = lambda *o: derive_layout(compose(["backend=fsdp", *o]))  # noqa: E731
-    assert capabilities.resume_problem(fsdp("hw.devices_per_node=4").to_dict(), fsdp("hw.devices_per_node=2")) is None
-    assert capabilities.resume_problem(saved.to_dict(), fsdp()).code == "resume_across_engines"
-    assert capabilities.resume_problem(None, same) is None  # older checkpoints recorded no layout
+    assert capabilities.resume_problem(record(*tp2), record(*tp2)) is None
+    moved = capabilities.resume_problem(record(*tp2, "backend.optimizer_cpu_offload=false"), record(*tp2))
+    assert moved.code == "resume_needs_saved_layout" and "optimizer_cpu_offload" in moved.message
+    fsdp4, fsdp2 = record("backend=fsdp", "hw.devices_per_node=4"), record("backend=fsdp", "parallelism.sp=2")
+    assert capabilities.resume_problem(fsdp4, fsdp2) is None
+    assert capabilities.resume_problem(record(*tp2), fsdp2).code == "resume_across_engines"
+    assert capabilities.resume_problem(None, fsdp2) is None  # older checkpoints recorded no layout

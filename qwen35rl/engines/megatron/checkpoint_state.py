@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from qwen35rl.config import capabilities
 from qwen35rl.config.layout import Layout
 
 LAYOUT_KEY = "layout"
@@ -23,22 +24,14 @@ LAYOUT_KEY = "layout"
 
 
 def shard_layout(cfg: Any, layout: Layout) -> Dict[str, Any]:
-    """What decides which tensors each rank saves, under which keys and shapes."""
-    b = cfg.backend
-    return {"backend": "megatron", "world": layout.world, "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp,
-            "cp": layout.cp, "ep": layout.ep, "etp": layout.etp,
-            "pipeline_layout": cfg.parallelism.pipeline_layout or None,
-            "use_distributed_optimizer": b.use_distributed_optimizer, "optimizer_cpu_offload": b.optimizer_cpu_offload,
-            "optimizer_offload_fraction": b.optimizer_offload_fraction if b.optimizer_cpu_offload else None}
+    """What decides which tensors each rank saves, under which keys and shapes (the config layer states it once)."""
+    return capabilities.checkpoint_layout(cfg, layout)
 
 
 def layout_change(saved: Dict[str, Any], current: Dict[str, Any]) -> Optional[str]:
     """Why a checkpoint saved with `saved` cannot resume under `current` (None when they agree)."""
-    diff = [f"{k}={saved.get(k)!r} -> {current.get(k)!r}" for k in current if saved.get(k) != current.get(k)]
-    if not diff:
-        return None
-    return ("the Megatron checkpoint holds each rank's own shards and cannot be resharded; it was saved with another "
-            "layout: " + ", ".join(diff) + ". Resume with the saved layout (or start a new run from exported HF weights)")
+    problem = capabilities.resume_problem(saved, current)
+    return None if problem is None else f"{problem.message}; {problem.hint}"
 
 
 def encode(record: Dict[str, Any]) -> str:
