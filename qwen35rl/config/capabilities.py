@@ -118,6 +118,12 @@ DECLARATION: List[Support] = [
             "FusedAdam keeps its state in another layout than the torch Adam state the engine's checkpoints and "
             "offloads read", "try backend.use_precision_aware_optimizer=false (the same optimizer, without this "
             "warning)"),
+    Support("megatron_gdn_kernels_need_fla", "megatron", "backend.transformer_overrides.deterministic_mode",
+            lambda cfg, layout: (cfg["backend"].get("transformer_overrides") or {}).get("deterministic_mode") is False,
+            REFUSED, "with deterministic_mode false megatron-core's Gated DeltaNet runs flash-linear-attention's "
+            "kernels, which this stack does not have", "remove backend.transformer_overrides.deterministic_mode (the "
+            "engine then runs megatron-core's torch recurrence), or install flash-linear-attention",
+            lambda stack: None if stack.device == "npu" else stack.fla),
     Support("megatron_no_torch_compile", "megatron", "backend.use_torch_compile", _b("use_torch_compile"), NOT_APPLIED,
             "its vocab-parallel log-probs reduce over the tensor-parallel group chunk by chunk; the FSDP engine "
             "compiles its log-probs", "try backend.use_torch_compile=false"),

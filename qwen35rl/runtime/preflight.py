@@ -266,6 +266,15 @@ def gdn_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
             refused.setdefault((str(g.get("fla")), str(g.get("triton")), f"{p.get('device_name')}, compute "
                                 f"capability {cap}"), []).append(str(p.get("hostname")))
     out: List[Problem] = []
+    missing = [str(p.get("hostname")) for p in probes if "gdn" in p and not (p["gdn"] or {}).get("fla")]
+    if missing:
+        runs = ("megatron-core's torch GDN recurrence" if str(cfg.backend.name) == "megatron"
+                else "transformers' torch GDN code")
+        out.append(Problem("fla_missing_on_node", "hw", f"flash-linear-attention is not installed on "
+                           f"{', '.join(missing)}: the Gated DeltaNet layers run {runs} there (slower, and more "
+                           "activation memory than the plan's estimate, which assumes fla's kernels)",
+                           "pip install flash-linear-attention on the GPU nodes (Hopper: see the README's GPU notes)",
+                           WARNING))
     for (fla, triton, device), hosts in refused.items():
         where = f"{', '.join(hosts)} ({device}, Triton {triton}, no usable TileLang)"
         if str(cfg.backend.name) == "megatron":

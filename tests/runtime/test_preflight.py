@@ -140,3 +140,12 @@ def test_placement_group_that_cannot_be_placed_times_out():
         assert "after 2 s (trainer.placement_timeout_s)" in str(e.value) and "free now: 0 of 2 CPU" in str(e.value)
     finally:
         ray.shutdown()
+
+
+def test_gpu_nodes_without_fla_get_a_warning_naming_what_runs_instead():
+    cfg = compose(["backend=megatron", "model=qwen3_5_tiny_moe", "hw=gpu_1node", "rollout=hf"])
+    no_fla = _probe(gdn={"fla": None, "triton": "3.5.0", "capability": [9, 0], "fla_backward_refused": False})
+    (p,) = preflight.gdn_problems(cfg, [no_fla])
+    assert p.code == "fla_missing_on_node" and p.severity == WARNING and "megatron-core's torch" in p.message
+    with_fla = _probe(gdn={"fla": "0.6.0", "triton": "3.7.1", "capability": [9, 0], "fla_backward_refused": False})
+    assert preflight.gdn_problems(cfg, [with_fla]) == []

@@ -11,7 +11,7 @@ import torch
 from qwen35rl.config.layout import Layout
 from qwen35rl.engines.gdn_kernels import fla_gdn_backward_refused, fla_tilelang_usable, triton_version
 from qwen35rl.engines.megatron import mapping as mp
-from qwen35rl.engines.megatron.support import TeOptions
+from qwen35rl.engines.megatron.support import TeOptions, has_fla
 from qwen35rl.engines.megatron.vision import build_vision_tower
 from qwen35rl.models.build import build_model, enable_activation_checkpointing
 
@@ -70,7 +70,9 @@ def transformer_config(cfg: Any, layout: Layout, shape: mp.Qwen35Shape, *, platf
     gdn_fallback(overrides, reference=reference, device=device)
     if device.type == "cpu":
         overrides.setdefault("use_cpu_initialization", True)
-        overrides.setdefault("deterministic_mode", True)  # megatron-core's torch GDN recurrence: no fla on CPU
+    if device.type == "cpu" or (device.type == "cuda" and not has_fla()):
+        # megatron-core's torch GDN recurrence, the only one without fla (the declaration refuses an explicit false)
+        overrides.setdefault("deterministic_mode", True)
     return mm.transformer_config(cfg.model, shape, tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp,
                                  cp=layout.cp, vpp=layout.vpp or None,
                                  pipeline_layout=cfg.parallelism.pipeline_layout or None, dtype=param_dtype(b),

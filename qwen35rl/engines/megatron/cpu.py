@@ -22,6 +22,9 @@ import types
 import torch
 import torch.distributed as dist
 
+FLA_STANDIN = "qwen35rl stand-in"
+"""The origin of the stand-in fla modules (`fla_standins`)."""
+
 _installed = False
 
 
@@ -72,15 +75,20 @@ def install() -> None:
     os.environ["TORCHDYNAMO_DISABLE"] = "1"  # also in the processes this one starts
     torch._dynamo.config.disable = True
     if importlib.util.find_spec("fla") is None:
-        _fla_standins()
+        fla_standins()
     _cuda_standins()
 
 
-def _fla_standins() -> None:
+def fla_standins() -> None:
+    """Where flash-linear-attention is not installed (any device): the modules megatron-core's GatedDeltaNet
+    imports, so that it builds and runs its own torch recurrence (`deterministic_mode`, which the engine then sets).
+    Must run before megatron.core.ssm.gated_delta_net is imported."""
+    if "fla" in sys.modules:
+        return
     fla = {name: types.ModuleType(name) for name in
            ("fla", "fla.modules", "fla.modules.l2norm", "fla.modules.convolution", "fla.ops", "fla.ops.gated_delta_rule")}
     for name, module in fla.items():  # importlib.util.find_spec raises on a module in sys.modules without one
-        module.__spec__ = importlib.machinery.ModuleSpec(name, None, origin="qwen35rl CPU stand-in")
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, origin=FLA_STANDIN)
     fla["fla.modules.l2norm"].l2norm = lambda x, dim=-1, eps=1e-6, **_: x * torch.rsqrt((x * x).sum(dim, keepdim=True) + eps)
     fla["fla.modules.convolution"].causal_conv1d = None
     fla["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = None  # deterministic_mode uses megatron's torch recurrence

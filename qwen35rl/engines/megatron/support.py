@@ -27,6 +27,7 @@ import torch
 from qwen35rl.config import capabilities
 from qwen35rl.config import megatron_versions as versions
 from qwen35rl.config.layout import Layout
+from qwen35rl.engines.megatron.cpu import FLA_STANDIN
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,13 @@ def check_stack(cfg: Any, layout: Layout, device: torch.device) -> TeOptions:
     caps = versions.capabilities()
     caps.check_layout(cp=layout.cp, packed=False, tp=layout.tp, ep=layout.ep, etp=layout.etp, moe=cfg.model.moe)
     _import_megatron()
-    if device.type == "cuda" and importlib.util.find_spec("fla") is None:
-        raise ImportError("megatron-core's GatedDeltaNet needs flash-linear-attention: pip install "
-                          "flash-linear-attention (see ../shared/gpu/README.md for the Hopper stack)")
+    if device.type == "cuda" and not has_fla():  # (Ascend: MindSpeed's GDN kernels, chosen by the platform)
+        from qwen35rl.engines.megatron.cpu import fla_standins
+
+        fla_standins()
+        log.warning("flash-linear-attention is not installed: the Gated DeltaNet layers train with megatron-core's "
+                    "torch recurrence (deterministic_mode; slower, more activation memory than the plan assumed). "
+                    "pip install flash-linear-attention for its kernels (Hopper: see the GPU notes in the README)")
 
     b = cfg.backend
     permute = (cfg.model.moe and b.moe_permute_fusion and stack.transformer_engine
@@ -62,6 +67,16 @@ def check_stack(cfg: Any, layout: Layout, device: torch.device) -> TeOptions:
                     "fused permutation kernels megatron-core calls (TE >= 2.1); the unfused permutation runs")
         permute = False
     return TeOptions(moe_permute_fusion=bool(permute))  # grouped GEMM and the precision-aware optimizer: never
+
+
+def has_fla() -> bool:
+    """flash-linear-attention itself is installed (not the stand-ins `cpu.fla_standins` put in its place)."""
+    import sys
+
+    module = sys.modules.get("fla")
+    if module is not None:
+        return getattr(module.__spec__, "origin", None) != FLA_STANDIN
+    return importlib.util.find_spec("fla") is not None
 
 
 def _import_megatron() -> None:
