@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from qwen35rl.config.compose import compose  # noqa: E402
+from qwen35rl.config.layout import derive_layout  # noqa: E402
 from qwen35rl.engines.base import RolloutRequest  # noqa: E402
 from qwen35rl.models.build import build_model, save_hf  # noqa: E402
 from qwen35rl.models.tokenizer import build_tokenizer  # noqa: E402
@@ -128,7 +129,8 @@ def measure(work: str, args) -> Dict[str, object]:
 
     for eager in (True, False):
         t0 = time.perf_counter()
-        engine = VllmRolloutEngine(tiny_cfg("qwen3_5_tiny", f"rollout.enforce_eager={str(eager).lower()}"), f"{work}/tiny")
+        cfg = tiny_cfg("qwen3_5_tiny", f"rollout.enforce_eager={str(eager).lower()}")
+        engine = VllmRolloutEngine(cfg, f"{work}/tiny", derive_layout(cfg))
         start = time.perf_counter() - t0
         results["vllm_threads"] = torch.get_num_threads()
         name = "vllm (bf16, " + ("eager" if eager else "torch.compile") + ")"
@@ -144,7 +146,7 @@ def measure(work: str, args) -> Dict[str, object]:
 
     big_cfg = tiny_cfg(args.sync_model, "rollout.enforce_eager=true")
     big = checkpoint(big_cfg, f"{work}/big")
-    engine = VllmRolloutEngine(big_cfg, f"{work}/big")
+    engine = VllmRolloutEngine(big_cfg, f"{work}/big", derive_layout(big_cfg))
     results[f"sync {args.sync_model}"] = sync_time(engine, big.state_dict(), args.repeat)
     engine.close()
     results["load"] = os.getloadavg()

@@ -51,7 +51,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 from omegaconf import OmegaConf
 
-from qwen35rl.config.layout import Layout, derive_layout
+from qwen35rl.config.layout import Layout
 from qwen35rl.config.quirks import effective_engine_kwargs
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult
 from qwen35rl.models.special_tokens import special_token_ids
@@ -265,13 +265,13 @@ class VllmRolloutEngine(RolloutEngine):
     """One rollout replica over `vllm.LLM`, in this process. `model_dir` is an HF checkpoint (config, tokenizer and
     weights; the runtime writes one for `model.init=random`)."""
 
-    def __init__(self, cfg: Any, model_dir: str, layout: Optional[Layout] = None):
+    def __init__(self, cfg: Any, model_dir: str, layout: Layout):
         global _live_engines
         for key, value in engine_env(cfg).items():
             os.environ.setdefault(key, value)
         vllm = import_vllm()
         self._vllm = vllm
-        self.args = engine_args_from_config(cfg, layout or derive_layout(cfg), model_dir)
+        self.args = engine_args_from_config(cfg, layout, model_dir)
         checkpoint = checkpoint_config(model_dir)
         self.multimodal = checkpoint_is_multimodal(checkpoint)
         self._tied_lm_head = checkpoint_ties_embeddings(checkpoint)

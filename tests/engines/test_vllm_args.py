@@ -180,7 +180,7 @@ def test_without_vllm_the_engine_names_the_extra_to_install(monkeypatch, tmp_pat
     for key in engine_env(cfg):
         monkeypatch.delenv(key, raising=False)  # restores this process's env after the engine sets its own
     with pytest.raises(VllmNotInstalledError) as e:
-        VllmRolloutEngine(cfg, str(tmp_path))
+        VllmRolloutEngine(cfg, str(tmp_path), derive_layout(cfg))
     assert "pip install 'qwen35rl[gpu]'" in str(e.value) and "vllm-ascend" in str(e.value)
     assert isinstance(e.value, ImportError)
 
@@ -193,4 +193,4 @@ def test_a_directory_named_vllm_is_not_vllm(monkeypatch, tmp_path):
     for key in engine_env(cfg):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(VllmNotInstalledError, match="namespace"):
-        VllmRolloutEngine(cfg, str(tmp_path))
+        VllmRolloutEngine(cfg, str(tmp_path), derive_layout(cfg))

@@ -6,6 +6,7 @@ from typing import Dict, Iterator, List, Tuple
 import pytest
 import torch
 
+from qwen35rl.config.layout import derive_layout
 from qwen35rl.engines.base import RolloutRequest
 from qwen35rl.engines.vllm_rollout import VllmRolloutEngine, stop_token_ids
 
@@ -52,7 +53,7 @@ def probe(engine) -> Tuple[List[List[int]], List[List[float]]]:
 @pytest.fixture(scope="module", params=["qwen3_5_tiny", "qwen3_5_tiny_vl"])
 def setup(request, tiny_checkpoint):
     model_dir, cfg, model = tiny_checkpoint(request.param)
-    engine = VllmRolloutEngine(cfg, model_dir)
+    engine = VllmRolloutEngine(cfg, model_dir, derive_layout(cfg))
     yield engine, cfg, model
     engine.close()
 
@@ -154,7 +155,7 @@ def _colocated_rank(rank: int, world: int, port: int, model_dir: str, queue) -> 
         dist.init_process_group("gloo", rank=rank, world_size=world)
         cfg = compose(["model=qwen3_5_tiny", "hw=cpu", "rollout=vllm", "data.max_prompt_length=32",
                        "data.max_response_length=32", "rollout.enforce_eager=true"])
-        engine = VllmRolloutEngine(cfg, model_dir)
+        engine = VllmRolloutEngine(cfg, model_dir, derive_layout(cfg))
         r = engine.generate(RolloutRequest(prompt_ids=[PROMPTS[rank]], n=2, max_new_tokens=6, seed=rank))
         engine.sleep()
         engine.close()  # vLLM's teardown would destroy torch.distributed's default group: the trainer's here

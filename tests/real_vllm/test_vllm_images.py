@@ -6,6 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
+from qwen35rl.config.layout import derive_layout
 from qwen35rl.engines.base import RolloutRequest
 from qwen35rl.engines.vllm_rollout import VllmRolloutEngine, vllm_prompt
 
@@ -42,7 +43,7 @@ def vl(tiny_checkpoint):
                 for imgs, t in zip(IMAGES, TEXTS)]
     prompts = [prompt_ids(proc, m, imgs) for m, imgs in zip(messages, IMAGES)]
     assert max(len(p) for p in prompts) <= PROMPT_LEN
-    engine = VllmRolloutEngine(cfg, model_dir)
+    engine = VllmRolloutEngine(cfg, model_dir, derive_layout(cfg))
     yield engine, cfg, model, model_dir, proc, prompts
     engine.close()
 
@@ -97,7 +98,6 @@ def test_image_prompts_generate_with_the_trainers_prompt(vl):
 def _train_engine_log_probs(model_dir, proc, prompts, images, responses, n, temperature):
     """The FSDP train engine's recompute (fp32, from the checkpoint), through the trainer's batching."""
     from qwen35rl.config.compose import compose
-    from qwen35rl.config.layout import derive_layout
     from qwen35rl.engines.fsdp_engine import FsdpTrainEngine
     from qwen35rl.models.special_tokens import BYTE_SPECIAL_IDS
     from qwen35rl.runtime.batching import Sequences, build_batch, response_values
@@ -171,7 +171,7 @@ def test_weight_sync_with_images_equals_a_fresh_engine(vl, tiny_checkpoint):
     fresh_dir, _, new_model = tiny_checkpoint("qwen3_5_tiny_vl", overrides=["data.has_images=true",
                                                                             f"data.max_prompt_length={PROMPT_LEN}"],
                                               state=full)
-    fresh = VllmRolloutEngine(cfg, fresh_dir)
+    fresh = VllmRolloutEngine(cfg, fresh_dir, derive_layout(cfg))
     try:
         fresh_ids, fresh_lps = _greedy_image_prompts(fresh, prompts)
     finally:
