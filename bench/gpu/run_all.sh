@@ -30,6 +30,8 @@
 #       through the CLI (trainer.launcher=local) and the plan's estimate of the same config (ran 2026-12-01: the
 #       numerics finished, the CLI run failed in the engine, see megatron_h200.md)
 #   bash bench/gpu/run_all.sh megatron-vl-cli (carry .whl alone, and .kcache; ~5 min; one GPU)
+#   bash bench/gpu/run_all.sh megatron-nofla  (carry .whl alone; one GPU; megatron-core without fla: the engine's
+#       own fallback to megatron-core's torch GDN recurrence, no overrides)
 #       that CLI run alone, three steps (2026-12-01, first call: step 1 finished through a stop-gap for the vision
 #       inputs' device, step 2 failed in the engine's host offload; both fixed in the engine since)
 #
@@ -43,7 +45,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli}
+stage=${1:?usage: run_all.sh torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -300,6 +302,19 @@ megatron-vl-cli)  # the CLI run of stage megatron-vl alone, three steps
   install_mcore
   peaks
   vl_cli qwen35rl.cli.train "$(left 540)" 3
+  ;;
+megatron-nofla)  # GRPO through the CLI with megatron-core but no flash-linear-attention on the path, no overrides
+  install_mcore
+  peaks
+  mkdir -p "$OUT/megatron-nofla"
+  PYTHONPATH=/tmp/site-mcore:$BASE CUDA_VISIBLE_DEVICES=0 $G qwen35rl --out "$OUT/megatron-nofla/grpo.json" \
+    --run-dir "$RUNS/nofla" --model qwen3_5_0_8b --backend megatron --devices 1 --steps 3 --prompts 8 \
+    --response-len 128 --micro 8 --peak-tflops "$PEAK" --timeout "$(left 500)" -- model.num_hidden_layers=4 \
+    backend.megatron_core_version=0.19.2 rollout.n=4 trainer.launcher=local \
+    data.reward=bench.gpu.hash_reward:text_hash > "$LOGS/nofla.log" 2>&1
+  elapsed "megatron without fla done: $(grep -c '\[qwen35rl\] step' "$LOGS/nofla.log") steps"
+  grep -m3 "flash-linear-attention is not installed\|Error" "$LOGS/nofla.log"
+  cp "$LOGS/nofla.log" "$OUT/megatron-nofla/"
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac
