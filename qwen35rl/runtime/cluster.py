@@ -130,7 +130,7 @@ def connect(cfg: Any, platform: Platform, world: int) -> bool:
         # each worker is one CPU device; one spare CPU for Ray's own helpers
         kwargs.update(num_cpus=world + 1, object_store_memory=CPU_OBJECT_STORE_BYTES)
     elif platform.ray_resource not in ("GPU",):
-        kwargs.update(resources={platform.ray_resource: int(cfg.hw.devices_per_node)})
+        kwargs.update(resources={platform.ray_resource: cfg.hw.devices_per_node})
     ray.init(**kwargs)
     return True
 
@@ -191,10 +191,10 @@ class WorkerGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        nodes, per_node = int(cfg.hw.nodes), int(cfg.hw.devices_per_node)
+        nodes, per_node = cfg.hw.nodes, cfg.hw.devices_per_node
         if nodes * per_node != world:
             raise ClusterError(f"layout world {world} != hw.nodes {nodes} x hw.devices_per_node {per_node}")
-        groups = placement_groups(platform, nodes, per_node, float(cfg.trainer.placement_timeout_s))
+        groups = placement_groups(platform, nodes, per_node, cfg.trainer.placement_timeout_s)
         plain_cfg = OmegaConf.to_container(cfg, resolve=True)
         resources = {k: v for k, v in platform.bundle().items() if k not in ("CPU", "GPU")}
         remote_cls = ray.remote(worker_cls)

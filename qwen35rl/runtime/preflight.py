@@ -76,7 +76,7 @@ def _fits(node: Node, resource: str, per_node: int, cpus: int) -> bool:
 
 def resource_shortage(cfg: Any, platform: Platform, nodes: Sequence[Node]) -> Optional[str]:
     """None when enough nodes offer the run's devices; else what is missing, with the numbers."""
-    need_nodes, per_node = int(cfg.hw.nodes), int(cfg.hw.devices_per_node)
+    need_nodes, per_node = cfg.hw.nodes, cfg.hw.devices_per_node
     resource = platform.ray_resource
     cpus = per_node  # one CPU per worker process (on CPU, the worker's device is that CPU)
     fitting = [n for n in nodes if _fits(n, resource, per_node, cpus)]
@@ -99,7 +99,7 @@ def wait_for_resources(cfg: Any, platform: Platform, timeout_s: float,
         nodes = nodes_fn()
         shortage = resource_shortage(cfg, platform, nodes)
         if shortage is None:
-            per_node = int(cfg.hw.devices_per_node)
+            per_node = cfg.hw.devices_per_node
             return [n for n in nodes if _fits(n, platform.ray_resource, per_node, per_node)]
         if time.monotonic() >= deadline:
             waited = f" after waiting {timeout_s:g} s (trainer.placement_timeout_s)" if timeout_s > 0 else ""
@@ -162,7 +162,7 @@ def probe_nodes(platform: Platform, nodes: Sequence[Node], timeout_s: float) -> 
 
 # ----------------------------------------------------------------------------------------------- memory
 def memory_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
-    want = float(cfg.hw.memory_gb)
+    want = cfg.hw.memory_gb
     out: List[Problem] = []
     for p in probes:
         where = f"{p.get('hostname')} ({p.get('address')})"
@@ -179,7 +179,7 @@ def memory_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]
                                    f"uses hw.memory_gb={want:g}", f"set hw.memory_gb={int(have)} to plan with "
                                    f"all of it", WARNING))
         elif "host_memory_gb" in p:  # CPU workers share the host's memory
-            need = want * int(cfg.hw.devices_per_node)
+            need = want * cfg.hw.devices_per_node
             if float(p["host_memory_gb"]) < need:
                 out.append(Problem("host_memory_short", "hw.memory_gb",
                                    f"{where} has {p['host_memory_gb']:.1f} GB of memory for "
@@ -192,9 +192,9 @@ def memory_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]
 def relevant_versions(cfg: Any) -> Dict[str, str]:
     """package -> config key of the version facts this run depends on."""
     out = {}
-    if str(cfg.rollout.engine) == "vllm":
+    if cfg.rollout.engine == "vllm":
         out["vllm"] = VERSION_KEYS["vllm"]
-    if str(cfg.backend.name) == "megatron":
+    if cfg.backend.name == "megatron":
         out["megatron-core"] = VERSION_KEYS["megatron-core"]
     return out
 
@@ -268,7 +268,7 @@ def gdn_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
     out: List[Problem] = []
     missing = [str(p.get("hostname")) for p in probes if "gdn" in p and not (p["gdn"] or {}).get("fla")]
     if missing:
-        runs = ("megatron-core's torch GDN recurrence" if str(cfg.backend.name) == "megatron"
+        runs = ("megatron-core's torch GDN recurrence" if cfg.backend.name == "megatron"
                 else "transformers' torch GDN code")
         out.append(Problem("fla_missing_on_node", "hw", f"flash-linear-attention is not installed on "
                            f"{', '.join(missing)}: the Gated DeltaNet layers run {runs} there (slower, and more "
@@ -277,7 +277,7 @@ def gdn_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
                            WARNING))
     for (fla, triton, device), hosts in refused.items():
         where = f"{', '.join(hosts)} ({device}, Triton {triton}, no usable TileLang)"
-        if str(cfg.backend.name) == "megatron":
+        if cfg.backend.name == "megatron":
             out.append(Problem("fla_gdn_backward_refused", "backend.transformer_overrides.deterministic_mode",
                                f"flash-linear-attention {fla} refuses its GDN backward on {where}: the Megatron "
                                "policy trains with megatron-core's torch GDN recurrence (slower, and more activation "
@@ -328,7 +328,7 @@ def run_preflight(cfg: Any, platform: Platform, *, wait_s: float) -> Dict[str, A
     """All checks against the connected Ray cluster. Returns what was seen, for the run's provenance."""
     t0 = time.monotonic()
     nodes = wait_for_resources(cfg, platform, wait_s)
-    probes = probe_nodes(platform, nodes, float(cfg.trainer.placement_timeout_s))
+    probes = probe_nodes(platform, nodes, cfg.trainer.placement_timeout_s)
     warnings = check_probes(cfg, probes)
     log.info("preflight passed in %.1f s: %d node(s) can host the run", time.monotonic() - t0, len(nodes))
     return {"nodes": [{"node_id": n.node_id, "address": n.address, "resources": n.resources} for n in nodes],

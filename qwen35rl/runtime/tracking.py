@@ -127,7 +127,7 @@ class WandbTracker:
         from omegaconf import OmegaConf
 
         # the run id follows the run dir, so a resumed run continues the same W&B run
-        self.run = wandb.init(project=str(cfg.trainer.project_name), name=str(cfg.trainer.run_name),
+        self.run = wandb.init(project=cfg.trainer.project_name, name=cfg.trainer.run_name,
                               id=_stable_id(run_dir), resume="allow", dir=str(run_dir),
                               config=OmegaConf.to_container(cfg, resolve=True))
 
@@ -143,8 +143,8 @@ class MlflowTracker:
         self.mlflow = _import_tracker("mlflow")
         if not os.environ.get("MLFLOW_TRACKING_URI"):  # keep the run's files in its run dir, not the cwd
             self.mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
-        self.mlflow.set_experiment(str(cfg.trainer.project_name))
-        self.mlflow.start_run(run_name=str(cfg.trainer.run_name))
+        self.mlflow.set_experiment(cfg.trainer.project_name)
+        self.mlflow.start_run(run_name=cfg.trainer.run_name)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         clean = {k.replace("@", "_"): float(v) for k, v in metrics.items()
