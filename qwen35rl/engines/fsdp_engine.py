@@ -219,6 +219,10 @@ class FsdpTrainEngine(TrainEngine):
                  dp_group: Optional[Any] = None, reference: bool = False, total_steps: Optional[int] = None):
         self.cfg, self.layout, self.rank, self.world_size, self.reference = cfg, layout, rank, world_size, reference
         self.device = torch.device(device)
+        # what the plan refuses, refused here with its problem; what it warns of, logged (once: not for the reference)
+        for p in capabilities.check_engine(cfg, layout, capabilities.Stack.installed(self.device.type)):
+            if not reference:
+                log.warning("%s [%s]", p.message, p.code)
         self.backend, self.algo = cfg.backend, cfg.algorithm
         self.distributed = dist.is_available() and dist.is_initialized()
         if world_size > 1 and not self.distributed:
@@ -227,9 +231,6 @@ class FsdpTrainEngine(TrainEngine):
         self.compute_dtype = mixed_precision_dtype(self.backend.mixed_precision, self.device)
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.text_only = not trains_vision(cfg.model, cfg.data)
-        for p in capabilities.check_engine(cfg, layout, capabilities.Stack.installed(self.device.type)):
-            if not reference:
-                log.warning("%s [%s]", p.message, p.code)
         self.pack = packs(self.backend.remove_padding, self.device, layout.sp)
         if self.pack:
             enable_packing()

@@ -383,3 +383,15 @@ def test_grad_clip_scales_gradients_to_the_limit():
     m, g, _ = _run(_cfg(f"backend.grad_clip={clip}"), seqs, micro=4)
     assert m["actor/grad_norm"] == pytest.approx(raw_norm, rel=1e-5)  # the metric is the norm before clipping
     assert math.sqrt(sum(t.double().pow(2).sum().item() for t in g.values())) == pytest.approx(clip, rel=1e-4)
+
+
+def test_the_engine_refuses_what_the_plan_refuses_with_the_plans_problem():
+    from qwen35rl.config import capabilities, rules
+
+    cfg = compose(["model=qwen3_5_tiny", "hw=cpu", "hw.devices_per_node=2", "parallelism.sp=2",
+                   "backend.remove_padding=false"])
+    layout = derive_layout(cfg)
+    planned = [p for p in rules.check_all(cfg, layout) if p.code == "sp_requires_remove_padding"]
+    with pytest.raises(capabilities.Unsupported) as e:
+        FsdpTrainEngine(cfg, layout=layout, rank=0, world_size=2, device="cpu")
+    assert planned and [p.to_dict() for p in e.value.problems] == [p.to_dict() for p in planned]
