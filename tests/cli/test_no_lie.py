@@ -62,7 +62,8 @@ def cases() -> List[Tuple[str, str, int, List[str]]]:
         for i, (mech, (world, layout)) in enumerate(sorted(picked.items())):
             model = models[i % len(models)]
             out.append((f"{backend}-{model}-w{world}-{'+'.join(mech) or 'dp'}", model, world, _overrides(layout)))
-    return out
+    # and the search's own pick, as a user runs it
+    return out + [("fsdp-qwen3_5_tiny-w4-auto", "qwen3_5_tiny", 4, ["parallelism=auto"])]
 
 
 CASES = cases()
