@@ -572,3 +572,17 @@ def test_reference_runs_on_geo3k_plan_valid_and_fit(model, backend, hw):
     assert mem["fits"] and 0 < mem["train_peak"] < mem["capacity"] and 0 < mem["rollout_peak"] <= mem["capacity"]
     assert mem["rollout_sequences"] >= 64
     assert mem["terms"]["train/vision_activations"] > 0
+
+
+def test_ulysses_sp_splits_layer_activations_but_not_the_log_prob_head():
+    """SP gathers the hidden states before the head: each SP rank runs it over the whole micro batch."""
+    from qwen35rl.config.memory import activations_gib, logits_gib, train_shard
+
+    def at(sp):
+        cfg = M.as_tree(compose(["model=qwen3_5_0_8b", "hw=gpu_1node", "backend=fsdp", f"parallelism.sp={sp}",
+                               "backend.logprob_chunk_size=1000000"]))
+        layout = derive_layout(cfg)
+        return activations_gib(cfg, layout, train_shard(cfg, layout)), logits_gib(cfg, layout)
+
+    (act1, head1), (act4, head4) = at(1), at(4)
+    assert act4 == pytest.approx(act1 / 4, rel=0.05) and head4 == pytest.approx(head1)
