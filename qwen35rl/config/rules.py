@@ -93,29 +93,27 @@ def degrees_positive(cfg: Any, layout: Layout) -> List[Problem]:
     return out
 
 
+AXIS_DEFAULTS = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": 1, "vpp": None, "pipeline_layout": None, "fsdp_size": -1,
+                 "sp": 1}
+_OTHER_ENGINE_HINT = {
+    "sp": "Megatron splits sequences with TP (sequence parallel)",
+    "fsdp_size": "Megatron shards with the distributed optimizer over DP",
+    "vpp": "backend=fsdp has no pipeline", "pipeline_layout": "backend=fsdp has no pipeline",
+}
+
+
 @rule("train")
 def degrees_match_backend(cfg: Any, layout: Layout) -> List[Problem]:
-    """FSDP shards parameters and uses only fsdp_size/sp; Megatron uses TP/PP/CP/EP/ETP and not fsdp_size/sp."""
-    par = val(cfg, "parallelism")
-    if _megatron(layout):
-        if int(par["sp"]) != 1:
-            return _err("degrees_match_backend", "parallelism.sp", f"parallelism.sp={par['sp']} is Ulysses sequence "
-                        "parallel of backend=fsdp; Megatron splits sequences with TP (sequence parallel) and CP",
-                        "try parallelism.sp=1 and parallelism.cp for long sequences")
-        if int(par["fsdp_size"]) != -1:
-            return _err("degrees_match_backend", "parallelism.fsdp_size", f"parallelism.fsdp_size="
-                        f"{par['fsdp_size']} applies to backend=fsdp only; Megatron shards with the distributed "
-                        "optimizer over DP", _try("parallelism.fsdp_size", -1))
-        return []
-    for key in ("tp", "pp", "cp", "ep", "etp"):
-        if int(par[key]) != 1:
+    """Each engine reads its own layout axes (`capabilities.AXES`); the other engine's keep their defaults."""
+    par, engine = val(cfg, "parallelism"), layout.backend
+    for key in (k for other, axes in capabilities.AXES.items() if other != engine for k in axes):
+        if par[key] != AXIS_DEFAULTS[key]:
+            owner = next(e for e, axes in capabilities.AXES.items() if key in axes)
+            why = _OTHER_ENGINE_HINT.get(key, "backend=fsdp shards parameters over parallelism.fsdp_size instead")
+            default = "null" if AXIS_DEFAULTS[key] is None else AXIS_DEFAULTS[key]
             return _err("degrees_match_backend", f"parallelism.{key}", f"parallelism.{key}={par[key]} applies to "
-                        "backend=megatron; backend=fsdp shards parameters over parallelism.fsdp_size instead",
-                        f"try parallelism.{key}=1, or backend=megatron")
-    for key in ("vpp", "pipeline_layout"):
-        if par[key] is not None:
-            return _err("degrees_match_backend", f"parallelism.{key}", f"parallelism.{key} applies to "
-                        "backend=megatron (pipeline parallel)", _try(f"parallelism.{key}", "null"))
+                        f"backend={owner}, not backend={engine} ({why})",
+                        f"try parallelism.{key}={default}, or backend={owner}")
     return []
 
 
