@@ -37,7 +37,7 @@ VL = ("qwen3_5_tiny_vl", 2, 4, "token-mean")  # dp 1: the whole two-row batch on
 def _cfg(model, world, fsdp=-1, sp=1, mode="token-mean", *extra):
     return compose([f"model={model}", *TWO_LAYERS, "hw=cpu", f"hw.devices_per_node={world}", "backend.lr=1e-3",
                     "backend.gradient_checkpointing=false", "backend.grad_clip=0", "algorithm.use_kl_loss=true",
-                    "algorithm.entropy_coef=0.01", "backend.lr_warmup_steps=0", "backend.remove_padding=true",
+                    "algorithm.entropy_coef=0.01", "backend.lr_warmup_steps=0", "backend.remove_padding=null",
                     f"algorithm.loss_agg_mode={mode}", f"parallelism.fsdp_size={fsdp}", f"parallelism.sp={sp}",
                     f"data.has_images={model.endswith('_vl')}", *extra])
 
