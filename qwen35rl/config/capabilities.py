@@ -205,7 +205,12 @@ def resume_problem(saved: Optional[Dict[str, Any]], current: Dict[str, Any],
                    key: str = "trainer.resume") -> Optional[Problem]:
     """Why a checkpoint saved with `checkpoint_layout` `saved` (None: not recorded) cannot resume on `current`."""
     if not saved:
-        return None
+        if current.get("backend") != "megatron":
+            return None  # FSDP's DTensor shards load onto any layout
+        return Problem("resume_layout_unknown", key, "the checkpoint records no shard layout (written before "
+                       "checkpoints recorded one), and Megatron shards load only on the layout that wrote them",
+                       "start afresh (trainer.resume=never or another trainer.run_name), or from exported HF "
+                       "weights (model.init=pretrained model.path=<run>/final)")
     if saved.get("backend") != current.get("backend"):
         return Problem("resume_across_engines", key, f"the checkpoint holds backend={saved.get('backend')} state; "
                        f"this run trains with backend={current.get('backend')}", "resume with the backend it was "

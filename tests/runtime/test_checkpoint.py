@@ -103,4 +103,5 @@ def test_a_megatron_checkpoint_resumes_only_on_its_own_layout(tmp_path, caplog):
     fsdp4, fsdp2 = record("backend=fsdp", "hw.devices_per_node=4"), record("backend=fsdp", "parallelism.sp=2")
     assert capabilities.resume_problem(fsdp4, fsdp2) is None
     assert capabilities.resume_problem(record(*tp2), fsdp2).code == "resume_across_engines"
-    assert capabilities.resume_problem(None, fsdp2) is None  # older checkpoints recorded no layout
+    assert capabilities.resume_problem(None, fsdp2) is None  # older checkpoints recorded no layout: FSDP reshards
+    assert capabilities.resume_problem(None, record(*tp2)).code == "resume_layout_unknown"
