@@ -596,8 +596,8 @@ def logits_gib(cfg: Any, layout: Layout) -> float:
         chunk = min(int(cfg["backend"]["logprob_chunk_size"]), micro_batch_tokens(cfg) / max(layout.cp, 1))
         return gib(chunk * vocab * (BF16 + FP32 + FP32))
     vocab = int(m["vocab_size"])
-    # Ulysses SP gathers the hidden states before the head: each SP rank runs it over the whole micro batch
-    chunk = min(int(cfg["backend"]["logprob_chunk_size"]), response_tokens_per_device(cfg, layout) * layout.sp)
+    # under Ulysses SP each rank runs the head over its own share of the row (the log-probs are gathered after)
+    chunk = min(int(cfg["backend"]["logprob_chunk_size"]), response_tokens_per_device(cfg, layout))
     return gib(vocab * int(m["hidden_size"]) * FP32 + 3 * chunk * vocab * FP32)
 
 
