@@ -6,8 +6,7 @@ from typing import Any, Dict, List
 
 ERROR = "error"
 WARNING = "warning"
-EXIT_CONFIG = 2
-"""Exit code of a command that refuses its config (before anything starts)."""
+from qwen35rl.exit_codes import EXIT_CONFIG  # noqa: E402,F401 - the table of exit codes lives there
 
 
 @dataclass(frozen=True)

@@ -5,19 +5,24 @@ Layout of one checkpoint:
       model/               model + optimizer + scheduler of the train engine (torch.distributed.checkpoint, sharded)
       rng/rank_<r>.pt      python / numpy / torch (cpu + device) RNG states of each worker
       trainer_state.pt     driver state: step, data loader position, driver RNG
-      meta.json            written last; its presence marks a finished checkpoint
+      meta.json            written last (temp file + fsync + rename); its presence marks a finished checkpoint.
+                           It lists every other file with its size and CRC-32 (`files`), so a resume can tell a
+                           truncated or missing file from an intact checkpoint (`verify`).
 Everything is written into `.tmp-step_<N>-<pid>/` first and renamed into place (rename is atomic on POSIX file
 systems), so a crash mid-save leaves only a temporary directory that is ignored and removed on the next start.
 The checkpoint directory must be on a file system every node sees (DCP writes shards from every rank).
 """
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import random
 import re
 import shutil
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -27,10 +32,70 @@ META_FILE = "meta.json"
 TRAINER_STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
 RNG_DIR = "rng"
+FILES_KEY = "files"
+"""meta.json: relative path -> {"size": bytes, "crc32": int} of every file of the checkpoint but meta.json."""
+_CHUNK = 1 << 20
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
     pass
+
+
+def file_list(ckpt: Path) -> Dict[str, Dict[str, int]]:
+    """Size and CRC-32 (streamed, 1 MiB at a time) of every file under `ckpt` except meta.json."""
+    ckpt = Path(ckpt)
+    out: Dict[str, Dict[str, int]] = {}
+    for p in sorted(ckpt.rglob("*")):
+        if p.is_file() and p.relative_to(ckpt).as_posix() != META_FILE:
+            out[p.relative_to(ckpt).as_posix()] = {"size": p.stat().st_size, "crc32": _crc32(p)}
+    return out
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                return crc
+            crc = zlib.crc32(chunk, crc)
+
+
+def verify(ckpt: Path) -> Optional[str]:
+    """What is wrong with a finished checkpoint (one line), or None when it is intact: meta.json readable, and
+    every file it lists present with its size and checksum. A checkpoint written before meta.json listed its
+    files is checked for what it must hold (trainer_state.pt loads)."""
+    ckpt = Path(ckpt)
+    try:
+        meta = read_meta(ckpt)
+    except FileNotFoundError:
+        return f"no {META_FILE}"
+    except (OSError, ValueError) as e:
+        text = (ckpt / META_FILE).read_bytes() if (ckpt / META_FILE).is_file() else b""
+        return f"{META_FILE} is empty" if not text.strip() else f"{META_FILE} is not valid JSON ({e})"
+    if not isinstance(meta, dict) or "step" not in meta:
+        return f"{META_FILE} has no step"
+    files = meta.get(FILES_KEY)
+    if files is None:  # written before checkpoints listed their files
+        if not (ckpt / TRAINER_STATE_FILE).is_file():
+            return f"{TRAINER_STATE_FILE} is missing"
+        try:
+            load_trainer_state(ckpt)
+        except Exception as e:  # noqa: BLE001 - any failure to unpickle is a damaged file
+            return f"{TRAINER_STATE_FILE} does not load ({type(e).__name__}: {str(e)[:200]})"
+        return None
+    for name, want in files.items():
+        path = ckpt / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != want["size"]:
+            return f"{name} is {size} bytes, {want['size']} when saved (truncated or overwritten)"
+        if _crc32(path) != want["crc32"]:
+            return f"{name} does not match its checksum (corrupted)"
+    return None
 
 
 # ------------------------------------------------------------------------------------------------ driver side
@@ -52,9 +117,19 @@ class CheckpointManager:
                 found.append((int(m.group(1)), p))
         return [p for _, p in sorted(found)]
 
-    def latest(self) -> Optional[Path]:
+    def latest(self, verified: bool = True) -> Optional[Path]:
+        """The newest finished checkpoint; with `verified`, the newest intact one (a corrupt or incomplete one is
+        named in the log and skipped, and kept on disk)."""
         done = self.completed()
-        return done[-1] if done else None
+        if not verified:
+            return done[-1] if done else None
+        for i in range(len(done) - 1, -1, -1):
+            problem = verify(done[i])
+            if problem is None:
+                return done[i]
+            log.error("checkpoint %s is damaged: %s; skipped (kept on disk), %s", done[i], problem,
+                      f"trying {done[i - 1].name}" if i else "no older checkpoint")
+        return None
 
     def resolve(self, resume: str) -> Optional[Path]:
         """`trainer.resume`: auto (newest finished checkpoint here, or none), never, or a checkpoint directory."""
@@ -67,6 +142,12 @@ class CheckpointManager:
         if not (path / META_FILE).is_file():
             raise CheckpointError(f"trainer.resume={resume}: not a finished checkpoint (no {META_FILE}); expected "
                                   f"a directory like {self.root}/step_<N>")
+        problem = verify(path)
+        if problem:
+            intact = self.latest()
+            raise CheckpointError(f"trainer.resume={resume}: the checkpoint is damaged: {problem}. "
+                                  + (f"The newest intact one is {intact}: trainer.resume={intact}" if intact
+                                     else "No intact checkpoint in " + str(self.root)))
         return path
 
     def remove_partial(self) -> None:
@@ -85,11 +166,9 @@ class CheckpointManager:
 
     def commit(self, tmp: Path, step: int, extra_meta: Optional[Dict[str, Any]] = None) -> Path:
         """Mark `tmp` finished and move it to step_<N> in one rename; then drop checkpoints beyond max_keep."""
-        meta = {"step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **(extra_meta or {})}
-        with open(tmp / META_FILE, "w") as f:
-            json.dump(meta, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
+        meta = {"step": step, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **(extra_meta or {}),
+                FILES_KEY: file_list(tmp)}
+        write_atomic(tmp / META_FILE, json.dumps(meta, indent=2).encode())
         final = self.root / f"step_{step}"
         if final.exists():  # the same step saved again (e.g. a resumed run re-reaching it): replace it
             stale = self.root / f"{TMP_PREFIX}stale-step_{step}-{os.getpid()}"
@@ -109,6 +188,27 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def write_atomic(path: Path, data: bytes) -> None:
+    """`path` holds either its old content or all of `data`, never a part: temp file, fsync, rename. A failed
+    write (e.g. a full disk) removes the temp file and raises the OSError with the file named."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -126,10 +226,18 @@ def read_meta(ckpt: Path) -> Dict[str, Any]:
     return json.loads((Path(ckpt) / META_FILE).read_text())
 
 
-def save_trainer_state(ckpt: Path, state: Dict[str, Any]) -> None:
+def _save_torch(obj: Any, path: Path) -> None:
+    """torch.save through memory, then one plain write: a full disk raises OSError(ENOSPC) naming the file (torch's
+    own writer reports only "file write failed")."""
     import torch
 
-    torch.save(state, Path(ckpt) / TRAINER_STATE_FILE)
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    write_atomic(path, buf.getvalue())
+
+
+def save_trainer_state(ckpt: Path, state: Dict[str, Any]) -> None:
+    _save_torch(state, Path(ckpt) / TRAINER_STATE_FILE)
 
 
 def load_trainer_state(ckpt: Path) -> Dict[str, Any]:
@@ -161,10 +269,8 @@ def set_rng_state(state: Dict[str, Any], device_module: Any = None) -> None:
 
 
 def save_rng(ckpt: Path, rank: int, device_module: Any = None) -> None:
-    import torch
-
     (Path(ckpt) / RNG_DIR).mkdir(exist_ok=True)
-    torch.save(rng_state(device_module), Path(ckpt) / RNG_DIR / f"rank_{rank}.pt")
+    _save_torch(rng_state(device_module), Path(ckpt) / RNG_DIR / f"rank_{rank}.pt")
 
 
 def load_rng(ckpt: Path, rank: int, device_module: Any = None) -> bool:

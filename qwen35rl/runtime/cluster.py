@@ -28,8 +28,7 @@ log = logging.getLogger(__name__)
 CPU_OBJECT_STORE_BYTES = 256 * 1024 ** 2
 
 
-EXIT_WORKER_FAILURE = 4
-"""Exit code of a run stopped because a worker died or raised."""
+from qwen35rl.exit_codes import EXIT_WORKER_FAILURE  # noqa: E402,F401 - the table of exit codes lives there
 _CAUSE_CHARS = 600
 
 

@@ -76,7 +76,11 @@ def run_training(cfg: DictConfig, run_dir: Path) -> int:
 
     checkpoints = ckpt.CheckpointManager(run_dir / "checkpoints", cfg.trainer.max_keep_checkpoints)
     checkpoints.remove_partial()
-    resume_from = checkpoints.resolve(cfg.trainer.resume)
+    try:
+        resume_from = checkpoints.resolve(cfg.trainer.resume)
+    except ckpt.CheckpointError as e:  # an explicit trainer.resume that is missing or damaged: before Ray starts
+        log.error("%s", e)
+        return EXIT_CONFIG
     meta = ckpt.read_meta(resume_from) if resume_from else {}
     refused = capabilities.resume_problem(meta.get("checkpoint_layout"), capabilities.checkpoint_layout(cfg, layout))
     if refused:

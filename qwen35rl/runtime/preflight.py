@@ -36,8 +36,7 @@ from qwen35rl.runtime.platform import Platform, apply_env
 
 log = logging.getLogger(__name__)
 
-EXIT_PREFLIGHT = 3
-"""Exit code of a run the cluster cannot host as configured."""
+from qwen35rl.exit_codes import EXIT_PREFLIGHT  # noqa: E402,F401 - the table of exit codes lives there
 MEMORY_SHORT = 0.95
 """Measured device memory below this share of hw.memory_gb is an error (vendors' nominal GB vs what the driver
 reports differ by a few percent)."""

@@ -105,3 +105,92 @@ def test_a_megatron_checkpoint_resumes_only_on_its_own_layout(tmp_path, caplog):
     assert capabilities.resume_problem(record(*tp2), fsdp2).code == "resume_across_engines"
     assert capabilities.resume_problem(None, fsdp2) is None  # older checkpoints recorded no layout: FSDP reshards
     assert capabilities.resume_problem(None, record(*tp2)).code == "resume_layout_unknown"
+
+
+# ------------------------------------------------------------------------------------------- verified on load
+def _real(mgr, step):
+    """A checkpoint shaped like the trainer's: DCP-like shard files, per-rank RNG, trainer state."""
+    tmp = mgr.begin(step)
+    (tmp / ckpt.MODEL_DIR).mkdir()
+    (tmp / ckpt.MODEL_DIR / "__0_0.distcp").write_bytes(os.urandom(4096))
+    (tmp / ckpt.MODEL_DIR / ".metadata").write_bytes(b"m" * 100)
+    ckpt.save_rng(tmp, rank=0)
+    ckpt.save_trainer_state(tmp, {"step": step})
+    return mgr.commit(tmp, step)
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda c: _truncate(c / "model" / "__0_0.distcp"), "model/__0_0.distcp is 2048 bytes, 4096 when saved"),
+    (lambda c: _truncate(c / "trainer_state.pt"), "trainer_state.pt is"),
+    (lambda c: (c / "meta.json").write_text(""), "meta.json is empty"),
+    (lambda c: (c / "meta.json").write_text('{"step": 3, "fil'), "meta.json is not valid JSON"),
+    (lambda c: (c / "rng" / "rank_0.pt").unlink(), "rng/rank_0.pt is missing"),
+    (lambda c: (c / "model" / ".metadata").write_bytes(b"n" * 100), "model/.metadata does not match its checksum"),
+])
+def test_a_damaged_newest_checkpoint_is_named_and_skipped_for_the_older_one(tmp_path, caplog, damage, said):
+    mgr = ckpt.CheckpointManager(tmp_path, max_keep=0)
+    _real(mgr, 2)
+    newest = _real(mgr, 3)
+    assert ckpt.verify(newest) is None
+    damage(newest)
+    with caplog.at_level("ERROR", logger="qwen35rl.runtime.checkpoint"):
+        assert mgr.resolve("auto").name == "step_2"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and f"checkpoint {newest} is damaged: {said}" in lines[0] and "trying step_2" in lines[0]
+    assert newest.is_dir()  # kept for a look, not deleted
+    with pytest.raises(ckpt.CheckpointError, match=f"damaged: {said}.*trainer.resume=.*step_2"):
+        mgr.resolve(str(newest))
+
+
+def test_only_damaged_checkpoints_resume_from_scratch(tmp_path):
+    mgr = ckpt.CheckpointManager(tmp_path, max_keep=0)
+    _truncate(_real(mgr, 1) / "trainer_state.pt")
+    assert mgr.resolve("auto") is None and mgr.latest(verified=False).name == "step_1"
+
+
+def test_a_checkpoint_written_before_file_lists_still_loads(tmp_path):
+    """meta.json without `files`: accepted when its trainer state loads; a truncated one is still caught."""
+    import json
+
+    mgr = ckpt.CheckpointManager(tmp_path, max_keep=0)
+    path = _real(mgr, 4)
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["files"]
+    (path / "meta.json").write_text(json.dumps(meta))
+    assert ckpt.verify(path) is None and mgr.resolve("auto") == path
+    _truncate(path / "trainer_state.pt")
+    assert ckpt.verify(path).startswith("trainer_state.pt does not load")
+
+
+def test_meta_lists_files_and_is_written_atomically(tmp_path):
+    import time
+
+    mgr = ckpt.CheckpointManager(tmp_path, max_keep=0)
+    path = _real(mgr, 1)
+    files = ckpt.read_meta(path)["files"]
+    assert sorted(files) == ["model/.metadata", "model/__0_0.distcp", "rng/rank_0.pt", "trainer_state.pt"]
+    assert files["model/__0_0.distcp"]["size"] == 4096
+    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "model", "rng", "trainer_state.pt"]  # no temp
+    t0 = time.perf_counter()
+    assert ckpt.verify(path) is None
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_explicit_resume_of_a_damaged_checkpoint_exits_2_before_anything_starts(tmp_path, caplog, monkeypatch):
+    from qwen35rl.config.compose import compose
+    from qwen35rl.runtime import driver
+
+    def no_launch(*a, **k):
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(driver, "launcher", no_launch)
+    mgr = ckpt.CheckpointManager(tmp_path / "checkpoints")
+    bad = _real(mgr, 1)
+    (bad / "meta.json").write_text("")
+    cfg = compose(["trainer.launcher=local", "hw.devices_per_node=1", f"trainer.resume={bad}"])
+    assert driver.run_training(cfg, tmp_path) == 2
+    assert f"trainer.resume={bad}: the checkpoint is damaged: meta.json is empty" in caplog.text

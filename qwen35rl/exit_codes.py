@@ -1,0 +1,50 @@
+"""The exit codes of the qwen35rl commands: one table, read by `qwen35rl-train --help` and the README."""
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    ERROR = 1
+    CONFIG = 2
+    PREFLIGHT = 3
+    WORKER_FAILURE = 4
+    REWARD_FAILURE = 5
+    DISK_FULL = 6
+    INTERRUPTED = 130
+    TERMINATED = 143
+
+
+MEANINGS = {
+    ExitCode.OK: "done",
+    ExitCode.ERROR: "an unexpected error (a bug: the traceback says where)",
+    ExitCode.CONFIG: "the config is refused (before anything starts), or trainer.resume names a damaged checkpoint",
+    ExitCode.PREFLIGHT: "the cluster does not match the config (preflight)",
+    ExitCode.WORKER_FAILURE: "a worker failed (rank, node, call and its error are printed)",
+    ExitCode.REWARD_FAILURE: "the reward function failed on more than data.max_reward_failure_rate of the responses "
+                             "over data.reward_failure_window steps (its first errors are printed)",
+    ExitCode.DISK_FULL: "no space left on device: what could not be written, the free space and the last complete "
+                        "checkpoint are printed (nothing written before is lost)",
+    ExitCode.INTERRUPTED: "interrupted (Ctrl-C), after writing a checkpoint",
+    ExitCode.TERMINATED: "preempted (SIGTERM), after writing a checkpoint",
+}
+
+EXIT_CONFIG = int(ExitCode.CONFIG)
+"""Exit code of a command that refuses its config (before anything starts)."""
+EXIT_PREFLIGHT = int(ExitCode.PREFLIGHT)
+"""Exit code of a run the cluster cannot host as configured."""
+EXIT_WORKER_FAILURE = int(ExitCode.WORKER_FAILURE)
+"""Exit code of a run stopped because a worker died or raised."""
+EXIT_REWARD_FAILURE = int(ExitCode.REWARD_FAILURE)
+EXIT_DISK_FULL = int(ExitCode.DISK_FULL)
+EXIT_INTERRUPTED = int(ExitCode.INTERRUPTED)
+EXIT_TERMINATED = int(ExitCode.TERMINATED)
+
+
+def table(markdown: bool = False) -> str:
+    """The table as text (`--help`) or as a Markdown table (README)."""
+    if markdown:
+        return "\n".join(["| code | meaning |", "|---:|---|"]
+                         + [f"| {int(c)} | {m} |" for c, m in MEANINGS.items()])
+    return "\n".join(f"  {int(c):>3}  {m}" for c, m in MEANINGS.items())
