@@ -317,7 +317,14 @@ class DataConfig:
     reward: str = "exact_match"
     """Reward function: exact_match | math | format | a dotted path `pkg.module:function`."""
     reward_timeout_s: float = 10.0
-    """A reward call over this limit scores 0 and is counted."""
+    """A reward call over this limit scores 0 and is counted. A step's scoring as a whole is bounded too: by the
+    time its calls would take if each used the whole limit (the responses spread over the reward workers)."""
+    max_reward_failure_rate: float = 0.5
+    """The run stops (exit code 5, the reward's first errors printed) when more than this share of the responses
+    of the last `reward_failure_window` steps failed to score (raised, returned a non-number or timed out).
+    1.0: never stop."""
+    reward_failure_window: int = 3
+    """Training steps over which `max_reward_failure_rate` is measured."""
     synthetic_task: str = "copy_digit"
     synthetic_size: int = 2048
     val_size: int = 64
