@@ -2,7 +2,9 @@
 
 A reward function that raises, returns a non-number or runs past `timeout_s` scores 0 and is counted; the run goes
 on. Time limits are enforced by killing the worker process (a hung call in a thread could never be stopped), so
-the caller is never blocked longer than the limit per call, and reward code needs no signal handling.
+the caller is never blocked longer than the limit per call, and reward code needs no signal handling. One scoring
+call (a step's batch) is bounded as well: by the time its calls would take if each used its whole limit, spread over
+the workers, plus one worker start-up (`step_limit`); responses still unscored then count as timed out.
 Workers persist across calls (forked from a forkserver that preloads the built-in rewards), so a step pays no
 process start-up. Starting a worker and loading a task (which imports the reward's module) is not part of the
 limit: under load that alone can take longer than a call, and would time out every call of a fresh worker. A
@@ -102,8 +104,16 @@ class RewardPool:
                     self._idle.remove(worker)
                     worker.kill()
 
+    def step_limit(self, num_responses: int, limit: float) -> float:
+        """The bound of one scoring call: every call using its whole limit, responses spread over the workers,
+        plus one worker start-up."""
+        return limit * math.ceil(max(num_responses, 1) / self.num_workers) + STARTUP_TIMEOUT_S
+
     def score(self, fn: Callable, responses: Sequence[str], answers: Sequence[str], examples: Sequence[Any],
-              timeout_s: Optional[float]) -> Tuple[List[float], Dict[str, int]]:
+              timeout_s: Optional[float], errors: Optional[List[str]] = None,
+              step_timeout_s: Optional[float] = None) -> Tuple[List[float], Dict[str, int]]:
+        """`errors` (when given) receives one line per failed response ("response <i>: <error>"). `step_timeout_s`
+        bounds the whole call (default `step_limit`; none without a per-call limit)."""
         if not (len(responses) == len(answers) == len(examples)):
             raise ValueError(f"{len(responses)} responses, {len(answers)} answers, {len(examples)} examples")
         try:
@@ -112,13 +122,16 @@ class RewardPool:
             raise TypeError(f"reward function {fn!r} must be importable at module level (pkg.module:function) "
                             f"to run in worker processes ({e})") from None
         limit = math.inf if timeout_s is None or timeout_s <= 0 else float(timeout_s)
+        if step_timeout_s is None or step_timeout_s <= 0:
+            step_timeout_s = self.step_limit(len(responses), limit)
         with self._lock:
-            return self._score(fn, responses, answers, examples, limit)
+            return self._score(fn, responses, answers, examples, limit, float(step_timeout_s),
+                               [] if errors is None else errors)
 
-    def _score(self, fn, responses, answers, examples, limit):
+    def _score(self, fn, responses, answers, examples, limit, step_timeout_s, errors):
         scores = [0.0] * len(responses)
         stats = {"reward/failed": 0, "reward/timeout": 0}
-        errors: List[str] = []
+        step_deadline = time.monotonic() + step_timeout_s
         pending = deque(_chunks_by_example(responses, answers, examples))
         busy: List[_Worker] = []
 
@@ -144,7 +157,7 @@ class RewardPool:
                 worker.items, worker.started = deque(items), False
                 worker.deadline = time.monotonic() + STARTUP_TIMEOUT_S
                 busy.append(worker)
-            next_deadline = min(w.deadline for w in busy)
+            next_deadline = min(min(w.deadline for w in busy), step_deadline)
             wait_s = None if math.isinf(next_deadline) else max(0.0, next_deadline - time.monotonic())
             for conn in wait([w.conn for w in busy], timeout=wait_s):
                 worker = next(w for w in busy if w.conn is conn)
@@ -159,6 +172,14 @@ class RewardPool:
             for worker in [w for w in busy if not w.items]:
                 busy.remove(worker)
                 self._idle.append(worker)
+            if (pending or busy) and time.monotonic() >= step_deadline:
+                left = [pos for w in busy for pos, _, _ in w.items] + [pos for _, items in pending for pos, _, _ in items]
+                stats["reward/timeout"] += len(left)
+                errors.extend(f"response {pos}: not scored within the step's bound of {step_timeout_s:g} s"
+                              for pos in sorted(left))
+                for worker in busy:
+                    worker.kill()
+                busy, pending = [], deque()
         if errors:
             logger.warning("reward: %d failed, %d timed out of %d; first: %s", stats["reward/failed"],
                            stats["reward/timeout"], len(responses), errors[0])
@@ -228,7 +249,9 @@ def warm_pool() -> None:
 
 
 def score_responses(fn: Callable, responses: Sequence[str], answers: Sequence[str], examples: Sequence[Any],
-                    timeout_s: Optional[float]) -> Tuple[List[float], Dict[str, int]]:
+                    timeout_s: Optional[float], errors: Optional[List[str]] = None,
+                    step_timeout_s: Optional[float] = None) -> Tuple[List[float], Dict[str, int]]:
     """Scores of `fn(response, answer, example)` per response, in order, and the counts `reward/failed` (raised,
-    returned a non-number or the worker died) and `reward/timeout` (ran past `timeout_s`); both score 0."""
-    return _shared_pool().score(fn, responses, answers, examples, timeout_s)
+    returned a non-number or the worker died) and `reward/timeout` (ran past `timeout_s`, or the call past
+    `step_timeout_s`); both score 0. `errors` receives one line per failure."""
+    return _shared_pool().score(fn, responses, answers, examples, timeout_s, errors, step_timeout_s)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -26,6 +26,7 @@ from qwen35rl.algo.dapo import group_filter_mask, overlong_penalty
 from qwen35rl.config import capabilities
 from qwen35rl.config.layout import Layout, derive_layout
 from qwen35rl.config.problems import EXIT_CONFIG
+from qwen35rl.exit_codes import EXIT_REWARD_FAILURE
 from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST
 from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.runtime.batching import Sequences, split_even, split_sequences
@@ -119,6 +120,9 @@ def run_training(cfg: DictConfig, run_dir: Path) -> int:
     except WorkerFailure as e:  # every worker was killed on the way out, and a local Ray stopped
         log.error("%s\nstopped the run. The failure in full:\n%s", e, e.detail)
         return EXIT_WORKER_FAILURE
+    except RewardFailure as e:
+        log.error("%s", e)
+        return EXIT_REWARD_FAILURE
     finally:
         tracking.close()
         rows = read_metrics(run_dir / METRICS_FILE)
@@ -174,6 +178,15 @@ def _images_of(examples: Sequence[Any]) -> Dict[str, Any]:
     return {"images": [list(ex.images or []) for ex in examples]}
 
 
+def _steps(first: int, last: int) -> str:
+    return f"step {last}" if first == last else f"steps {first}-{last}"
+
+
+class RewardFailure(RuntimeError):
+    """The reward function failed on too many responses (data.max_reward_failure_rate over
+    data.reward_failure_window steps): the run would go on learning from zeros."""
+
+
 class GRPOTrainer:
     def __init__(self, cfg: DictConfig, layout: Layout, workers: WorkerGroup, tokenizer: Any, loader: Any,
                  val_set: Sequence[Any], reward_fn: Any, tracking: Tracking, checkpoints: ckpt.CheckpointManager,
@@ -200,6 +213,10 @@ class GRPOTrainer:
         self.saved_step = -1
         self.graph_error_logged = False
         self.last_decode: List[Dict[str, Any]] = []
+        self.reward_window: deque = deque(maxlen=int(self.data.reward_failure_window))
+        """(responses that failed to score, responses scored) of the latest training steps."""
+        self.step_reward = [0, 0]
+        self.step_errors: List[str] = []
         """How each rollout group's share of the latest generation decoded (`RolloutResult.decode`)."""
 
     # ==================================================================================================== loop
@@ -216,6 +233,7 @@ class GRPOTrainer:
                 metrics["timing_s/testing"] = time.perf_counter() - t0
             if self.step % max(self.cfg.trainer.log_every, 1) == 0 or self.step == self.total_steps:
                 self.tracking.log(self.step, metrics)
+            self.check_reward_failures()
             # after logging: a step with a checkpoint always has its metrics row (resume keeps rows up to it)
             if self._due(self.cfg.trainer.save_freq) or self.stop.requested:
                 self.save_checkpoint()
@@ -231,7 +249,24 @@ class GRPOTrainer:
         freq = int(freq)
         return (freq > 0 and self.step % freq == 0) or self.step == self.total_steps
 
+    def check_reward_failures(self) -> None:
+        """RewardFailure when more than data.max_reward_failure_rate of the responses of the last
+        data.reward_failure_window steps failed to score."""
+        self.reward_window.append((self.step_reward[0], self.step_reward[1], list(self.step_errors)))
+        if len(self.reward_window) < self.reward_window.maxlen:
+            return
+        failed, total = sum(w[0] for w in self.reward_window), sum(w[1] for w in self.reward_window)
+        if total and failed / total > float(self.data.max_reward_failure_rate):
+            first = [e for w in self.reward_window for e in w[2]][:3]
+            raise RewardFailure(
+                f"the reward function ({self.data.reward}) failed on {failed} of {total} responses "
+                f"({failed / total:.0%}) over {_steps(self.step - len(self.reward_window) + 1, self.step)}, more than "
+                f"data.max_reward_failure_rate={self.data.max_reward_failure_rate:g}: the run would learn nothing. "
+                f"First errors:\n" + "\n".join(f"  {e}" for e in first)
+                + "\nFix the reward (or raise data.max_reward_failure_rate / data.reward_timeout_s) and resume.")
+
     def train_step(self) -> Dict[str, float]:
+        self.step_reward, self.step_errors = [0, 0], []
         timer = Timer()
         with timer("step"):
             batch, metrics = self.collect_rollouts(timer)                                  # generate + score
@@ -333,14 +368,20 @@ class GRPOTrainer:
                         "(rollout/cuda_graph < 1; rollout.cuda_graph=false skips the attempt): %s", error)
         return {"rollout/cuda_graph": sum(float(s["cuda_graph"]) for s in decoded) / len(decoded)}
 
-    def score(self, batch: RolloutBatch) -> Dict[str, float]:
-        """Reward function per response (in worker processes with a time limit), then overlong shaping."""
+    def score(self, batch: RolloutBatch, training: bool = True) -> Dict[str, float]:
+        """Reward function per response (in worker processes with a time limit), then overlong shaping. Training
+        scores count towards data.max_reward_failure_rate."""
         from qwen35rl.rewards import score_responses
 
         texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
         examples = batch.response_examples()
+        errors: List[str] = []
         scores, stats = score_responses(self.reward_fn, texts, [ex.answer for ex in examples], examples,
-                                        self.data.reward_timeout_s)
+                                        self.data.reward_timeout_s, errors=errors)
+        if training:
+            self.step_reward[0] += int(stats.get("reward/failed", 0) + stats.get("reward/timeout", 0))
+            self.step_reward[1] += len(texts)
+            self.step_errors = (self.step_errors + errors)[:3]
         batch.scores = list(scores)
         rewards = torch.tensor(batch.scores, dtype=torch.float32)
         shaping = self.algo.overlong_shaping
@@ -413,7 +454,7 @@ class GRPOTrainer:
         for i in range(0, len(self.val_set), size):
             batch = self.generate(self.val_set[i:i + size], n=1, temperature=self.rollout_cfg.val_temperature,
                                   top_p=1.0, top_k=-1, seed=step_seed(self.cfg.trainer.seed, 0, i))
-            stats = self.score(batch)
+            stats = self.score(batch, training=False)
             failed += stats.get("reward/failed", 0) + stats.get("reward/timeout", 0)
             scores.extend(batch.scores)
             lengths.extend(len(r) for r in batch.response_ids)

@@ -25,3 +25,14 @@ def digit_or_hang(response, answer, example):
     if not response.strip().isdigit():
         time.sleep(3600)
     return float(response.strip() == answer)
+
+
+def always_raises(response, answer, example):
+    raise ConnectionError("reward server at 10.0.0.9:8000 refused the connection")
+
+
+def digit_or_raise(response, answer, example):
+    """1.0 for the right digit; raises on anything that is not a digit."""
+    if not response.strip().isdigit():
+        raise ValueError(f"not a digit: {response!r}")
+    return float(response.strip() == answer)

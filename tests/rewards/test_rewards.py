@@ -156,3 +156,21 @@ def test_warm_starts_every_worker_before_scoring():
         assert len(pids & {w.process.pid for w in p._idle}) >= 1  # warmed workers did the scoring
     finally:
         p.close()
+
+
+def test_a_step_is_bounded_as_a_whole_and_the_failures_are_told(pool):
+    """Each call is limited, and so is the whole batch: what is left unscored at the bound counts as timed out."""
+    responses = ["ab", "raise", "hang", "hang", "hang", "hang"]
+    errors = []
+    t0 = time.monotonic()
+    scores, stats = pool.score(reward_helpers.length_or_hang, responses, ["a"] * 6, [ex(i) for i in range(6)],
+                               timeout_s=5.0, errors=errors, step_timeout_s=1.0)
+    assert time.monotonic() - t0 < 4.0  # not 4 hangs x 5 s over 2 workers
+    assert scores == [2.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert stats == {"reward/failed": 1, "reward/timeout": 4}
+    assert errors[0] == "response 1: RuntimeError: bad reward"
+    assert sorted(errors[1:]) == [f"response {i}: not scored within the step's bound of 1 s" for i in range(2, 6)]
+    # the default bound: every call using its whole limit, over the workers, plus one worker start-up
+    assert pool.step_limit(6, 5.0) == 5.0 * 3 + 120.0
+    assert pool.score(reward_helpers.length_or_hang, ["ab"], ["a"], [ex()], timeout_s=5.0) == ([2.0], {
+        "reward/failed": 0, "reward/timeout": 0})

@@ -293,3 +293,29 @@ def test_decode_cuda_graph_share_is_logged_and_a_failed_capture_warned_once(tmp_
     assert trainer.train_step()["rollout/cuda_graph"] == 1.0
     w0.decode = w1.decode = {}  # an engine without decode stats (vLLM): no metric
     assert "rollout/cuda_graph" not in trainer.train_step()
+
+
+def test_a_reward_that_always_fails_stops_the_run_with_its_error(tmp_path):
+    from qwen35rl.runtime.driver import RewardFailure
+
+    trainer, _ = make_trainer(tmp_path, ["data.train_batch_size=4", "rollout.n=2", "algorithm.mini_batch_size=4",
+                                         "trainer.total_steps=5", "trainer.test_freq=-1", "trainer.save_freq=-1",
+                                         "data.reward=tests.rewards.reward_helpers:always_raises",
+                                         "data.reward_failure_window=2"])
+    with pytest.raises(RewardFailure) as e:
+        trainer.fit()
+    assert trainer.step == 2  # a full window, then stop
+    message = str(e.value)
+    assert "failed on 16 of 16 responses (100%) over steps 1-2, more than" in message
+    assert "ConnectionError: reward server at 10.0.0.9:8000 refused the connection" in message
+    assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILE)] == [1, 2]
+
+
+def test_a_reward_failing_now_and_then_does_not_stop_the_run(tmp_path):
+    """digit_or_raise raises on the "xy" answers (one of the two samples of each odd prompt): well under 50%."""
+    trainer, _ = make_trainer(tmp_path, ["data.train_batch_size=4", "rollout.n=2", "algorithm.mini_batch_size=4",
+                                         "trainer.total_steps=3", "trainer.test_freq=-1", "trainer.save_freq=-1",
+                                         "data.reward=tests.rewards.reward_helpers:digit_or_raise",
+                                         "data.reward_failure_window=1"])
+    assert trainer.fit() == 0 and trainer.step == 3
+    assert sum(w[0] for w in trainer.reward_window) >= 1  # it did fail, and was only counted

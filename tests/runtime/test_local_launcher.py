@@ -204,3 +204,15 @@ def test_resume_continues_like_an_uninterrupted_run(tmp_path):
         assert rows_b[2][key] == rows_a[2][key], key
     a, b = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_reward_that_always_fails_ends_the_run_with_exit_5_and_its_error(tmp_path, caplog):
+    from qwen35rl.exit_codes import EXIT_REWARD_FAILURE
+
+    cfg = compose([*LOCAL, *SMALL, "trainer.total_steps=3", "data.reward_failure_window=1",
+                   "data.reward=tests.rewards.reward_helpers:always_raises"])
+    with caplog.at_level(logging.ERROR, logger="qwen35rl.runtime.driver"):
+        assert driver.run_training(cfg, tmp_path) == EXIT_REWARD_FAILURE
+    assert "failed on 16 of 16 responses (100%) over step 1, more than" in caplog.text
+    assert "ConnectionError: reward server at 10.0.0.9:8000 refused the connection" in caplog.text
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
