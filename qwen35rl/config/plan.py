@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen35rl.config import layout_search, memory, params, quirks, rules
+from qwen35rl.config import layout_search, memory, params, quirks, redact, rules
 from qwen35rl.config.layout import derive_layout
 from qwen35rl.config.problems import ERROR, WARNING, Problem
 
@@ -66,7 +66,7 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "device": str(cfg.hw.device),
         "nodes": int(cfg.hw.nodes),
         "devices_per_node": int(cfg.hw.devices_per_node),
-        "worker_env": {**OmegaConf.to_container(cfg.hw.env), **OmegaConf.to_container(cfg.backend.env)},
+        "worker_env": redact.redact({**OmegaConf.to_container(cfg.hw.env), **OmegaConf.to_container(cfg.backend.env)}),
         "vllm_quirks": vllm_quirks(cfg),
         "output_dir": f"{cfg.trainer.output_root}/{cfg.trainer.run_name}",
         "auto_candidates": [c.to_dict() for c in candidates[:5]],

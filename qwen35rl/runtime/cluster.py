@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from omegaconf import OmegaConf
 
+from qwen35rl.config import redact
 from qwen35rl.runtime.platform import Platform, apply_env
 
 log = logging.getLogger(__name__)
@@ -442,7 +443,7 @@ class LocalWorkerGroup:
         apply_env(platform.worker_env)
         if kept:
             log.info("the worker keeps these variables of this process's environment over hw.env / backend.env: "
-                     "%s", kept)
+                     "%s", redact.redact(kept))
         try:
             worker = worker_cls(OmegaConf.to_container(cfg, resolve=True), rank=0, world_size=1, local_rank=0,
                                 **worker_kwargs)

@@ -7,11 +7,16 @@
       git_diff.patch  uncommitted changes of tracked files (only when the tree was dirty)
       cluster.json    what preflight found on the cluster (nodes, devices, their package versions)
 
-Each start (the first, every resume) gets the next number; earlier starts are kept.
+Each start (the first, every resume) gets the next number; earlier starts are kept. Credentials (config keys and
+environment variables by qwen35rl.config.redact's rule, and their values wherever they appear: the command line,
+the diff) are written as REDACTED. Each file is written whole or not at all (temp file + rename); a start whose
+record cannot be written (a full disk) logs one line and the run goes on without it.
 """
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import platform
 import socket
@@ -23,6 +28,10 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
 from omegaconf import OmegaConf
+
+from qwen35rl.config import redact
+
+log = logging.getLogger(__name__)
 
 PROVENANCE_DIR = "provenance"
 CONFIG_FILE = "config.yaml"
@@ -88,27 +97,63 @@ def _next_start_dir(root: Path) -> Path:
     return root / f"start-{max(numbers, default=0) + 1:03d}"
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """`path` holds either its old content or all of `text`, never a part (a crash or a full disk mid-write)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+
+
+def _not_written(what: Path, e: OSError) -> None:
+    why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+    log.error("provenance: could not write %s (%s); the run continues without this record", what, why)
+
+
 def record_start(run_dir: Path, cfg: Any, *, start_step: int = 0, resume_from: Optional[Path] = None,
                  argv: Optional[Sequence[str]] = None) -> Path:
-    """Write this start's provenance into the run directory; returns its `provenance/start-<NNN>` directory."""
+    """Write this start's provenance into the run directory; returns its `provenance/start-<NNN>` directory
+    (which may be incomplete, or missing, when writing failed: that is logged, not raised)."""
     root = Path(run_dir) / PROVENANCE_DIR
-    root.mkdir(parents=True, exist_ok=True)
-    while True:  # two processes starting in the same run dir each get their own number
-        start = _next_start_dir(root)
-        try:
-            start.mkdir()
-            break
-        except FileExistsError:
-            continue
-    (start / CONFIG_FILE).write_text(OmegaConf.to_yaml(cfg, resolve=True) if OmegaConf.is_config(cfg)
-                                     else OmegaConf.to_yaml(OmegaConf.create(cfg)))
+    start = root / "start-unwritten"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        while True:  # two processes starting in the same run dir each get their own number
+            start = _next_start_dir(root)
+            try:
+                start.mkdir()
+                break
+            except FileExistsError:
+                continue
+        _write_start(start, cfg, start_step, resume_from, argv)
+    except OSError as e:
+        _not_written(start, e)
+    return start
+
+
+def _write_start(start: Path, cfg: Any, start_step: int, resume_from: Optional[Path],
+                 argv: Optional[Sequence[str]]) -> None:
+    plain = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
+    secrets = redact.secret_values(plain)
+    write_atomic(start / CONFIG_FILE, redact.scrub(OmegaConf.to_yaml(OmegaConf.create(redact.redact(plain))),
+                                                   secrets))
     git = git_state(code_root())
     if git and git["dirty"]:
-        (start / DIFF_FILE).write_text(git["diff"])
+        write_atomic(start / DIFF_FILE, redact.scrub(git["diff"], secrets))
     info = {
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "hostname": socket.gethostname(),
-        "command": list(sys.argv if argv is None else argv),
+        "command": [redact.scrub(a, secrets) for a in (sys.argv if argv is None else argv)],
         "executable": sys.executable,
         "cwd": os.getcwd(),
         "packages": package_versions(),
@@ -117,10 +162,15 @@ def record_start(run_dir: Path, cfg: Any, *, start_step: int = 0, resume_from: O
         "start_step": int(start_step),
         "resume_from": str(resume_from) if resume_from else None,
     }
-    (start / RUN_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    return start
+    write_atomic(start / RUN_FILE, json.dumps(info, indent=2) + "\n")
 
 
 def record_cluster(start_dir: Path, report: Dict[str, Any]) -> None:
-    """What preflight saw on the cluster, next to the start's config."""
-    (Path(start_dir) / CLUSTER_FILE).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    """What preflight saw on the cluster, next to the start's config (secrets redacted; a failed write is
+    logged)."""
+    path = Path(start_dir) / CLUSTER_FILE
+    try:
+        text = json.dumps(redact.redact(json.loads(json.dumps(report, default=str))), indent=2) + "\n"
+        write_atomic(path, redact.scrub(text, redact.secret_values(report)))
+    except OSError as e:
+        _not_written(path, e)
