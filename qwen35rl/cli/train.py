@@ -3,11 +3,15 @@
 With no arguments it trains the tiny Qwen3.5 on CPU (the embedded default). Every config problem is reported before
 Ray or any heavy package starts; with -m, invalid jobs of a sweep are skipped and listed.
 
-Exit codes: 0 done; 2 invalid config; 3 the cluster does not match the config (preflight); 4 a worker failed;
-130 interrupted (Ctrl-C), 143 preempted (SIGTERM) — both after writing a checkpoint."""
+Exit codes (qwen35rl/exit_codes.py):
+"""
 from __future__ import annotations
 
 import sys
+
+from qwen35rl.exit_codes import table as _exit_code_table
+
+__doc__ += _exit_code_table() + "\n"
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -60,6 +64,8 @@ def _train_job(cfg: DictConfig) -> Dict[str, Any]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:  # Hydra's help follows (config groups and options)
+        print(__doc__)
     args, cfg, done = start(argv)
     if done is not None:
         return done

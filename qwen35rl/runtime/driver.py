@@ -8,7 +8,9 @@ never changes meaning. All math lives in `qwen35rl.algo`; the engines stay behin
 """
 from __future__ import annotations
 
+import errno
 import logging
+import re
 import shutil
 import time
 from collections import defaultdict, deque
@@ -26,7 +28,7 @@ from qwen35rl.algo.dapo import group_filter_mask, overlong_penalty
 from qwen35rl.config import capabilities
 from qwen35rl.config.layout import Layout, derive_layout
 from qwen35rl.config.problems import EXIT_CONFIG
-from qwen35rl.exit_codes import EXIT_REWARD_FAILURE
+from qwen35rl.exit_codes import EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_REWARD_FAILURE
 from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST
 from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.runtime.batching import Sequences, split_even, split_sequences
@@ -38,7 +40,7 @@ from qwen35rl.runtime.platform import Platform, require_stack, resolve_platform
 from qwen35rl.runtime.preflight import EXIT_PREFLIGHT, PreflightError, run_local_preflight, run_preflight
 from qwen35rl.runtime.rollouts import RolloutBatch, data_metrics, logprob_diff_metrics
 from qwen35rl.runtime.signals import StopRequest
-from qwen35rl.runtime.tracking import CURVES_FILE, METRICS_FILE, Tracking, plot_curves, read_metrics
+from qwen35rl.runtime.tracking import Tracking, plot_curves_safely
 from qwen35rl.runtime.worker import PolicyWorker, needs_reference
 
 log = logging.getLogger(__name__)
@@ -48,9 +50,92 @@ SKIPPED_KEY = "actor/skipped_steps"
 """Train-engine metric: optimizer steps skipped so far in the run because the loss or gradient was not finite."""
 
 
+class DiskFull(OSError):
+    """No space left on device while writing `what`."""
+
+    def __init__(self, what: str):
+        super().__init__(errno.ENOSPC, "No space left on device", what)
+        self.what = what
+
+
+_ENOSPC_TEXT = ("No space left on device", "[Errno 28]", "Disk quota exceeded", "[Errno 122]")
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether `e` (or what caused it, or a worker's error text) is a full disk (ENOSPC, or EDQUOT: a quota)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(e, WorkerFailure) and any(t in f"{e.cause}\n{e.detail}" for t in _ENOSPC_TEXT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _unwritten(e: BaseException) -> str:
+    """What could not be written, as precisely as the error tells."""
+    if isinstance(e, DiskFull):
+        return e.what
+    if isinstance(e, OSError) and e.filename:
+        return str(e.filename)
+    if isinstance(e, WorkerFailure):
+        m = re.search(r"No space left on device: '([^']+)'", f"{e.cause}\n{e.detail}")
+        return (m.group(1) if m else e.cause) + f" (worker rank {e.rank}, in {e.method})"
+    cause = e.__cause__ or e.__context__
+    return _unwritten(cause) if cause is not None else str(e).splitlines()[0]
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def report_disk_full(e: BaseException, run_dir: Path) -> int:
+    """One block for a full disk: what could not be written, the free space, the last complete checkpoint."""
+    logging.raiseExceptions = False  # a log file on the full disk must not add tracebacks of its own
+    try:
+        usage = shutil.disk_usage(run_dir)
+        free = f"{_size(usage.free)} free of {_size(usage.total)} on the file system of {run_dir}"
+    except OSError as err:
+        free = f"unknown ({err})"
+    checkpoints = ckpt.CheckpointManager(run_dir / "checkpoints")
+    try:
+        checkpoints.remove_partial()  # a half-written save only takes space
+        last = checkpoints.latest(verified=False)
+    except OSError:
+        last = None
+    if last is not None:
+        step = last.name.split("_", 1)[1]
+        resume = f"{last} (step {step}); free some space and run the same command again: it resumes from there"
+    else:
+        resume = "none yet (the run would start again from step 0)"
+    log.error("no space left on device: the run stopped (exit code %d)\n"
+              "  could not write:          %s\n"
+              "  free space:               %s\n"
+              "  last complete checkpoint: %s\n"
+              "  Everything written before is intact (metrics.jsonl up to the last logged step).",
+              EXIT_DISK_FULL, _unwritten(e), free, resume)
+    return EXIT_DISK_FULL
+
+
 def run_training(cfg: DictConfig, run_dir: Path) -> int:
-    """Train with the resolved, validated `cfg` in `run_dir`; returns the process exit code."""
+    """Train with the resolved, validated `cfg` in `run_dir`; returns the process exit code (qwen35rl.exit_codes).
+    A full disk anywhere ends the run with EXIT_DISK_FULL and one block saying what could not be written."""
     run_dir = Path(run_dir).resolve()
+    try:
+        return _run_training(cfg, run_dir)
+    except Exception as e:  # noqa: BLE001 - re-raised unless it is a full disk
+        if not disk_full(e):
+            raise
+        return report_disk_full(e, run_dir)
+
+
+def _run_training(cfg: DictConfig, run_dir: Path) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     layout = derive_layout(cfg)
     platform = resolve_platform(cfg)
@@ -113,24 +198,21 @@ def run_training(cfg: DictConfig, run_dir: Path) -> int:
                 workers.shutdown()
     except KeyboardInterrupt:
         log.warning("interrupted; the last finished checkpoint is intact")
-        return 130
+        return EXIT_INTERRUPTED
     except (PreflightError, ClusterError) as e:
         log.error("%s", e)
         return EXIT_PREFLIGHT
     except WorkerFailure as e:  # every worker was killed on the way out, and a local Ray stopped
+        if disk_full(e):
+            raise  # said as a full disk by run_training
         log.error("%s\nstopped the run. The failure in full:\n%s", e, e.detail)
         return EXIT_WORKER_FAILURE
     except RewardFailure as e:
         log.error("%s", e)
         return EXIT_REWARD_FAILURE
-    finally:
+    finally:  # clean-up never raises a second error: the exit code stays the first one's
         tracking.close()
-        rows = read_metrics(run_dir / METRICS_FILE)
-        if rows:
-            try:
-                plot_curves(rows, run_dir / CURVES_FILE)
-            except ImportError as e:  # matplotlib is a dependency, but a stripped image may lack it
-                log.warning("no %s: %s", CURVES_FILE, e)
+        plot_curves_safely(run_dir)
 
 
 @contextmanager
@@ -477,12 +559,18 @@ class GRPOTrainer:
     def save_checkpoint(self) -> Path:
         t0 = time.perf_counter()
         tmp = self.checkpoints.begin(self.step)
-        self.workers.run("save_checkpoint", str(tmp))
-        ckpt.save_trainer_state(tmp, {"step": self.step, "loader": self.loader.state_dict(),
-                                      "rng": ckpt.rng_state()})
-        final = self.checkpoints.commit(tmp, self.step, {
-            "world": self.workers.world, "layout": self.layout.to_dict(), "total_steps": self.total_steps,
-            "checkpoint_layout": capabilities.checkpoint_layout(self.cfg, self.layout)})
+        try:
+            self.workers.run("save_checkpoint", str(tmp))
+            ckpt.save_trainer_state(tmp, {"step": self.step, "loader": self.loader.state_dict(),
+                                          "rng": ckpt.rng_state()})
+            final = self.checkpoints.commit(tmp, self.step, {
+                "world": self.workers.world, "layout": self.layout.to_dict(), "total_steps": self.total_steps,
+                "checkpoint_layout": capabilities.checkpoint_layout(self.cfg, self.layout)})
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # a half-written save only takes space
+            if disk_full(e):
+                raise DiskFull(f"checkpoint step_{self.step}: {_unwritten(e)}") from e
+            raise
         self.saved_step = self.step
         log.info("checkpoint %s (%.1f s)", final, time.perf_counter() - t0)
         return final
@@ -501,7 +589,13 @@ class GRPOTrainer:
         final = self.run_dir / FINAL_DIR
         tmp = self.run_dir / f".{FINAL_DIR}-tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.workers.run("export_hf", str(tmp))
+        try:
+            self.workers.run("export_hf", str(tmp))
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if disk_full(e):
+                raise DiskFull(f"the Hugging Face export {final}: {_unwritten(e)}") from e
+            raise
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)

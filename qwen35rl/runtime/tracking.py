@@ -1,5 +1,9 @@
 """Where metrics go: console progress on stderr, `metrics.jsonl` in the run dir, TensorBoard (default), W&B and
-MLflow (opt-in through `trainer.trackers`), and a PNG of the main curves at the end."""
+MLflow (opt-in through `trainer.trackers`), and a PNG of the main curves at the end.
+
+Files are written so that a failed write (a full disk) leaves what was there intact: a metrics row is appended in
+one write and cut off again if it fails; curves.png and the rewritten metrics.jsonl of a resume go through a temp
+file and a rename. A failed write raises OSError naming the file."""
 from __future__ import annotations
 
 import json
@@ -40,19 +44,39 @@ class JsonlTracker:
     by the interrupted run after its last checkpoint) are dropped so every step appears once."""
 
     def __init__(self, run_dir: Path, start_step: int):
+        from qwen35rl.runtime.checkpoint import write_atomic
+
         self.path = run_dir / METRICS_FILE
         if self.path.exists():
             kept = [line for line in self.path.read_text().splitlines() if _step_of(line) is not None
                     and _step_of(line) <= start_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
-        self._f = open(self.path, "a", buffering=1)
+            write_atomic(self.path, "".join(line + "\n" for line in kept).encode())
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         row = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
-        self._f.write(json.dumps(row) + "\n")
+        data = (json.dumps(row) + "\n").encode()
+        size = os.fstat(self._fd).st_size
+        try:
+            _append(self._fd, data)
+        except OSError as e:
+            try:  # no half row: the file ends with the last complete one
+                os.ftruncate(self._fd, size)
+            except OSError:
+                pass
+            raise OSError(e.errno, e.strerror, str(self.path)) from e
 
     def close(self) -> None:
-        self._f.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _append(fd: int, data: bytes) -> None:
+    """All of `data` at the end of the file (os.write may write only a part)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _step_of(line: str) -> Optional[int]:
@@ -204,16 +228,29 @@ class Tracking:
             b.log(step, metrics)
 
     def close(self) -> None:
+        """Closes every backend; one that fails to (a full disk, a tracker server gone) is logged, not raised."""
         for b in self.backends:
-            b.close()
+            try:
+                b.close()
+            except Exception as e:  # noqa: BLE001 - clean-up must not hide the run's own outcome
+                log.warning("closing the %s tracker failed: %s: %s", type(b).__name__, type(e).__name__, e)
         self.backends = []
 
 
 # ------------------------------------------------------------------------------------------------------ curves
 def read_metrics(path: Path) -> List[Dict[str, Any]]:
+    """The rows of metrics.jsonl; a line that does not parse (cut off by a crash) is skipped."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line) if line.strip() else None
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
 def plot_curves(rows: Iterable[Mapping[str, Any]], out_png: Path) -> Path:
@@ -243,6 +280,28 @@ def plot_curves(rows: Iterable[Mapping[str, Any]], out_png: Path) -> Path:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
+    out_png = Path(out_png)
+    tmp = out_png.with_name(f".{out_png.name}.tmp-{os.getpid()}")
+    try:  # a curves.png is whole or the previous one
+        fig.savefig(tmp, dpi=100, format="png")
+        os.replace(tmp, out_png)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    finally:
+        plt.close(fig)
     return out_png
+
+
+def plot_curves_safely(run_dir: Path) -> Optional[Path]:
+    """curves.png from the run's metrics.jsonl; any failure is logged as a warning (clean-up of a run that may
+    already be failing must not raise a second error)."""
+    try:
+        rows = read_metrics(Path(run_dir) / METRICS_FILE)
+        return plot_curves(rows, Path(run_dir) / CURVES_FILE) if rows else None
+    except Exception as e:  # noqa: BLE001 - includes a missing matplotlib and a full disk
+        log.warning("no %s: %s: %s", CURVES_FILE, type(e).__name__, e)
+        return None

@@ -216,3 +216,75 @@ def test_a_reward_that_always_fails_ends_the_run_with_exit_5_and_its_error(tmp_p
     assert "failed on 16 of 16 responses (100%) over step 1, more than" in caplog.text
     assert "ConnectionError: reward server at 10.0.0.9:8000 refused the connection" in caplog.text
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
+
+
+def test_a_full_disk_while_checkpointing_is_said_in_one_block_and_exits_6(tmp_path, caplog, monkeypatch):
+    """DCP's shard write of the second checkpoint fails with ENOSPC inside the worker; curves.png then fails too.
+    One block (what, free space, last complete checkpoint), exit 6, the clean-up's failure only a warning."""
+    import errno
+
+    from qwen35rl.exit_codes import EXIT_DISK_FULL
+    from qwen35rl.runtime import checkpoint as ckpt
+    from qwen35rl.runtime import tracking
+
+    real_save = ckpt.save_engine_state
+
+    def save_engine_state(path, engine):
+        if "step_2" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path / "model" / "__0_0.distcp"))
+        real_save(path, engine)
+
+    def no_png(rows, out):
+        raise RuntimeError("savefig: [Errno 28] No space left on device")
+
+    monkeypatch.setattr(ckpt, "save_engine_state", save_engine_state)
+    monkeypatch.setattr(tracking, "plot_curves", no_png)
+    cfg = compose([*LOCAL, *SMALL, "trainer.total_steps=3", "trainer.save_freq=1"])
+    with caplog.at_level(logging.WARNING):
+        assert driver.run_training(cfg, tmp_path) == EXIT_DISK_FULL
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, errors
+    block = errors[0]
+    assert block.startswith("no space left on device: the run stopped (exit code 6)")
+    assert "could not write:          checkpoint step_2: " in block and "__0_0.distcp (worker rank 0" in block
+    assert "free of" in block
+    assert f"last complete checkpoint: {tmp_path / 'checkpoints' / 'step_1'} (step 1)" in block
+    assert "no curves.png: RuntimeError" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]  # the half save is gone
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_full_disk_writing_metrics_is_said_plainly_and_earlier_rows_stay(tmp_path, caplog, monkeypatch):
+    import errno
+
+    from qwen35rl.runtime import tracking
+
+    real_append = tracking._append
+    calls = []
+
+    def append(fd, data):
+        calls.append(data)
+        if len(calls) == 2:  # half the row reaches the disk, then it is full
+            real_append(fd, data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_append(fd, data)
+
+    monkeypatch.setattr(tracking, "_append", append)
+    cfg = compose([*LOCAL, *SMALL, "trainer.total_steps=3", "trainer.save_freq=1"])
+    assert driver.run_training(cfg, tmp_path) == 6
+    assert f"could not write:          {tmp_path / 'metrics.jsonl'}" in caplog.text
+    assert "last complete checkpoint: " in caplog.text and "step_1 (step 1)" in caplog.text
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1]  # the half row was cut off
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_one_exit_code_table_for_the_help_and_every_module():
+    from qwen35rl import exit_codes
+    from qwen35rl.cli import train as train_cli
+    from qwen35rl.config.problems import EXIT_CONFIG
+    from qwen35rl.runtime.preflight import EXIT_PREFLIGHT
+
+    assert exit_codes.table() in train_cli.__doc__
+    assert (EXIT_CONFIG, EXIT_PREFLIGHT, EXIT_WORKER_FAILURE) == (2, 3, 4)
+    assert [int(c) for c in exit_codes.MEANINGS] == [0, 1, 2, 3, 4, 5, 6, 130, 143]

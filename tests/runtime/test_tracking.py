@@ -89,3 +89,42 @@ def test_wandb_and_mlflow_receive_each_step(tmp_path, monkeypatch):
     wandb.init = lambda **kw: again.append(kw["id"]) or run
     tracking.Tracking(_cfg(["wandb"]), tmp_path, total_steps=3)
     assert again == [init[1]]
+
+
+def test_a_failed_write_leaves_earlier_rows_and_the_previous_curves_intact(tmp_path, monkeypatch, caplog):
+    import errno
+
+    t = tracking.Tracking(_cfg(["jsonl"]), tmp_path, total_steps=5)
+    t.log(1, {"critic/score/mean": 0.1})
+    real_append = tracking._append
+
+    def full(fd, data):
+        real_append(fd, data[:7])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tracking, "_append", full)
+    with pytest.raises(OSError) as e:
+        t.log(2, {"critic/score/mean": 0.2})
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / tracking.METRICS_FILE)
+    t.close()
+    assert (tmp_path / tracking.METRICS_FILE).read_text() == '{"step": 1, "critic/score/mean": 0.1}\n'
+
+    png = tracking.plot_curves_safely(tmp_path)
+    good = png.read_bytes()
+    assert good[:4] == b"\x89PNG"
+
+    import matplotlib.figure
+
+    def no_space(self, *a, **k):
+        open(a[0], "wb").close()  # the file is created, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", no_space)
+    assert tracking.plot_curves_safely(tmp_path) is None  # logged, not raised
+    assert "no curves.png: OSError: [Errno 28] No space left on device" in caplog.text
+    assert png.read_bytes() == good and sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "metrics.jsonl"]
+
+
+def test_a_row_cut_off_by_a_crash_is_skipped(tmp_path):
+    (tmp_path / tracking.METRICS_FILE).write_text('{"step": 1, "a": 1}\n{"step": 2, "a"')
+    assert tracking.read_metrics(tmp_path / tracking.METRICS_FILE) == [{"step": 1, "a": 1}]
