@@ -186,9 +186,11 @@ def descendants(roots, procs):
 driver_start = stat(driver)[1]
 known = {}
 def snapshot():
-    global known
+    # add, never forget: once the driver dies its children are reparented (the last look may miss them)
     procs = table()
-    known = {p: procs[p][1] for p in descendants({driver}, procs) if p != driver}
+    for p in [p for p, s in known.items() if procs.get(p, (0, None))[1] != s]:
+        del known[p]
+    known.update({p: procs[p][1] for p in descendants({driver}, procs) if p != driver})
 
 def alive(pid, start):
     st = stat(pid)

@@ -101,3 +101,63 @@ def test_a_worker_that_fails_to_start_is_named(ray_cluster):
     assert e.value.rank == 1 and "failed to start (ValueError: no such checkpoint)" in str(e.value)
     assert ray.util.placement_group_table() and all(
         g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
+
+
+# ------------------------------------------------------------------------------- the local cluster after a crash
+def _session_pids(sid):
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    out.append(int(entry))
+            except (ProcessLookupError, PermissionError):
+                pass
+    return out
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+def test_local_cluster_goes_away_when_the_driver_is_sigkilled(tmp_path):
+    """Ray's own fate sharing takes raylet and GCS down with a killed driver, but its agents (DashboardAgent,
+    RuntimeEnvAgent) and idle workers lingered about a minute; the watchdog stops them within seconds, and only
+    them (the run is in its own session: everything of it is that session's)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "qwen35rl-train"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "qwen35rl.cli.train"]
+    run = tmp_path / "run"
+    proc = subprocess.Popen([*cmd, f"hydra.run.dir={run}", "trainer.total_steps=100", "trainer.test_freq=-1",
+                             "trainer.save_freq=-1"], stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "stderr.txt", "w"), start_new_session=True, env=dict(os.environ))
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    try:
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no step logged"
+            time.sleep(0.05)
+        assert any("DashboardAgent" in _cmdline(p) or "raylet" in _cmdline(p) for p in _session_pids(proc.pid))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        t0 = time.monotonic()
+        while _session_pids(proc.pid) and time.monotonic() - t0 < 15:
+            time.sleep(0.1)
+        left = {p: _cmdline(p) for p in _session_pids(proc.pid)}
+    finally:
+        for p in _session_pids(proc.pid):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert not left, f"left {time.monotonic() - t0:.0f} s after the driver's SIGKILL: {left}"
+    assert "stopped its" in (tmp_path / "stderr.txt").read_text()
