@@ -288,3 +288,29 @@ def test_one_exit_code_table_for_the_help_and_every_module():
     assert exit_codes.table() in train_cli.__doc__
     assert (EXIT_CONFIG, EXIT_PREFLIGHT, EXIT_WORKER_FAILURE) == (2, 3, 4)
     assert [int(c) for c in exit_codes.MEANINGS] == [0, 1, 2, 3, 4, 5, 6, 130, 143]
+
+
+def test_a_truncated_shard_of_the_newest_checkpoint_resumes_from_the_older_one(tmp_path, caplog):
+    """A real run's checkpoints (DCP shards): the newest one's shard cut in half is named in one line and skipped;
+    the run resumes from the one before and finishes."""
+    from qwen35rl.runtime.checkpoint import verify as ckpt_verify
+
+    def run(steps):
+        cfg = compose([*LOCAL, *SMALL, f"trainer.total_steps={steps}", "trainer.save_freq=1",
+                       "trainer.max_keep_checkpoints=0"])
+        return driver.run_training(cfg, tmp_path)
+
+    assert run(2) == 0
+    step_2 = tmp_path / "checkpoints" / "step_2"
+    shard = max((step_2 / "model").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    cut = shard.stat().st_size
+    with caplog.at_level(logging.WARNING):
+        assert run(3) == 0
+    damaged = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(damaged) == 1, damaged
+    assert damaged[0].startswith(f"checkpoint {step_2} is damaged: model/{shard.name} is {cut} bytes, ")
+    assert damaged[0].endswith("when saved (truncated or overwritten); skipped (kept on disk), trying step_1")
+    assert ckpt_verify(step_2) is None  # step 2 was trained again and saved over the damaged one
+    assert json.loads((tmp_path / "provenance" / "start-002" / "run.json").read_text())["start_step"] == 1
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
