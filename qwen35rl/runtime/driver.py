@@ -210,6 +210,9 @@ def _run_training(cfg: DictConfig, run_dir: Path) -> int:
     except RewardFailure as e:
         log.error("%s", e)
         return EXIT_REWARD_FAILURE
+    except ckpt.CheckpointError as e:
+        log.error("%s", e)
+        return EXIT_CONFIG
     finally:  # clean-up never raises a second error: the exit code stays the first one's
         tracking.close()
         plot_curves_safely(run_dir)
@@ -577,7 +580,12 @@ class GRPOTrainer:
 
     def restore(self, path: Path) -> None:
         restored = self.workers.run("load_checkpoint", str(path))
-        state = ckpt.load_trainer_state(path)
+        try:
+            state = ckpt.load_trainer_state(path)
+        except Exception as e:  # verified checkpoints load; this is one saved before files were listed
+            raise ckpt.CheckpointError(f"checkpoint {path}: {ckpt.TRAINER_STATE_FILE} does not load "
+                                       f"({type(e).__name__}: {e}); resume from another one with "
+                                       f"trainer.resume=<dir>") from e
         self.step = self.saved_step = int(state["step"])
         self.loader.load_state_dict(state["loader"])
         ckpt.set_rng_state(state["rng"])
