@@ -9,7 +9,7 @@
 set -u
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
-n="${LOAD_PROCS:-$(nproc)}"
+n="${LOAD_PROCS:-$(getconf _NPROCESSORS_ONLN)}"  # not nproc: it reads OMP_NUM_THREADS
 results="${RESULTS:-bench/results/load_suite.md}"
 pids=()
 for _ in $(seq "$n"); do
@@ -27,7 +27,7 @@ summary="$(grep -E '^(FAILED|ERROR)|[0-9]+ (passed|failed|error)' "$log" | tail 
 {
   [ -s "$results" ] || printf '# Tests under load\n\n`bench/load_suite.sh`: a pytest selection while every core runs a busy loop.\n'
   printf '\n## %s\n\nMachine: %s, %s cores (%s busy loops at nice 0; other users may share the box). Command:\n\n' \
-    "$(date '+%Y-%m-%d %H:%M')" "$(hostname)" "$(nproc)" "$n"
+    "$(date '+%Y-%m-%d %H:%M')" "$(hostname)" "$(getconf _NPROCESSORS_ONLN)" "$n"
   printf '    bench/load_suite.sh %s\n\nResult: exit %s after %s s.\n\n```\n%s\n```\n' "$*" "$rc" "$((t1 - t0))" "$summary"
 } >> "$results"
 exit "$rc"

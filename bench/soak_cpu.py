@@ -109,7 +109,7 @@ def straight(run, args, sample_every_s=5.0):
 
 
 def interrupted(run, args, kills, rng, save_freq):
-    """Kill the driver `kills` times at random moments (a random 0-4 checkpoint intervals after the attempt's first
+    """Kill the driver `kills` times at random moments (a random 0-3 checkpoint intervals after the attempt's first
     step), resume with the same command each time, then let the last attempt finish."""
     err = run.parent / "interrupted.err"
     events = []
@@ -126,7 +126,7 @@ def interrupted(run, args, kills, rng, save_freq):
             break
         while proc.poll() is None and not (len(steps_logged(run)) > len(before)):
             time.sleep(0.05)
-        delay = rng.uniform(0, 4 * save_freq * 2.7)
+        delay = rng.uniform(0, 3 * save_freq * 2.7)
         time.sleep(delay)
         if proc.poll() is not None:
             raise SystemExit(f"attempt {i + 1} ended before its kill ({proc.returncode}): see {err}")
@@ -202,7 +202,7 @@ def main():
             f"Date: {time.strftime('%Y-%m-%d %H:%M')}. Machine: {platform.node()}, {os.cpu_count()} CPU cores "
             f"(shared with other work), Python {platform.python_version()}.\n\nCommand:\n\n    {cmd}\n\n"
             f"Run: the embedded default (tiny model, CPU, 2 Ray workers) with `{' '.join(args)}`; the interrupted "
-            f"run's driver is SIGKILLed {opts.kills} times at random moments (a random 0-4 checkpoint intervals "
+            f"run's driver is SIGKILLed {opts.kills} times at random moments (a random 0-3 checkpoint intervals "
             f"after the attempt's first step) and restarted with the same command (resume=auto).\n\n"
             f"| measure | value |\n|---|---|\n"
             f"| final weights, interrupted vs straight | "
