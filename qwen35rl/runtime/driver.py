@@ -97,7 +97,6 @@ def _size(n: float) -> str:
 
 def report_disk_full(e: BaseException, run_dir: Path) -> int:
     """One block for a full disk: what could not be written, the free space, the last complete checkpoint."""
-    logging.raiseExceptions = False  # a log file on the full disk must not add tracebacks of its own
     try:
         usage = shutil.disk_usage(run_dir)
         free = f"{_size(usage.free)} free of {_size(usage.total)} on the file system of {run_dir}"
@@ -114,12 +113,16 @@ def report_disk_full(e: BaseException, run_dir: Path) -> int:
         resume = f"{last} (step {step}); free some space and run the same command again: it resumes from there"
     else:
         resume = "none yet (the run would start again from step 0)"
-    log.error("no space left on device: the run stopped (exit code %d)\n"
-              "  could not write:          %s\n"
-              "  free space:               %s\n"
-              "  last complete checkpoint: %s\n"
-              "  Everything written before is intact (metrics.jsonl up to the last logged step).",
-              EXIT_DISK_FULL, _unwritten(e), free, resume)
+    raise_exceptions, logging.raiseExceptions = logging.raiseExceptions, False
+    try:  # a log file on the full disk must not add a traceback of its own to the block
+        log.error("no space left on device: the run stopped (exit code %d)\n"
+                  "  could not write:          %s\n"
+                  "  free space:               %s\n"
+                  "  last complete checkpoint: %s\n"
+                  "  Everything written before is intact (metrics.jsonl up to the last logged step).",
+                  EXIT_DISK_FULL, _unwritten(e), free, resume)
+    finally:
+        logging.raiseExceptions = raise_exceptions
     return EXIT_DISK_FULL
 
 
