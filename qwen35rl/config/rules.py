@@ -12,6 +12,9 @@ rule's name), the key to change, a message with the numbers and a hint with a va
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
+import re
 import math
 import typing
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -898,3 +901,143 @@ def run_rules(cfg: Any, layout: Layout, scopes: Iterable[str] = SCOPES, stop_at_
 def check_all(cfg: Any, layout: Layout) -> List[Problem]:
     """Every rule's problems for `cfg` (a resolved DictConfig or plain dict tree) and its derived layout."""
     return run_rules(memory.as_tree(cfg), layout)
+
+
+# ============================================================================ names, paths, packages (before launch)
+TRACKERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+"""qwen35rl.runtime.tracking.TRACKERS (the runtime module is not imported here)."""
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+BUILTIN_TOKENIZERS = ("checkpoint", "byte", "qwen")
+RAY_ADDRESS = re.compile(r"^(auto|(ray://)?[A-Za-z0-9]([A-Za-z0-9.\-]*[A-Za-z0-9])?:\d{1,5})$")
+NAME_MAX = 255
+"""Bytes per file-name component on common file systems."""
+
+
+def is_local_run(cfg: Any) -> bool:
+    """The run executes on this machine, so its files are this machine's files and a missing path is an error here:
+    no Ray cluster to join (ray_address null, RAY_ADDRESS unset) and either trainer.launcher=local or a CPU target
+    (a local Ray cluster of this host). A GPU/NPU target is usually planned on a login node: warnings there, and
+    the preflight checks every node."""
+    if _get(cfg, "ray_address", None) not in (None, "") or os.environ.get("RAY_ADDRESS"):
+        return False
+    return _get(cfg, "trainer.launcher", "ray") == "local" or _get(cfg, "hw.device", "cpu") == "cpu"
+
+
+def _find_module(name: str) -> bool:
+    """Whether `a.b.c` is importable, without importing anything (not even the parent packages)."""
+    import sys
+    from importlib.machinery import PathFinder
+
+    if name.rpartition(".")[0] in sys.modules:  # the parent is imported already (os.path): nothing new is imported
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            return False
+    path = None
+    for i, part in enumerate(name.split(".")):
+        if not part.isidentifier():
+            return False
+        spec = importlib.util.find_spec(part) if i == 0 else PathFinder.find_spec(part, path)
+        if spec is None:
+            return False
+        path = spec.submodule_search_locations
+        if path is None and i < len(name.split(".")) - 1:
+            return False
+    return True
+
+
+def path_findings(cfg: Any) -> List[Tuple[str, str, str, str]]:
+    """(code, key, message, hint) for each file-system fact this machine contradicts: tokenizer and checkpoint
+    directories, local data files, the output root and a resume directory. The plan reports them (errors when the
+    run is local); the preflight's node probe runs the same function on every node."""
+    out: List[Tuple[str, str, str, str]] = []
+    tok, path, init = str(_get(cfg, "model.tokenizer", "checkpoint")), _get(cfg, "model.path", None), \
+        _get(cfg, "model.init", "pretrained")
+    if tok not in BUILTIN_TOKENIZERS and not os.path.isdir(tok):
+        out.append(("tokenizer_dir_missing", "model.tokenizer", f"model.tokenizer={tok!r} is neither a built-in "
+                    f"tokenizer ({', '.join(BUILTIN_TOKENIZERS)}) nor a directory here",
+                    did_you_mean(tok, BUILTIN_TOKENIZERS) or "give a tokenizer directory, or model.tokenizer=byte"))
+    if path is not None and init == "pretrained" and "://" not in str(path) and not os.path.isdir(str(path)):
+        out.append(("checkpoint_dir_missing", "model.path", f"model.init=pretrained loads model.path={path!r}, "
+                    "which is not a directory here", "give the Hugging Face checkpoint directory, or "
+                    "model.init=random"))
+    for key in ("data.train_files", "data.val_files"):
+        for f in _get(cfg, key, None) or []:
+            if "://" not in str(f) and not os.path.exists(str(f)):
+                out.append(("data_file_missing", key, f"{key} lists {str(f)!r}, which does not exist here",
+                            f"fix the path, or remove it from {key}"))
+    root = str(_get(cfg, "trainer.output_root", "runs"))
+    probe = os.path.abspath(root)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        what = "is not a directory" if os.path.exists(probe) and not os.path.isdir(probe) else "is not writable"
+        out.append(("output_root_unwritable", "trainer.output_root", f"trainer.output_root={root!r}: {probe} {what}",
+                    "try trainer.output_root=runs (a directory you can write)"))
+    resume = str(_get(cfg, "trainer.resume", "auto"))
+    if resume not in ("auto", "never") and not os.path.isfile(os.path.join(resume, "meta.json")):
+        out.append(("resume_not_a_checkpoint", "trainer.resume", f"trainer.resume={resume!r} is neither auto, never "
+                    "nor a finished checkpoint directory here (one with meta.json)",
+                    did_you_mean(resume, ("auto", "never")) or "try trainer.resume=auto"))
+    reward = str(_get(cfg, "data.reward", "exact_match"))
+    if ":" in reward and reward not in REWARDS:
+        module = reward.partition(":")[0]
+        if module.endswith(".py") or "/" in module:
+            if not os.path.isfile(module):
+                out.append(("reward_not_importable", "data.reward", f"data.reward={reward!r}: the file {module} "
+                            "does not exist here", "give an existing .py file, or a pkg.module:function path"))
+        elif not _find_module(module):
+            out.append(("reward_not_importable", "data.reward", f"data.reward={reward!r}: module {module!r} is not "
+                        "importable here", "install the package that provides it (pip install ...), or set "
+                        "PYTHONPATH; e.g. data.reward=exact_match"))
+    return out
+
+
+@rule("config")
+def paths_exist(cfg: Any, layout: Layout) -> List[Problem]:
+    """Tokenizer/checkpoint directories, data files, the output root, a resume directory and a custom reward's
+    module, on this machine: errors for a local run; for a run on a cluster, warnings (a login node need not see the
+    cluster's storage; the preflight checks them on every node)."""
+    local = is_local_run(cfg)
+    out = []
+    for code, key, message, hint in path_findings(cfg):
+        if not local:
+            message += " (the run joins a Ray cluster: its nodes' preflight checks this there)"
+        out.append(Problem("paths_exist", key, f"{message} [{code}]", hint, ERROR if local else WARNING))
+    return out
+
+
+@rule("config")
+def names_valid(cfg: Any, layout: Layout) -> List[Problem]:
+    """Trackers, the run name, ray_address and the optimizer's betas."""
+    out = []
+    trackers = [str(t) for t in _get(cfg, "trainer.trackers", None) or []]
+    for t in trackers:
+        if t not in TRACKERS:
+            out += _err("names_valid", "trainer.trackers", f"trainer.trackers lists {t!r}, which is not one of "
+                        f"{', '.join(TRACKERS)}", did_you_mean(t, TRACKERS) or "try trainer.trackers=[console,jsonl]")
+        elif t in TRACKER_PACKAGES and importlib.util.find_spec(TRACKER_PACKAGES[t]) is None:
+            out += _err("names_valid", "trainer.trackers", f"trainer.trackers lists {t!r} but the "
+                        f"{TRACKER_PACKAGES[t]} package is not installed", f"pip install {TRACKER_PACKAGES[t]} (or "
+                        f"pip install 'qwen35rl[trackers]'), or drop {t!r} from trainer.trackers")
+    name = str(_get(cfg, "trainer.run_name", "run"))
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if not name or name in (".", "..") or "/" in name or "\0" in name or size > NAME_MAX:
+        why = (f"is {size} bytes; a file name holds at most {NAME_MAX}" if size > NAME_MAX else
+               "contains '/'" if "/" in name else "is not a usable directory name")
+        out += _err("names_valid", "trainer.run_name", f"trainer.run_name names the run directory and {why}",
+                    f"try trainer.run_name={re.sub(r'[^A-Za-z0-9._-]', '-', name)[:64].strip('.') or 'run'}")
+    addr = _get(cfg, "ray_address", None)
+    if addr not in (None, "") and not RAY_ADDRESS.match(str(addr)):
+        out += _err("names_valid", "ray_address", f"ray_address={str(addr)[:80]!r} is not null, 'auto', "
+                    "'host:port' or 'ray://host:port'", "e.g. ray_address=auto or ray_address=10.0.0.1:6379")
+    elif addr not in (None, "", "auto") and not 0 < int(str(addr).rsplit(":", 1)[1]) < 65536:
+        out += _err("names_valid", "ray_address", f"ray_address={addr!r}: the port is outside 1-65535",
+                    "e.g. ray_address=10.0.0.1:6379")
+    betas = _get(cfg, "backend.betas", None)
+    if betas is not None:
+        b = list(betas)
+        if len(b) != 2 or not all(isinstance(x, (int, float)) and 0 <= x < 1 for x in b):
+            out += _err("names_valid", "backend.betas", f"backend.betas={b} must be two numbers in [0, 1) "
+                        "(Adam's beta1, beta2)", "try backend.betas=[0.9,0.999]")
+    return out

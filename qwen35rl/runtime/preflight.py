@@ -111,15 +111,20 @@ def wait_for_resources(cfg: Any, platform: Platform, timeout_s: float,
 
 
 # --------------------------------------------------------------------------------------------- node probe
-def probe_node(device_type: str) -> Dict[str, Any]:
+def probe_node(device_type: str, paths_cfg: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Runs on a node (as a Ray task holding one device, or in the driver with trainer.launcher=local): host,
-    device memory and the installed stack."""
+    device memory, the installed stack and, given the plain config, the paths this node cannot see
+    (`rules.path_findings`: tokenizer/checkpoint directories, data files, output root, resume directory)."""
     from qwen35rl.runtime.provenance import package_versions
 
     from qwen35rl.config.capabilities import Stack
 
     info: Dict[str, Any] = {"hostname": socket.gethostname(), "address": node_ip(), "packages": package_versions(),
                             "stack": dataclasses.asdict(Stack.installed(device_type))}
+    if paths_cfg is not None:
+        from qwen35rl.config.rules import path_findings
+
+        info["path_findings"] = [list(f) for f in path_findings(paths_cfg)]
     if device_type == "cpu":
         info["device_name"] = "cpu"
         info["host_memory_gb"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
@@ -138,7 +143,8 @@ def probe_node(device_type: str) -> Dict[str, Any]:
     return info
 
 
-def probe_nodes(platform: Platform, nodes: Sequence[Node], timeout_s: float) -> List[Dict[str, Any]]:
+def probe_nodes(platform: Platform, nodes: Sequence[Node], timeout_s: float,
+                paths_cfg: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
     """`probe_node` on each node, in a fresh process holding one device there (released when it returns)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -148,7 +154,7 @@ def probe_nodes(platform: Platform, nodes: Sequence[Node], timeout_s: float) -> 
     refs = [task.options(num_cpus=1, num_gpus=platform.bundle().get("GPU", 0), resources=resources,
                          runtime_env={"env_vars": platform.worker_env},
                          scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False))
-            .remote(platform.device_type) for n in nodes]
+            .remote(platform.device_type, paths_cfg) for n in nodes]
     ready, pending = ray.wait(refs, num_returns=len(refs), timeout=max(timeout_s, 30.0))
     if pending:
         for ref in pending:
@@ -250,6 +256,22 @@ def version_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem
     return out
 
 
+# ------------------------------------------------------------------------------------------------- paths
+def path_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
+    """Paths a node cannot see (the plan only warns about them when the run joins a cluster): errors, with the
+    nodes that lack them."""
+    found: Dict[Tuple[str, str, str, str], List[str]] = {}
+    for p in probes:
+        for code, key, message, hint in p.get("path_findings") or []:
+            found.setdefault((code, key, message, hint), []).append(str(p.get("hostname")))
+    return [Problem(code, key, f"{message} (on {', '.join(hosts)})", hint, ERROR)
+            for (code, key, message, hint), hosts in found.items()]
+
+
+def plain_config(cfg: Any) -> Dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+
+
 # ------------------------------------------------------------------------------------------- GDN kernels
 FLA_FIX = ("install tilelang (and nvcc, for its JIT) or Triton >= 3.7.1 there, so that fla's kernels run; or "
            "uninstall flash-linear-attention there (transformers then runs its torch GDN code: slower, more memory)")
@@ -313,7 +335,7 @@ def check_probes(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
     """What the node probes saw against the config (memory, versions, GDN kernels). Warnings are logged and
     returned; errors raise PreflightError (with every error found)."""
     problems = (memory_problems(cfg, probes) + version_problems(cfg, probes) + gdn_problems(cfg, probes)
-                + capability_problems(cfg, probes))
+                + capability_problems(cfg, probes) + path_problems(cfg, probes))
     for p in problems:
         if p.severity != ERROR:
             log.warning("preflight: %s", p.render())
@@ -327,7 +349,7 @@ def run_preflight(cfg: Any, platform: Platform, *, wait_s: float) -> Dict[str, A
     """All checks against the connected Ray cluster. Returns what was seen, for the run's provenance."""
     t0 = time.monotonic()
     nodes = wait_for_resources(cfg, platform, wait_s)
-    probes = probe_nodes(platform, nodes, cfg.trainer.placement_timeout_s)
+    probes = probe_nodes(platform, nodes, cfg.trainer.placement_timeout_s, plain_config(cfg))
     warnings = check_probes(cfg, probes)
     log.info("preflight passed in %.1f s: %d node(s) can host the run", time.monotonic() - t0, len(nodes))
     return {"nodes": [{"node_id": n.node_id, "address": n.address, "resources": n.resources} for n in nodes],
@@ -339,7 +361,7 @@ def run_local_preflight(cfg: Any, platform: Platform) -> Dict[str, Any]:
     seen, for the run's provenance."""
     apply_env(platform.worker_env)  # the probe sees the workers' environment, as a Ray probe task does
     try:
-        probe = probe_node(platform.device_type)
+        probe = probe_node(platform.device_type, plain_config(cfg))
     except Exception as e:  # noqa: BLE001 - no such device here: no driver, a CPU-only torch, ...
         raise PreflightError([Problem(
             "local_device_missing", "hw.device", f"hw.device={platform.device_type}, but this process cannot use "

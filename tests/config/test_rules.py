@@ -65,6 +65,8 @@ def by_code(t, code):
 
 # (rule, base, updates that pass it, updates that fail it, expected key of the failure, severity)
 CASES = [
+    ("paths_exist", "tiny", {"trainer__resume": "never"}, {"trainer__resume": "bogus"}, "trainer.resume", ERROR),
+    ("names_valid", "tiny", {"trainer__run_name": "a-b"}, {"trainer__run_name": "a/b"}, "trainer.run_name", ERROR),
     ("degrees_positive", "mg35", {}, {"parallelism__pp": 0}, "parallelism.pp", ERROR),
     ("degrees_match_backend", "fsdp27", {}, {"parallelism__tp": 2}, "parallelism.tp", ERROR),
     ("world_size_matches_devices", "mg35", {"parallelism__pp": 2, "parallelism__ep": 4},
@@ -230,14 +232,18 @@ def test_reference_runs_are_valid(model, backend, hw):
         found = rules.check_all(cfg, derive_layout(cfg))
         # valid; a warning only where the run sets something its engine does not apply (e.g. TE options on Ascend)
         declared = {e.code for e in capabilities.DECLARATION if e.verdict == capabilities.NOT_APPLIED}
-        assert all(p.severity == WARNING and p.code in declared for p in found), [p.render() for p in found]
+        # (and the geo3k files, which live on the cluster: a paths_exist warning on this machine)
+        assert all(p.severity == WARNING and (p.code in declared or p.code == "paths_exist") for p in found), \
+            [p.render() for p in found]
 
 
 def test_default_and_tiny_variants_are_valid():
     for overrides in ([], ["model=qwen3_5_tiny_moe"], ["model=qwen3_5_tiny_vl", "data=geo3k"],
                       ["model=qwen3_5_tiny_vl_moe", "data=geo3k"]):
         cfg = compose(overrides)
-        assert rules.check_all(cfg, derive_layout(cfg)) == []
+        found = rules.check_all(cfg, derive_layout(cfg))
+        # geo3k's parquet files are not in the checkout: the only problem is that they are missing here
+        assert [p for p in found if not (p.code == "paths_exist" and p.key.startswith("data."))] == []
 
 
 TINY_MEGATRON_CPU = ["backend=megatron", "hw=cpu", "hw.devices_per_node=2"]
