@@ -918,3 +918,17 @@ def estimate(cfg: Any, layout: Layout, gdn: Optional[str] = None) -> MemoryEstim
     the plan assumes (`gdn_kernels`)."""
     tree = as_tree(cfg)
     return assemble(tree, train_terms(tree, layout, gdn), rollout_terms(tree, layout, gdn))
+
+
+# ------------------------------------------------------------------------------------------------- on disk
+CHECKPOINT_BYTES_PER_PARAM = {"fsdp": FP32 + 2 * FP32, "megatron": BF16 + FP32 + 2 * FP32}
+"""What a checkpoint holds per trained parameter: FSDP its fp32 parameters and Adam's two moments; Megatron its
+bf16 model weights, the distributed optimizer's fp32 main copy and the two moments."""
+
+
+def checkpoint_gib(cfg: Any) -> float:
+    """Size of one checkpoint of the policy (the reference is rebuilt, not saved): the trained parameters (the
+    vision tower when the run sees images) times `CHECKPOINT_BYTES_PER_PARAM`."""
+    count = P.count_params(cfg["model"])
+    trained = count.text + (count.vision if cfg["data"].get("has_images") else 0)
+    return gib(trained * CHECKPOINT_BYTES_PER_PARAM[str(cfg["backend"]["name"])])

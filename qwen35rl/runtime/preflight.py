@@ -330,12 +330,37 @@ def capability_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Prob
     return [dataclasses.replace(p, message=f"{p.message} (on {', '.join(hosts)})") for p, hosts in found.values()]
 
 
+# ---------------------------------------------------------------------------------------------- disk space
+def disk_problems(cfg: Any) -> List[Problem]:
+    """The output directory (seen from the driver) has room for two checkpoints: the one being written and the
+    last complete one it replaces only when done."""
+    import shutil
+    from pathlib import Path
+
+    from qwen35rl.config.memory import checkpoint_gib
+
+    root = Path(str(cfg.trainer.output_root)).expanduser().resolve()
+    while not root.exists() and root != root.parent:
+        root = root.parent
+    try:
+        free_gib = shutil.disk_usage(root).free / 2 ** 30
+    except OSError:
+        return []
+    need = 2 * checkpoint_gib(cfg)
+    if free_gib >= need:
+        return []
+    return [Problem("output_disk_short", "trainer.output_root", f"{root} has {free_gib:.1f} GiB free; two "
+                    f"checkpoints of this run take {need:.1f} GiB (one is {need / 2:.1f} GiB)",
+                    "free space there, or point trainer.output_root at a larger file system (a full disk stops the "
+                    "run at its next checkpoint, with what was written kept)", WARNING)]
+
+
 # --------------------------------------------------------------------------------------------------- entry
 def check_probes(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
     """What the node probes saw against the config (memory, versions, GDN kernels). Warnings are logged and
     returned; errors raise PreflightError (with every error found)."""
     problems = (memory_problems(cfg, probes) + version_problems(cfg, probes) + gdn_problems(cfg, probes)
-                + capability_problems(cfg, probes) + path_problems(cfg, probes))
+                + capability_problems(cfg, probes) + path_problems(cfg, probes) + disk_problems(cfg))
     for p in problems:
         if p.severity != ERROR:
             log.warning("preflight: %s", p.render())

@@ -149,3 +149,20 @@ def test_gpu_nodes_without_fla_get_a_warning_naming_what_runs_instead():
     assert p.code == "fla_missing_on_node" and p.severity == WARNING and "megatron-core's torch" in p.message
     with_fla = _probe(gdn={"fla": "0.6.0", "triton": "3.7.1", "capability": [9, 0], "fla_backward_refused": False})
     assert preflight.gdn_problems(cfg, [with_fla]) == []
+
+
+def test_an_output_directory_without_room_for_two_checkpoints_is_warned(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from qwen35rl.config.memory import checkpoint_gib
+
+    cfg = compose(["model=qwen3_5_27b", "hw=gpu_1node", "rollout=hf", f"trainer.output_root={tmp_path}/runs"])
+    one = checkpoint_gib(cfg)
+    assert 27 * 12 / 1.1 < one < 29 * 12  # ~27 B trained parameters, fp32 weights and two Adam moments
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 15, 0, int(1.5 * one * 2 ** 30)))
+    (p,) = preflight.disk_problems(cfg)
+    assert p.code == "output_disk_short" and p.severity == WARNING and str(tmp_path) in p.message
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 ** 15, 0, int(2.5 * one * 2 ** 30)))
+    assert preflight.disk_problems(cfg) == []
