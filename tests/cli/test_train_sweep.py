@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.load import scaled
+
 SMALL = ["hw.devices_per_node=1", "data.train_batch_size=4", "algorithm.mini_batch_size=4",
          "backend.micro_batch_size_per_device=8", "trainer.total_steps=1", "trainer.test_freq=-1",
          "trainer.export_hf=false"]
@@ -16,7 +18,7 @@ SMALL = ["hw.devices_per_node=1", "data.train_batch_size=4", "algorithm.mini_bat
 def train(*args, timeout=600):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
     return subprocess.run([sys.executable, "-m", "qwen35rl.cli.train", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=scaled(timeout), env=env)
 
 
 def test_all_invalid_sweep_starts_nothing(tmp_path):

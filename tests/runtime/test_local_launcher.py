@@ -23,6 +23,7 @@ from qwen35rl.runtime.platform import resolve_platform
 from qwen35rl.runtime.preflight import PreflightError, run_local_preflight
 from qwen35rl.runtime.tracking import read_metrics
 from qwen35rl.runtime.worker import PolicyWorker
+from tests.load import scaled
 
 LOCAL = ["trainer.launcher=local", "hw.devices_per_node=1"]
 SMALL = ["data.train_batch_size=4", "rollout.n=4", "algorithm.mini_batch_size=2",
@@ -161,7 +162,7 @@ NO_RAY = ("import sys; sys.modules['ray'] = None  # any `import ray` fails, as w
 
 def train(run_dir, *overrides):
     return subprocess.run([sys.executable, "-c", NO_RAY, f"hydra.run.dir={run_dir}", *LOCAL, *SMALL, *overrides],
-                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
+                          capture_output=True, text=True, timeout=scaled(300), env=dict(os.environ))
 
 
 def _ok(proc):
