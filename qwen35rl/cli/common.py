@@ -62,7 +62,10 @@ def start(argv: Sequence[str]) -> Tuple[Any, Optional[Any], Optional[int]]:
     if wants_hydra_only(args):
         from omegaconf import OmegaConf
 
-        run_hydra(lambda cfg: print(OmegaConf.to_yaml(cfg)), argv)
+        if getattr(args, "cfg", None):  # Hydra prints the config itself: its output goes through the redaction
+            print_redacted(lambda: run_hydra(lambda cfg: print(OmegaConf.to_yaml(cfg)), argv), args.overrides)
+        else:
+            run_hydra(lambda cfg: print(OmegaConf.to_yaml(cfg)), argv)
         return args, None, 0
     overrides = list(args.overrides)
     try:
@@ -71,4 +74,50 @@ def start(argv: Sequence[str]) -> Tuple[Any, Optional[Any], Optional[int]]:
             return args, None, None
         return args, compose(overrides), None
     except ConfigError as e:
+        e.overrides = overrides  # never echo the value of a secret-looking key
         return args, None, report_config_error(e, output_format(overrides))
+
+
+def secrets_of(overrides: Sequence[str]) -> set:
+    """The secret values a command line carries: in its overrides (by key name), in the config they compose and in
+    the environment (qwen35rl/config/redact.py's rule)."""
+    from qwen35rl.config.redact import is_secret_name, secret_values
+
+    found = set()
+    for ov in overrides:
+        k, eq, v = ov.lstrip("+~").partition("=")
+        if eq and v and is_secret_name(k.strip()):
+            found.add(v)
+    try:
+        from omegaconf import OmegaConf
+        from qwen35rl.config.compose import compose
+
+        tree = OmegaConf.to_container(compose([o for o in overrides], resolve=False), resolve=False)
+    except Exception:  # a config that does not compose: Hydra reports it; the overrides' values are known already
+        tree = {}
+    return found | secret_values(tree)
+
+
+def print_redacted(fn: Callable[[], Any], overrides: Sequence[str]) -> None:
+    """Run `fn` (Hydra printing a config: --cfg job/hydra/all) with its stdout redacted: secret-looking keys show
+    REDACTED, and secret values are scrubbed wherever they appear."""
+    import contextlib
+    import io
+
+    from qwen35rl.config.redact import redact_yaml
+
+    from qwen35rl.config.redact import REDACTED, is_secret_name
+
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            fn()
+    finally:
+        text = buf.getvalue()
+        if text:
+            for ov in overrides:  # the overrides as Hydra lists them (hydra.overrides.task), short values too
+                k, eq, v = ov.lstrip("+~").partition("=")
+                if eq and v and is_secret_name(k.strip()):
+                    text = text.replace(f"{k}={v}", f"{k}={REDACTED}")
+            sys.stdout.write(redact_yaml(text, secrets_of(overrides)))
+            sys.stdout.flush()

@@ -15,6 +15,8 @@ from qwen35rl.config.store import register
 
 # Config groups a user picks with `group=option` (recipe is picked automatically but may be forced).
 GROUPS = ("model", "hw", "backend", "rollout", "algorithm", "data", "parallelism", "cluster", "recipe")
+# Groups every run has (the defaults list of conf/config.yaml picks one): `~group` cannot delete them.
+REQUIRED_GROUPS = ("model", "hw", "backend", "rollout", "algorithm", "data")
 # Helper trees that are included by other configs, never chosen on the command line.
 _INTERNAL_DIRS = {"model_base", "platform", "hydra", "schema"}
 
@@ -27,21 +29,46 @@ class ConfigError(Exception):
         super().__init__(message)
         self.key, self.message, self.value, self.allowed, self.hint, self.code = key, message, value, list(allowed), hint, code
 
+    overrides: Sequence[str] = ()
+    """The command line's overrides (set by the CLI): values of secret-looking keys among them are never echoed."""
+
+    def _scrub(self, text: str) -> str:
+        """`text` without the secret values of the overrides (qwen35rl/config/redact.py decides what is secret)."""
+        from qwen35rl.config.redact import REDACTED, is_secret_name, scrub, secret_values
+
+        pairs = []
+        for ov in [*self.overrides, f"{self.key}={self.value}" if self.value is not None else ""]:
+            k, eq, v = ov.lstrip("+~").partition("=")
+            if eq and v and is_secret_name(k.strip()):
+                pairs.append((k.strip(), v))
+        for k, v in sorted(pairs, key=lambda p: len(p[1]), reverse=True):
+            text = text.replace(f"{k}={v}", f"{k}={REDACTED}")
+        return scrub(text, {v for _, v in pairs} | secret_values())
+
+    def _shown_value(self) -> Optional[str]:
+        from qwen35rl.config.redact import REDACTED, is_secret_name
+
+        if self.value is not None and self.value != "" and is_secret_name(self.key):
+            return REDACTED
+        return self.value
+
     def render(self) -> str:
         lines = [f"qwen35rl: config error at '{self.key}': {self.message}"]
-        if self.value is not None:
-            lines.append(f"  value:   {self.value}")
+        value = self._shown_value()
+        if value is not None:
+            lines.append(f"  value:   {value}")
         if self.allowed:
             shown = ", ".join(self.allowed[:40]) + (" ..." if len(self.allowed) > 40 else "")
             lines.append(f"  allowed: {shown}")
         if self.hint:
             lines.append(f"  hint:    {self.hint}")
         lines.append("  (set HYDRA_FULL_ERROR=1 for the full traceback)")
-        return "\n".join(lines)
+        return self._scrub("\n".join(lines))
 
     def to_problem_dict(self) -> dict:
         hint = self.hint or (f"allowed: {', '.join(self.allowed[:20])}" if self.allowed else "")
-        return {"code": self.code, "severity": "error", "key": self.key, "message": self.message, "hint": hint}
+        return {"code": self.code, "severity": "error", "key": self.key, "message": self._scrub(self.message),
+                "hint": self._scrub(hint)}
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:
@@ -78,16 +105,138 @@ def available_options(group: str) -> List[str]:
 
 
 # ------------------------------------------------------------------------------------------------- overrides
+_FORMS = "write overrides as key=value, group=option, +new.key=value, ~key or key=a,b,c with -m"
+_CONFUSABLE = {  # letters that look like ASCII ones (Cyrillic, Greek)
+    "а": "a", "в": "b", "е": "e", "к": "k", "м": "m", "н": "h", "о": "o", "р": "p", "с": "c", "т": "t", "у": "y",
+    "х": "x", "і": "i", "ј": "j", "ѕ": "s", "ԁ": "d", "ɡ": "g", "А": "A", "В": "B", "Е": "E", "З": "3", "К": "K",
+    "М": "M", "Н": "H", "О": "O", "Р": "P", "С": "C", "Т": "T", "Х": "X", "І": "I", "Ј": "J", "Ѕ": "S",
+    "α": "a", "ο": "o", "ν": "v", "ρ": "p", "τ": "t", "υ": "u", "ι": "i", "κ": "k", "Α": "A", "Β": "B", "Ε": "E",
+    "Ζ": "Z", "Η": "H", "Ι": "I", "Κ": "K", "Μ": "M", "Ν": "N", "Ο": "O", "Ρ": "P", "Τ": "T", "Χ": "X", "Υ": "Y",
+    "‘": "'", "’": "'", "“": '"', "”": '"', "–": "-", "—": "-", " ": " ",
+}
+
+
+def _ascii_of(ch: str) -> Optional[str]:
+    """The ASCII character `ch` stands for (a non-ASCII digit, a fullwidth form, a look-alike letter), if any."""
+    import unicodedata
+
+    if ch in _CONFUSABLE:
+        return _CONFUSABLE[ch]
+    if unicodedata.decimal(ch, None) is not None:
+        return str(unicodedata.decimal(ch))
+    folded = unicodedata.normalize("NFKC", ch)
+    return folded if folded.isascii() and folded.isprintable() and len(folded) == 1 else None
+
+
+def _key_part(override: str) -> str:
+    return override.partition("=")[0].strip().lstrip("+~") if "=" in override else override.strip().lstrip("+~")
+
+
+def _unbalanced(text: str) -> Optional[str]:
+    """Why the brackets or quotes of a value do not pair up, if they do not."""
+    pairs, stack, quote = {"]": "[", "}": "{", ")": "("}, [], None
+    for i, ch in enumerate(text):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            stack.append(ch)
+        elif ch in pairs:
+            if not stack or stack.pop() != pairs[ch]:
+                return f"'{ch}' at position {i + 1} of the value closes nothing"
+    if quote:
+        return f"the quote {quote} is never closed"
+    if stack:
+        return f"'{stack[-1]}' is never closed (add '{ {'[': ']', '{': '}', '(': ')'}[stack[-1]]}')"
+    return None
+
+
+def explain_override(override: str, parses: bool = False) -> Optional["ConfigError"]:
+    """A ConfigError naming the key and the reason when `override` is malformed, else None. Looks at the text
+    itself (so the reason is ours, not the parser's grammar dump). `parses`: Hydra's parser accepts it, so only
+    what the parser lets through is refused (no key at all)."""
+    import unicodedata
+
+    key = _key_part(override)
+    if not override.strip():
+        return ConfigError("(empty override)", "an empty string is not an override (a stray '' or \"\" on the "
+                           "command line?)", value=repr(override), hint=f"drop it; {_FORMS}", code="parse_error")
+    for i, ch in enumerate(override if not parses else ""):
+        if not ch.isascii():
+            name = unicodedata.name(ch, f"U+{ord(ch):04X}")
+            fixed = "".join(_ascii_of(c) or c for c in override)
+            where = "key" if i < len(override.partition("=")[0]) or "=" not in override else "value"
+            if fixed.isascii():
+                alt = f"the ASCII form is {fixed}"
+                group = _group_of(_key_part(fixed))
+                if group and "=" in fixed:
+                    guess = did_you_mean(fixed.partition("=")[2], available_options(group))
+                    alt = f"{guess} ({alt})" if guess else alt
+            else:
+                alt = "type it with ASCII characters"
+            return ConfigError(key if key.isascii() and key else override, f"non-ASCII character {ch!r} ({name}, "
+                               f"U+{ord(ch):04X}) at position {i + 1} of the {where}", value=override, hint=alt,
+                               code="parse_error")
+    body = override.lstrip("+~")
+    if "=" not in override:
+        if override.startswith("~") and body:
+            return None
+        if not body:
+            return ConfigError(override, f"'{override}' alone names no key", hint=_FORMS, code="parse_error")
+        return ConfigError(key, "has no '=value'", value=override, hint=f"e.g. {key}=... ({_FORMS})",
+                           code="parse_error")
+    k, _, v = body.partition("=")
+    if not k.strip():
+        return ConfigError(override, f"'{override}' has no key before '='", value=override, hint=_FORMS,
+                           code="parse_error")
+    if parses:
+        return None
+    if k != k.strip() or " " in k or "\t" in k:
+        return ConfigError(k.strip(), "a key holds no spaces", value=override,
+                           hint=f"try {''.join(k.split())}={v}", code="parse_error")
+    if override.startswith("+++") or (override.startswith("~") and override[1:2] in "+~"):
+        return ConfigError(k, f"'{override[:3]}' is not a prefix", value=override,
+                           hint="use + (add), ++ (add or override) or ~ (delete)", code="parse_error")
+    if v.startswith("="):
+        return ConfigError(k, "has '==' (one '=' separates key and value)", value=override,
+                           hint=f"try {override.replace('==', '=', 1)}", code="parse_error")
+    why = _unbalanced(v)
+    if why:
+        return ConfigError(k, f"the value's brackets or quotes do not pair up: {why}", value=v,
+                           hint="close it, e.g. key=[a,b] or key='text'; quote the whole override for your shell",
+                           code="parse_error")
+    return None
+
+
 def parse_overrides(overrides: Sequence[str]):
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
 
+    parser = OverridesParser.create()
+    for o in overrides:
+        try:
+            parser.parse_overrides([o])
+            parses = True
+        except OverrideParseException:
+            parses = False
+        err = explain_override(o, parses)
+        if err is not None:
+            raise err
     try:
-        return OverridesParser.create().parse_overrides(list(overrides))
+        return parser.parse_overrides(list(overrides))
     except OverrideParseException as e:
-        bad = next((o for o in overrides if o in str(e)), None) or str(e).split("'")[1:2]
-        raise ConfigError(str(bad), "cannot parse this override", hint="write overrides as key=value, "
-                          "group=option, +new.key=value or key=a,b,c with -m") from None
+        bad, reason = None, str(e).strip().splitlines()[0] if str(e).strip() else "cannot parse this override"
+        for o in overrides:  # which one: parse them one at a time
+            try:
+                parser.parse_overrides([o])
+            except OverrideParseException as one:
+                bad, reason = o, (str(one).strip().splitlines() or [reason])[0]
+                break
+        reason = re.sub(r"^Error parsing override '.*'$", "cannot parse this override", reason)
+        key = _key_part(bad) if bad else "?"
+        raise ConfigError(key or str(bad), f"cannot parse this override: {reason}", value=bad, hint=_FORMS,
+                          code="parse_error") from None
 
 
 def _group_of(key: str) -> Optional[str]:
@@ -98,6 +247,10 @@ def check_group_choices(parsed) -> None:
     """Unknown group options fail here with the list of options and a did-you-mean."""
     for o in parsed:
         group = _group_of(o.key_or_group)
+        if group in REQUIRED_GROUPS and o.is_delete():
+            raise ConfigError(group, f"'{o.input_line}' deletes the required group '{group}'", value=o.input_line,
+                              allowed=available_options(group),
+                              hint=f"choose another option instead: {group}=<option>", code="required_group_deleted")
         if group is None or o.is_delete():
             if o.key_or_group in _INTERNAL_DIRS:
                 raise ConfigError(o.key_or_group, "is an internal config tree, not a group to choose",
@@ -179,9 +332,17 @@ def _translate(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
     if isinstance(cause, oc_errors.ConfigKeyError) or "not in struct" in msg:
         parent, _, leaf = full_key.rpartition(".")
         try:
-            allowed = _keys_at(_hydra_compose([o for o in overrides if o.split("=", 1)[0] in GROUPS]), parent)
+            base = _hydra_compose([o for o in overrides if o.split("=", 1)[0] in GROUPS])
+            allowed, top = _keys_at(base, parent), _keys_at(base, "")
         except Exception:  # the suggestion is a courtesy; the error itself stands
-            allowed = []
+            allowed, top = [], []
+        head, _, rest = full_key.partition(".")
+        if rest and top and head not in top:  # the first part is the typo: suggest the group
+            close = difflib.get_close_matches(head, top, n=3, cutoff=0.6)
+            hint = (f"did you mean {' or '.join(c + '.' + rest for c in close)}?" if close else
+                    f"'{head}' is not a top-level key; see them with: qwen35rl-plan --cfg job")
+            return ConfigError(full_key, f"unknown top-level key '{head}'", value=value, allowed=top, hint=hint,
+                               code="unknown_key")
         hint = did_you_mean(leaf, allowed)
         if not hint and _is_open_dict(parent, overrides):
             hint = f"'{parent}' takes new entries with a leading plus: +{full_key}={value if value is not None else '...'}"

@@ -90,3 +90,18 @@ def scrub(text: str, values: Iterable[str]) -> str:
     for v in sorted(values, key=len, reverse=True):
         text = text.replace(v, REDACTED)
     return redact_url(text)
+
+
+_YAML_ENTRY = re.compile(r"^(?P<head>\s*(?:- )?(?P<key>[^\s:#'\"][^:]*?|'[^']*'|\"[^\"]*\"):[ \t]+)(?P<value>\S.*)$")
+
+
+def redact_yaml(text: str, values: Iterable[str] = ()) -> str:
+    """YAML text (OmegaConf.to_yaml, Hydra's --cfg output) with the value of every secret-looking key shown as
+    REDACTED, and the secret `values` scrubbed wherever else they appear."""
+    out = []
+    for line in text.split("\n"):
+        m = _YAML_ENTRY.match(line)
+        if m and is_secret_name(m.group("key").strip("'\"")) and m.group("value") not in ("null", "''", '""'):
+            line = m.group("head") + REDACTED
+        out.append(line)
+    return scrub("\n".join(out), values)

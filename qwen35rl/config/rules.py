@@ -450,6 +450,16 @@ def _multiple_at_least(x: int, unit: int) -> int:
     return max(unit, (x + unit - 1) // unit * unit)
 
 
+def _valid_multiple(x: int, unit: int, high: int = schema.INT_MAX) -> Optional[int]:
+    """The multiple of `unit` nearest above x that is still <= high (the field's range), else the largest one
+    below; None when no multiple fits."""
+    up = _multiple_at_least(x, unit)
+    if up <= high:
+        return up
+    down = high // unit * unit
+    return down if down >= 1 else None
+
+
 @rule("config")
 def mini_batch_within_batch(cfg: Any, layout: Layout) -> List[Problem]:
     """mini_batch_size <= train_batch_size (prompts)."""
@@ -479,9 +489,12 @@ def batch_divisible_by_dp_micro(cfg: Any, layout: Layout) -> List[Problem]:
     if unit < 1 or (batch * n) % unit == 0:
         return []
     per = unit // math.gcd(unit, n)
+    fix = _valid_multiple(batch, per)
+    hint = (_try("data.train_batch_size", fix) if fix is not None else
+            _try("backend.micro_batch_size_per_device", 1) if not dynamic and micro > 1 else
+            f"fewer DP ranks: no data.train_batch_size up to {schema.INT_MAX} splits over DP{layout.dp}")
     return _err("batch_divisible_by_dp_micro", "data.train_batch_size", f"{batch} prompts x n={n} = {batch * n} "
-                f"responses do not split over DP{layout.dp}" + ("" if dynamic else f" x micro batch {micro}"),
-                _try("data.train_batch_size", _multiple_at_least(batch, per)))
+                f"responses do not split over DP{layout.dp}" + ("" if dynamic else f" x micro batch {micro}"), hint)
 
 
 @rule("train")
@@ -491,9 +504,10 @@ def mini_batch_divisible_by_dp(cfg: Any, layout: Layout) -> List[Problem]:
     if layout.dp < 1 or (mini * n) % layout.dp == 0:
         return []
     per = layout.dp // math.gcd(layout.dp, n)
+    fix = _valid_multiple(mini, per)
     return _err("mini_batch_divisible_by_dp", "algorithm.mini_batch_size", f"{mini} prompts x n={n} = {mini * n} "
                 f"responses per mini batch do not split over DP{layout.dp}",
-                _try("algorithm.mini_batch_size", _multiple_at_least(mini, per)))
+                _try("algorithm.mini_batch_size", fix) if fix is not None else "use fewer DP ranks")
 
 
 @rule("train")
@@ -991,6 +1005,17 @@ def path_findings(cfg: Any) -> List[Tuple[str, str, str, str]]:
                         "importable here", "install the package that provides it (pip install ...), or set "
                         "PYTHONPATH; e.g. data.reward=exact_match"))
     return out
+
+
+@rule("config")
+def model_path_missing(cfg: Any, layout: Layout) -> List[Problem]:
+    """model.init=pretrained needs model.path (the checkpoint to load): an error for a run on this machine; a
+    warning for a run planned for a cluster (qwen35rl-train refuses it before launch either way)."""
+    if _get(cfg, "model.init", "pretrained") != "pretrained" or _get(cfg, "model.path", None) not in (None, ""):
+        return []
+    return [Problem("model_path_missing", "model.path", "model.init=pretrained needs the checkpoint directory, "
+                    "and model.path is null", "set model.path=/path/to/hf/checkpoint, or model.init=random",
+                    ERROR if is_local_run(cfg) else WARNING)]
 
 
 @rule("config")

@@ -1,5 +1,9 @@
 """A corpus of bad command lines: each exits 2 naming the key, without a traceback (in-process, plus a few real
 subprocesses)."""
+import glob
+import json
+import os
+import re
 import subprocess
 import sys
 
@@ -70,21 +74,120 @@ R = [  # (argv, key the error names)
     ("hw.nodez=4", "hw.nodez"), ("model=qwen3_5_27", "model"), ("rollout.engine=vlm", "rollout.engine"),
     ("data.truncation=middle", "data.truncation"), ("trainer.launcher=slurm", "trainer.launcher"),
     ("trainer.launcher=local hw.devices_per_node=2", "trainer.launcher"),
-    ("model.name=qwen\u0417", None),
+    ("model.name=qwen\u0417", "model.name"),
+    # parse errors: the key and the reason
+    ("trainer.trackers=[console,jsonl", "trainer.trackers"), ("trainer.trackers=[console,jsonl]]", "trainer.trackers"),
+    ("data.train_batch_size=\u0663\u0662", "data.train_batch_size"),  # Arabic-Indic digits
+    ("data.train_batch_size=\uff13\uff12", "data.train_batch_size"),  # fullwidth digits
+    ("model=qwen3_5_tin\u0443", "model"), ("model=qwen3_5_35b_\u04303b", "model"),  # Cyrillic u, a
+    ("=", "'='"), ("~model", "model"), ("~hw", "hw"), ("trainr.total_steps=3", "trainer.total_steps"),
+    ("trainer.run_name='abc", "trainer.run_name"), ('trainer.run_name="abc', "trainer.run_name"),
+    ("hw.nodes==4", "hw.nodes"), (["hw .nodes=4"], "hw .nodes"), ([""], "empty override"), ("+", "'+'"),
+    ("++=", "'++='"), ("hw.nodes", "hw.nodes"), ("+++hw.nodes=4", "hw.nodes"),
+    # a hint stays inside the field's range; plan-time model.path
+    ("data.train_batch_size=2147483647", "data.train_batch_size"), ("model=qwen3_5_0_8b", "model.path"),
+    ("hw.env.WANDB_API_KEY=x", "hw.env.WANDB_API_KEY"),
 ]
-CASES = [(a.split(" ") if not a.startswith("trainer.run_name=x") else [a], k) for a, k in R if k]
+CASES = [(a if isinstance(a, list) else a.split(" ") if not a.startswith("trainer.run_name=x") else [a], k)
+         for a, k in R if k]
 
 
 def test_corpus_has_at_least_100_lines():
     assert len(CASES) >= 100
 
 
+def _hint_values_in_range(text):
+    """Every `try key=value` hint in `text` whose key declares a range proposes a value inside it."""
+    from qwen35rl.config.rules import _in_span, declared_ranges
+
+    for key, raw in re.findall(r"hint:\s+try ([\w.]+)=(\S+)", text):
+        if key not in declared_ranges():
+            continue
+        span, also, nullable, _ = declared_ranges()[key]
+        if raw == "null":
+            assert nullable, (key, raw)
+            continue
+        v = float(raw)
+        assert v in also or _in_span(v, span), f"hint proposes {key}={raw}, outside its range {span}"
+
+
 @pytest.mark.parametrize("argv,key", CASES, ids=[" ".join(a)[:60] for a, _ in CASES])
 def test_plan_refuses(argv, key, capsys):
     assert main(argv) == 2
     out, err = capsys.readouterr()
-    assert "Traceback" not in err
+    assert "Traceback" not in out + err
     assert key in out + err
+    _hint_values_in_range(out + err)
+
+
+def test_hint_near_the_limit_stays_in_range(capsys):
+    assert main(["data.train_batch_size=2147483647"]) == 2
+    out, err = capsys.readouterr()
+    assert "try data.train_batch_size=2147483644" in out + err
+    _hint_values_in_range(out + err)
+
+
+def test_parse_errors_say_why(capsys):
+    cases = {
+        "trainer.trackers=[console,jsonl": ["'trainer.trackers'", "'[' is never closed"],
+        "data.train_batch_size=\u0663\u0662": ["ARABIC-INDIC DIGIT THREE", "data.train_batch_size=32"],
+        "data.train_batch_size=\uff13\uff12": ["FULLWIDTH DIGIT THREE", "data.train_batch_size=32"],
+        "model=qwen3_5_tin\u0443": ["CYRILLIC SMALL LETTER U", "did you mean 'qwen3_5_tiny'", "position 18"],
+        "=": ["no key before '='"], "~model": ["deletes the required group 'model'"],
+        "trainr.total_steps=3": ["did you mean trainer.total_steps?", "unknown top-level key 'trainr'"],
+        "hw.nodes==4": ["try hw.nodes=4"], "": ["empty string"], "+": ["'+' alone names no key"],
+    }
+    for override, fragments in cases.items():
+        assert main([override]) == 2, override
+        out, err = capsys.readouterr()
+        assert "Traceback" not in out + err and "config error at '?'" not in err and "error at '['" not in err, err
+        for f in fragments:
+            assert f in err, (override, f, err)
+
+
+def test_config_error_never_echoes_a_secret(capsys):
+    for argv in (["hw.env.WANDB_API_KEY=x"], ["hw.env.WANDB_API_KEY=abc123secret"],
+                 ["+hw.env.HF_TOKEN=hf_secretvalue", "hw.nodez=4"], ["hw.env.WANDB_API_KEY=abc123secret", "format=json"]):
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        secret = argv[0].split("=", 1)[1]
+        assert "hw.env" in err and "REDACTED" in err + out or "hw.nodez" in err
+        assert f"value:   {secret}" not in err and f"={secret}" not in out + err
+        if len(secret) > 3:
+            assert secret not in out + err
+
+
+TRAIN_SAMPLE = [  # a parse error, a range error, a path error, a layout error, an unknown key/option, model.path
+    ("trainer.trackers=[console,jsonl", "trainer.trackers"), ("rollout.top_p=1.5", "rollout.top_p"),
+    ("model.tokenizer=/nonexistent", "model.tokenizer"), ("backend=megatron parallelism.tp=3", "parallelism.tp"),
+    ("hw.nodez=4", "hw.nodez"), ("model=qwen3_5_27", "model"), ("trainr.total_steps=3", "trainer.total_steps"),
+    ("model=qwen3_5_0_8b", "model.path"),
+]
+_TRAIN_PROBE = """
+import contextlib, io, json, sys
+from qwen35rl.cli.train import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        rc = main(argv)
+    out.append({"rc": rc, "text": buf.getvalue(), "ray": sorted(m for m in sys.modules if m.split('.')[0] == 'ray')})
+print(json.dumps(out))
+"""
+
+
+def test_train_refuses_a_sample_before_ray_starts(tmp_path):
+    sessions = set(glob.glob("/tmp/ray/session_*"))
+    argvs = [a.split(" ") for a, _ in TRAIN_SAMPLE]
+    env = {**os.environ, "RAY_TMPDIR": str(tmp_path / "ray")}
+    r = subprocess.run([sys.executable, "-c", _TRAIN_PROBE, json.dumps(argvs)], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    for (line, key), res in zip(TRAIN_SAMPLE, json.loads(r.stdout.strip().splitlines()[-1])):
+        assert res["rc"] == 2, (line, res["text"])
+        assert key in res["text"] and "Traceback" not in res["text"], (line, res["text"])
+        assert res["ray"] == [], (line, res["ray"])  # Ray never imported, let alone started
+    assert set(glob.glob("/tmp/ray/session_*")) == sessions and not (tmp_path / "ray").exists()
 
 
 @pytest.mark.parametrize("argv,key", CASES[:: max(len(CASES) // 4, 1)][:4])

@@ -121,3 +121,17 @@ def test_megatron_on_image_data_plans_valid(tmp_path):
     assert r.returncode == 0, r.stdout
     plan = json.loads(r.stdout)
     assert plan["valid"] and plan["memory_gib"]["terms"]["train/vision_activations"] > 0
+
+
+@pytest.mark.parametrize("entry", ["qwen35rl.cli.plan", "qwen35rl.cli.train"])
+def test_cfg_output_is_redacted(entry):
+    """--cfg job / all print the config through the redaction rule: secret-looking keys show REDACTED, and the
+    secret values appear nowhere (not in hydra.overrides either)."""
+    for what in ("job", "all"):
+        r = subprocess.run([sys.executable, "-m", entry, "--cfg", what, "+hw.env.WANDB_API_KEY=abc123secret",
+                            "+hw.env.HF_TOKEN=x"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert "abc123secret" not in r.stdout + r.stderr and "HF_TOKEN=x" not in r.stdout
+        assert "WANDB_API_KEY: REDACTED" in r.stdout and "HF_TOKEN: REDACTED" in r.stdout
+        assert "OMP_NUM_THREADS: '1'" in r.stdout or "OMP_NUM_THREADS:" in r.stdout  # the rest is Hydra's YAML
+        assert ("hydra:" in r.stdout) == (what == "all") and "model:" in r.stdout

@@ -101,3 +101,24 @@ def test_atomic_write_keeps_the_old_content_when_writing_fails(tmp_path, monkeyp
     except Boom:
         pass
     assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["run.json"]
+
+
+def test_redact_yaml_shows_secret_keys_redacted():
+    text = "hw:\n  env:\n    WANDB_API_KEY: abc123secret\n    HF_TOKEN: null\n    OMP_NUM_THREADS: '1'\n" \
+           "data:\n  prompt_key: prompt\n  uri: https://me:hunter22@host/x\nnote: abc123secret\n"
+    out = redact.redact_yaml(text, {SECRET})
+    assert "WANDB_API_KEY: REDACTED" in out and "HF_TOKEN: null" in out and "OMP_NUM_THREADS: '1'" in out
+    assert "prompt_key: prompt" in out and "me:REDACTED@host" in out and SECRET not in out
+
+
+def test_config_error_scrubs_secret_values():
+    from qwen35rl.config.compose import ConfigError
+
+    err = ConfigError("hw.env.WANDB_API_KEY", "unknown key 'WANDB_API_KEY'", value="x",
+                      hint="+hw.env.WANDB_API_KEY=x")
+    text = err.render()
+    assert "value:   REDACTED" in text and "+hw.env.WANDB_API_KEY=REDACTED" in text
+    err = ConfigError("hw.nodez", "unknown key", value="4", hint=f"mentions {SECRET}")
+    err.overrides = [f"+hw.env.WANDB_API_KEY={SECRET}", "hw.nodez=4"]
+    assert SECRET not in err.render() and SECRET not in json.dumps(err.to_problem_dict())
+    assert "value:   4" in err.render()
