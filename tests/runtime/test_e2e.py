@@ -109,7 +109,7 @@ def _kill_after_checkpoint(run_dir, step, *overrides):
 
 
 def test_kill_and_resume_is_bitwise_identical(tmp_path):
-    args = ["trainer.total_steps=6", "trainer.save_freq=3", "trainer.test_freq=3", "trainer.max_keep_checkpoints=0"]
+    args = ["trainer.total_steps=6", "trainer.save_freq=3", "trainer.test_freq=3", "trainer.max_keep_checkpoints=10"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     _ok(train(straight, *args))
 
