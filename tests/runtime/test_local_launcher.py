@@ -298,7 +298,7 @@ def test_a_truncated_shard_of_the_newest_checkpoint_resumes_from_the_older_one(t
 
     def run(steps):
         cfg = compose([*LOCAL, *SMALL, f"trainer.total_steps={steps}", "trainer.save_freq=1",
-                       "trainer.max_keep_checkpoints=10"])
+                       "trainer.max_keep_checkpoints=0"])
         return driver.run_training(cfg, tmp_path)
 
     assert run(2) == 0
