@@ -430,7 +430,8 @@ class TrainerConfig:
     output_root: str = "runs"
     export_hf: bool = True
     """Export the final policy in Hugging Face format to `final/`."""
-    max_keep_checkpoints: int = at_least(1, 2)
+    max_keep_checkpoints: int = at_least(0, 2)
+    """Finished checkpoints kept (older ones are deleted after a new one is complete); 0 keeps all."""
     log_every: int = at_least(1, 1)
     placement_timeout_s: float = at_least(0.0, 300.0, high=INF)
     """Seconds to wait for the cluster to offer the run's devices (nodes still joining, a placement group still

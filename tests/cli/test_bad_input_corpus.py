@@ -30,7 +30,7 @@ R = [  # (argv, key the error names)
     ("trainer.total_steps=0", "trainer.total_steps"), ("trainer.total_steps=-3", "trainer.total_steps"),
     ("trainer.total_epochs=0", "trainer.total_epochs"), ("trainer.save_freq=0", "trainer.save_freq"),
     ("trainer.save_freq=-2", "trainer.save_freq"), ("trainer.test_freq=0", "trainer.test_freq"),
-    ("trainer.max_keep_checkpoints=0", "trainer.max_keep_checkpoints"), ("trainer.log_every=0", "trainer.log_every"),
+    ("trainer.max_keep_checkpoints=-1", "trainer.max_keep_checkpoints"), ("trainer.log_every=0", "trainer.log_every"),
     ("trainer.placement_timeout_s=-1", "trainer.placement_timeout_s"), ("trainer.seed=-1", "trainer.seed"),
     ("backend.weight_decay=-1", "backend.weight_decay"), ("backend.grad_clip=-1", "backend.grad_clip"),
     ("backend.lr_warmup_steps=-5", "backend.lr_warmup_steps"), ("backend.lr=0", "backend.lr"), ("backend.lr=-1e-6", "backend.lr"),
