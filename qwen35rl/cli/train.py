@@ -32,9 +32,10 @@ def launch_problems(cfg: DictConfig) -> List[Problem]:
 
     problems = rules.check_all(cfg, derive_layout(cfg))
     problems += [Problem(p.code, p.key, p.message, p.hint, ERROR) for p in environment_problems(cfg)]
-    # the plan's model_path_missing rule warns for a cluster run; a launch needs the checkpoint either way
-    return [Problem(p.code, p.key, p.message, p.hint, ERROR) if p.code == "model_path_missing" else p
-            for p in problems]
+    # what the plan only warns of for a cluster run, a launch needs here: the checkpoint path, the tracker packages
+    # (the driver builds the trackers)
+    needed = lambda p: p.code == "model_path_missing" or (p.code == "names_valid" and p.key == "trainer.trackers")  # noqa: E731
+    return [Problem(p.code, p.key, p.message, p.hint, ERROR) if needed(p) else p for p in problems]
 
 
 def _print_problems(problems: List[Problem]) -> None:

@@ -1042,9 +1042,11 @@ def names_valid(cfg: Any, layout: Layout) -> List[Problem]:
             out += _err("names_valid", "trainer.trackers", f"trainer.trackers lists {t!r}, which is not one of "
                         f"{', '.join(TRACKERS)}", did_you_mean(t, TRACKERS) or "try trainer.trackers=[console,jsonl]")
         elif t in TRACKER_PACKAGES and importlib.util.find_spec(TRACKER_PACKAGES[t]) is None:
-            out += _err("names_valid", "trainer.trackers", f"trainer.trackers lists {t!r} but the "
-                        f"{TRACKER_PACKAGES[t]} package is not installed", f"pip install {TRACKER_PACKAGES[t]} (or "
-                        f"pip install 'qwen35rl[trackers]'), or drop {t!r} from trainer.trackers")
+            # the driver builds the trackers: a plan on a login node without them only warns; train refuses
+            out.append(Problem("names_valid", "trainer.trackers", f"trainer.trackers lists {t!r} but the "
+                               f"{TRACKER_PACKAGES[t]} package is not installed here", f"pip install "
+                               f"{TRACKER_PACKAGES[t]} (or pip install 'qwen35rl[trackers]'), or drop {t!r} from "
+                               "trainer.trackers", ERROR if is_local_run(cfg) else WARNING))
     name = str(_get(cfg, "trainer.run_name", "run"))
     size = len(name.encode("utf-8", "surrogatepass"))
     if not name or name in (".", "..") or "/" in name or "\0" in name or size > NAME_MAX:

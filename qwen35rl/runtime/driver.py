@@ -171,7 +171,8 @@ def _run_training(cfg: DictConfig, run_dir: Path) -> int:
         log.error("%s", e)
         return EXIT_CONFIG
     meta = ckpt.read_meta(resume_from) if resume_from else {}
-    refused = capabilities.resume_problem(meta.get("checkpoint_layout"), capabilities.checkpoint_layout(cfg, layout))
+    refused = resume_from and capabilities.resume_problem(meta.get("checkpoint_layout"),
+                                                          capabilities.checkpoint_layout(cfg, layout))
     if refused:
         log.error("cannot resume from %s\n%s", resume_from, refused.render())
         return EXIT_CONFIG

@@ -99,13 +99,12 @@ def ray_address():
 @pytest.mark.slow
 @pytest.mark.parametrize("name,model,world,layout", CASES, ids=[c[0] for c in CASES])
 def test_an_accepted_layout_trains(name, model, world, layout, geo3k, ray_address, tmp_path):
-    args = _base(name.split("-")[0], model, world) + layout
+    args = _base(name.split("-")[0], model, world) + layout + (geo3k if "vl" in model else [])
     plan = subprocess.run([str(_BIN / "qwen35rl-plan"), *args, "format=json"], capture_output=True, text=True,
                           timeout=120)
     assert plan.returncode == 0 and json.loads(plan.stdout)["valid"], plan.stdout[-2000:] + plan.stderr[-2000:]
     run = tmp_path / "run"
-    extra = geo3k if "vl" in model else []
-    proc = subprocess.run([*TRAIN, *args, *extra, *SMALL_BATCH, f"hydra.run.dir={run}", f"ray_address={ray_address}"],
+    proc = subprocess.run([*TRAIN, *args, *SMALL_BATCH, f"hydra.run.dir={run}", f"ray_address={ray_address}"],
                           capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-6000:]
     (row,) = read_metrics(run / "metrics.jsonl")
