@@ -11,6 +11,7 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
+from tests.processes import cmdline, session_pids
 from qwen35rl.config.compose import compose
 from qwen35rl.runtime.cluster import WorkerFailure, WorkerGroup, ray_address
 from qwen35rl.runtime.platform import resolve_platform
@@ -104,26 +105,6 @@ def test_a_worker_that_fails_to_start_is_named(ray_cluster):
 
 
 # ------------------------------------------------------------------------------- the local cluster after a crash
-def _session_pids(sid):
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getsid(int(entry)) == sid:
-                    out.append(int(entry))
-            except (ProcessLookupError, PermissionError):
-                pass
-    return out
-
-
-def _cmdline(pid):
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
 @pytest.mark.slow
 def test_local_cluster_goes_away_when_the_driver_is_sigkilled(tmp_path):
     """Ray's own fate sharing takes raylet and GCS down with a killed driver, but its agents (DashboardAgent,
@@ -146,15 +127,15 @@ def test_local_cluster_goes_away_when_the_driver_is_sigkilled(tmp_path):
             assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
             assert time.monotonic() < deadline, "no step logged"
             time.sleep(0.05)
-        assert any("DashboardAgent" in _cmdline(p) or "raylet" in _cmdline(p) for p in _session_pids(proc.pid))
+        assert any("DashboardAgent" in cmdline(p) or "raylet" in cmdline(p) for p in session_pids(proc.pid))
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         t0 = time.monotonic()
-        while _session_pids(proc.pid) and time.monotonic() - t0 < 15:
+        while session_pids(proc.pid) and time.monotonic() - t0 < 15:
             time.sleep(0.1)
-        left = {p: _cmdline(p) for p in _session_pids(proc.pid)}
+        left = {p: cmdline(p) for p in session_pids(proc.pid)}
     finally:
-        for p in _session_pids(proc.pid):
+        for p in session_pids(proc.pid):
             try:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.processes import cmdline, session_pids
 from qwen35rl.runtime.tracking import read_metrics
 from tests.load import scaled
 
@@ -161,26 +162,6 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_exits(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- failures
-def _session_pids(sid):
-    """Processes of the session a run was started in (driver, local Ray, workers, reward workers)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getsid(int(entry)) == sid:
-                    out.append(int(entry))
-            except (ProcessLookupError, PermissionError):
-                pass
-    return out
-
-
-def _cmdline(pid):
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
 def _start_and_wait_for_a_step(run_dir, err_path, *overrides):
     """A long run in its own session (stderr to a file: a full pipe would block it), once step 1 is logged."""
     proc = subprocess.Popen([*TRAIN, f"hydra.run.dir={run_dir}", *SMALL, "trainer.total_steps=100",
@@ -197,9 +178,9 @@ def _start_and_wait_for_a_step(run_dir, err_path, *overrides):
 
 def _assert_nothing_left(sid, grace_s=15):
     deadline = time.monotonic() + scaled(grace_s)
-    while (left := _session_pids(sid)) and time.monotonic() < deadline:
+    while (left := session_pids(sid)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = {pid: _cmdline(pid) for pid in _session_pids(sid)}
+    left = {pid: cmdline(pid) for pid in session_pids(sid)}
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -216,8 +197,8 @@ def test_killed_worker_stops_the_run_naming_it(tmp_path):
     run, err = tmp_path / "run", tmp_path / "stderr.txt"
     proc = _start_and_wait_for_a_step(run, err)
     try:
-        workers = [p for p in _session_pids(proc.pid) if re.match(r"ray::.*PolicyWorker", _cmdline(p))]
-        assert len(workers) == 2, {p: _cmdline(p) for p in _session_pids(proc.pid)}
+        workers = [p for p in session_pids(proc.pid) if re.match(r"ray::.*PolicyWorker", cmdline(p))]
+        assert len(workers) == 2, {p: cmdline(p) for p in session_pids(proc.pid)}
         victim = max(workers)
         os.kill(victim, signal.SIGKILL)                  # mid-step: a step takes a few seconds, logging none
         try:
