@@ -24,7 +24,7 @@ import shutil
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-"
@@ -198,23 +198,24 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """`path` holds either its old content or all of `data`, never a part: temp file, fsync, rename. A failed
-    write (e.g. a full disk) removes the temp file and raises the OSError with the file named."""
+def write_atomic(path: Path, data: Union[bytes, str]) -> None:
+    """`path` holds either its old content or all of `data` (text is written as UTF-8), never a part: temp file,
+    fsync, rename. Whatever stops the write (a full disk, an interrupt) removes the temp file; an OSError is raised
+    with the file named."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:
         try:
             tmp.unlink()
         except OSError:
             pass
-        if e.filename is None:
+        if isinstance(e, OSError) and e.filename is None:
             raise OSError(e.errno, e.strerror, str(path)) from e
         raise
 

@@ -30,6 +30,7 @@ from typing import Any, Dict, Optional, Sequence
 from omegaconf import OmegaConf
 
 from qwen35rl.config import redact
+from qwen35rl.runtime.checkpoint import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -95,24 +96,6 @@ def git_state(path: Path) -> Optional[Dict[str, Any]]:
 def _next_start_dir(root: Path) -> Path:
     numbers = [int(p.name.split("-", 1)[1]) for p in root.glob("start-*") if p.name.split("-", 1)[1].isdigit()]
     return root / f"start-{max(numbers, default=0) + 1:03d}"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """`path` holds either its old content or all of `text`, never a part (a crash or a full disk mid-write)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
 
 
 def _not_written(what: Path, e: OSError) -> None:

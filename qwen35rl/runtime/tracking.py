@@ -6,6 +6,7 @@ one write and cut off again if it fails; curves.png and the rewritten metrics.js
 file and a rename. A failed write raises OSError naming the file."""
 from __future__ import annotations
 
+import io
 import json
 import logging
 import math
@@ -280,17 +281,12 @@ def plot_curves(rows: Iterable[Mapping[str, Any]], out_png: Path) -> Path:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    out_png = Path(out_png)
-    tmp = out_png.with_name(f".{out_png.name}.tmp-{os.getpid()}")
+    from qwen35rl.runtime.checkpoint import write_atomic
+
+    out_png, png = Path(out_png), io.BytesIO()
     try:  # a curves.png is whole or the previous one
-        fig.savefig(tmp, dpi=100, format="png")
-        os.replace(tmp, out_png)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
+        fig.savefig(png, dpi=100, format="png")
+        write_atomic(out_png, png.getvalue())
     finally:
         plt.close(fig)
     return out_png

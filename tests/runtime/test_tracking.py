@@ -2,6 +2,7 @@
 and the curves PNG."""
 import io
 import json
+import os
 import sys
 
 import pytest
@@ -113,13 +114,10 @@ def test_a_failed_write_leaves_earlier_rows_and_the_previous_curves_intact(tmp_p
     good = png.read_bytes()
     assert good[:4] == b"\x89PNG"
 
-    import matplotlib.figure
-
-    def no_space(self, *a, **k):
-        open(a[0], "wb").close()  # the file is created, then the disk is full
+    def no_space(fd):  # the file is created and written, then the disk is full
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", no_space)
+    monkeypatch.setattr(os, "fsync", no_space)
     assert tracking.plot_curves_safely(tmp_path) is None  # logged, not raised
     assert "no curves.png: OSError: [Errno 28] No space left on device" in caplog.text
     assert png.read_bytes() == good and sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "metrics.jsonl"]
