@@ -20,6 +20,13 @@ def emit(plan: Dict[str, Any], fmt: str) -> None:
 
     if fmt == "json":
         print(json.dumps(plan), flush=True)
+    elif fmt == "verl":
+        from qwen35rl.config.verl.exporter import render
+
+        if "verl" in plan:
+            print(render(plan["verl"]), flush=True)
+        if not plan["valid"]:  # the launch still prints; the problems go to stderr and the exit code says it
+            print(render_text(plan), file=sys.stderr, flush=True)
     else:
         print(render_text(plan), flush=True)
 

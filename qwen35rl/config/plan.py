@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from qwen35rl.config import layout_search, memory, params, quirks, redact, rules
 from qwen35rl.config.layout import derive_layout
 from qwen35rl.config.problems import ERROR, WARNING, Problem
+from qwen35rl.config.verl import exporter as verl_exporter
 
 
 def environment_problems(cfg: DictConfig) -> List[Problem]:
@@ -73,7 +74,15 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "vllm_quirks": vllm_quirks(cfg),
         "output_dir": f"{cfg.trainer.output_root}/{cfg.trainer.run_name}",
         "auto_candidates": [c.to_dict() for c in candidates[:5]],
+        "verl": verl_export(cfg),
     }
+
+
+def verl_export(cfg: DictConfig) -> Dict[str, Any]:
+    """The verl 0.9.1 launch of this config (`format=verl` prints it), its environment redacted like the plan's."""
+    out = verl_exporter.export(cfg)
+    out["env"] = redact.redact(out["env"])
+    return out
 
 
 def refused_plan(cfg: DictConfig, problems: List[Problem]) -> Dict[str, Any]:

@@ -623,7 +623,7 @@ CHOICES: Dict[str, Sequence[Any]] = {
     "hw.collective_backend": ("gloo", "nccl", "hccl"),
     "rollout.sleep_level": (1, 2),
     "rollout.cudagraph_mode": ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", None),
-    "format": ("text", "json"),
+    "format": ("text", "json", "verl"),
     "trainer.launcher": ("ray", "local"),
 }
 # Built-in reward names (qwen35rl.rewards.BUILTIN, which imports the scorers; a test keeps the two equal).
