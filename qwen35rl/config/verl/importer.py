@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from qwen35rl.config.verl.keys import (ACTOR, CHOICE_KEYS, MODEL, OVERRIDE_TC, PASS_THROUGH, ROLLOUT, UNSET, Key,
+                                       NotCarried,
                                        effective_remove_padding, env_reason, get, keys_for, why_not_carried,
                                        worker_env)
 
@@ -31,10 +32,6 @@ class ImportFailure(Exception):
         if self.hint:
             lines.append(f"  hint:    {self.hint}")
         return "\n".join(lines)
-
-
-class NotCarried(Exception):
-    """Raised by a table conversion when a verl value has no qwen35rl counterpart."""
 
 
 VERL_DATA_FORMAT = {"data.answer_key": "reward_model.ground_truth", "data.system_prompt": None}
@@ -374,16 +371,6 @@ def _carry(k: Key, values: Dict[str, Any], base: Dict[str, Any], out: Imported) 
     except NotCarried as e:
         out.not_carried.append({"key": source or k.verl, "value": raw, "why": str(e)})
         return set(present)
-    for other in present[1:]:
-        try:
-            same = _same(k.to_qwen(values[other], values), value)
-        except NotCarried:
-            same = False
-        if same:
-            out.carried[other] = k.qwen
-        else:
-            out.not_carried.append({"key": other, "value": values[other], "why": f"differs from {source}: qwen35rl "
-                                    f"has one {k.qwen} (it takes {source}'s value)"})
     current = k.qwen_value(base)
     default = _same(value, current) or _same(raw, k.to_verl(current, base))
     if k.qwen in out.overlay and not default:  # two verl keys for one qwen35rl key (resume_mode + resume_from_path)
@@ -392,6 +379,16 @@ def _carry(k: Key, values: Dict[str, Any], base: Dict[str, Any], out: Imported) 
         (out.defaults.append(source) if default else out.carried.__setitem__(source, k.qwen))
     elif not default:
         out.verl_defaults[k.verl] = k.qwen
+    for other in present[1:]:  # an alias that agrees shares the primary's fate
+        try:
+            agrees = _same(k.to_qwen(values[other], values), value)
+        except NotCarried:
+            agrees = False
+        if agrees:
+            (out.defaults.append(other) if default else out.carried.__setitem__(other, k.qwen))
+        else:
+            out.not_carried.append({"key": other, "value": values[other], "why": f"differs from {source}: qwen35rl "
+                                    f"has one {k.qwen} (it takes {source}'s value)"})
     if not default:
         out.overlay[k.qwen] = value
     return set(present)

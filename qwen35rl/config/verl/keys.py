@@ -25,6 +25,10 @@ VLLM_KWARGS = f"{ROLLOUT}.engine_kwargs.vllm"
 BOTH = ("fsdp", "megatron")
 FSDP = ("fsdp",)
 MEGATRON = ("megatron",)
+class NotCarried(Exception):
+    """Raised by a conversion to qwen35rl when verl's value has no counterpart there (the message says why)."""
+
+
 UNSET = object()
 """A `Key.verl_default` that verl's tree does not state (or that is not carried when a script leaves it unset)."""
 
@@ -122,6 +126,9 @@ def _rollout_dp(cfg: Any) -> int:
 
 def _rollout_dp_to_qwen(v: Any, ctx: Any) -> Any:
     ep = int(get_verl(ctx, f"{ROLLOUT}.expert_parallel_size", 1) or 1)
+    if ep == 1 and int(v or 1) > 1:
+        raise NotCarried("with rollout EP 1 qwen35rl runs world/TP separate vLLM engines; vLLM data parallel "
+                         "inside one engine comes with EP (set expert_parallel_size = TP x DP)")
     return int(v) if ep > 1 else None
 
 
