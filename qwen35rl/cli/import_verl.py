@@ -83,7 +83,7 @@ def report(imp, overlay: Path, hw_overlay: Optional[Path], cmd: List[str], cmd_e
             "command": cmd, "command_env": cmd_env, "model": imp.groups["model"], "backend": imp.groups["backend"],
             "hw": imp.groups["hw"], "data": imp.groups["data"], "picked": imp.picked, "carried": imp.carried,
             "defaults": imp.defaults, "verl_defaults": imp.verl_defaults, "implied": imp.implied,
-            "not_carried": imp.not_carried,
+            "not_carried": imp.not_carried, "settings": imp.overlay,
             "env": {"carried": imp.env_carried, "defaults": imp.env_defaults, "not_carried": imp.env_not_carried},
             "plan": plan}
 
@@ -93,6 +93,13 @@ def _short(v: Any, width: int = 60) -> str:
 
     text = hydra_value(v)
     return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _wrapped(items: Sequence[str], indent: str, width: int = 116) -> List[str]:
+    import textwrap
+
+    return textwrap.wrap(", ".join(items), width, initial_indent=indent, subsequent_indent=indent,
+                         break_on_hyphens=False)
 
 
 def render(r: Dict[str, Any], values: Dict[str, Any], source: str) -> str:
@@ -111,12 +118,13 @@ def render(r: Dict[str, Any], values: Dict[str, Any], source: str) -> str:
         lines += [f"    {k}={_short(values.get(k))}  ->  {q}" for k, q in r["carried"].items()]
     if r["verl_defaults"]:
         lines.append("  verl defaults the script relies on, where qwen35rl composes otherwise (carried):")
-        lines += [f"    {k}  ->  {q}" for k, q in r["verl_defaults"].items()]
+        lines += [f"    {k} (verl's default)  ->  {q}={_short(r['settings'].get(q))}" for k, q in r["verl_defaults"].items()]
     if r["implied"]:
         lines.append("  verl's data format (prompt_key=prompt: preprocessed parquet):")
         lines += [f"    {k}={_short(v)}" for k, v in r["implied"].items()]
     if r["defaults"]:
-        lines.append("  already the composed default: " + ", ".join(r["defaults"]))
+        lines.append("  already the composed default:")
+        lines += _wrapped(r["defaults"], "    ")
     if r["not_carried"]:
         lines.append("  not carried:")
         lines += [f"    {x['key']}={_short(x['value'], 40)}  ({x['why']})" for x in r["not_carried"]]
@@ -126,7 +134,8 @@ def render(r: Dict[str, Any], values: Dict[str, Any], source: str) -> str:
         if env["carried"]:
             lines.append("  carried: " + ", ".join(f"{k} -> {q}" for k, q in env["carried"].items()))
         if env["defaults"]:
-            lines.append("  already the default: " + ", ".join(env["defaults"]))
+            lines.append("  already the default:")
+            lines += _wrapped(env["defaults"], "    ")
         lines += [f"  not carried: {x['key']}  ({x['why']})" for x in env["not_carried"]]
     plan = r["plan"]
     errors = [p for p in plan["problems"] if p["severity"] == "error"]

@@ -6,13 +6,15 @@ verl's own default (the script relied on it and qwen35rl composes something else
 Reads the one table in `keys.py`; imports Hydra's override parser and the config layer, nothing heavy."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from qwen35rl.config.verl.keys import (ACTOR, CHOICE_KEYS, MODEL, OVERRIDE_TC, PASS_THROUGH, ROLLOUT, UNSET, Key,
                                        NotCarried,
@@ -294,17 +296,17 @@ def import_launch(argv: Sequence[str], env: Optional[Dict[str, str]] = None, dev
     engine = str(values.get(f"{ROLLOUT}.name") or "vllm")
     if engine == "hf":
         groups["rollout"] = "hf"
-    base = OmegaConf.to_container(compose([f"{g}={o}" for g, o in groups.items()]), resolve=True)
-    if hw_base:  # the new hw overlay: the preset it extends, with the launch's counts
-        base["hw"].update(name=hw_name, nodes=nodes, devices_per_node=per_node)
+    new_hw = {"name": hw_name, "base": hw_base, "nodes": nodes, "devices_per_node": per_node} if hw_base else None
+    if new_hw:
         groups["hw"] = hw_name
+    with _hw_on_search_path(new_hw):  # compose what the command will compose (no tested layout on new hardware)
+        base = OmegaConf.to_container(compose([f"{g}={o}" for g, o in groups.items()]), resolve=True)
     picked = {"model": model_how, "backend": _backend_how(launch, backend),
               "hw": f"{nodes} node(s) x {per_node} {dev} device(s)" + (f" (new overlay on {hw_base})" if hw_base else ""),
               "data": data_how}
     out = Imported(name=_norm(name) if name else _default_name(values, fallback_name), groups=groups, picked=picked, overlay={},
                    verl_values=dict(launch.values))
-    if hw_base:
-        out.new_hw = {"name": hw_name, "base": hw_base, "nodes": nodes, "devices_per_node": per_node}
+    out.new_hw = new_hw
     consumed = set(CHOICE_KEYS) & set(values)
     for key in consumed:
         out.carried[key] = CHOICE_KEYS[key]
@@ -372,7 +374,8 @@ def _carry(k: Key, values: Dict[str, Any], base: Dict[str, Any], out: Imported) 
         out.not_carried.append({"key": source or k.verl, "value": raw, "why": str(e)})
         return set(present)
     current = k.qwen_value(base)
-    default = _same(value, current) or _same(raw, k.to_verl(current, base))
+    default = _same(value, current) or _same(raw, k.to_verl(current, base)) or (
+        k.canon is not None and _same(k.canon(value, base), k.canon(current, base)))
     if k.qwen in out.overlay and not default:  # two verl keys for one qwen35rl key (resume_mode + resume_from_path)
         default = _same(out.overlay[k.qwen], value)
     if source:
@@ -447,6 +450,35 @@ def nested(dotted: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def hw_overlay_text(hw: Dict[str, Any], source: str) -> str:
+    """A new hw option: the preset of the same device kind with the launch's node and device counts."""
+    return (f"# {hw['nodes']} node(s) x {hw['devices_per_node']} devices, imported from {source}: memory, FLOP/s and\n"
+            f"# environment are {hw['base']}'s; edit them if these devices differ.\n"
+            f"defaults:\n  - /hw/{hw['base']}@_here_\n  - _self_\n\n"
+            f"name: {hw['name']}\nnodes: {hw['nodes']}\ndevices_per_node: {hw['devices_per_node']}\n")
+
+
+@contextlib.contextmanager
+def _hw_on_search_path(hw: Optional[Dict[str, Any]]) -> Iterator[None]:
+    if not hw:
+        yield
+        return
+    from qwen35rl.config.paths import ENV_CONFIG_PATH
+
+    old = os.environ.get(ENV_CONFIG_PATH)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "hw").mkdir()
+        (Path(tmp) / "hw" / f"{hw['name']}.yaml").write_text(hw_overlay_text(hw, "the launch"))
+        os.environ[ENV_CONFIG_PATH] = os.pathsep.join([p for p in (old or "").split(os.pathsep) if p] + [tmp])
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop(ENV_CONFIG_PATH, None)
+            else:
+                os.environ[ENV_CONFIG_PATH] = old
+
+
 def command(imp: Imported) -> List[str]:
     return ["qwen35rl-train", *(f"{g}={o}" for g, o in imp.groups.items()), f"+experiment={imp.name}"]
 
@@ -470,11 +502,6 @@ def write_overlay(imp: Imported, directory: Path, source: str, force: bool = Fal
     body = OmegaConf.to_yaml(OmegaConf.create(nested(imp.overlay))) if imp.overlay else "{}\n"
     exp.write_text("\n".join(header) + "\n" + body)
     if hw_path:
-        hw = imp.new_hw
         hw_path.parent.mkdir(parents=True, exist_ok=True)
-        hw_path.write_text(
-            f"# {hw['nodes']} node(s) x {hw['devices_per_node']} devices, imported from {source}: memory, FLOP/s and\n"
-            f"# environment are {hw['base']}'s; edit them if these devices differ.\n"
-            f"defaults:\n  - /hw/{hw['base']}@_here_\n  - _self_\n\n"
-            f"name: {hw['name']}\nnodes: {hw['nodes']}\ndevices_per_node: {hw['devices_per_node']}\n")
+        hw_path.write_text(hw_overlay_text(imp.new_hw, source))
     return exp, hw_path

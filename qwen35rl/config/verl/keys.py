@@ -89,6 +89,9 @@ class Key:
     """verl 0.9.1's value when nothing sets the key (tested against its tree)."""
     effective: Optional[Callable[[Any], Any]] = None
     """qwen35rl's effective value in a composed config when it is not simply the config value (derived layouts)."""
+    canon: Optional[Callable[[Any, Any], Any]] = None
+    """(a qwen35rl value, the composed config) -> the value it amounts to there, for comparing an imported value with
+    the composed one (fsdp_size -1 is the world size)."""
     export_when: Optional[Callable[[Any], bool]] = None
     """Export only when this holds for the composed config (e.g. a quirk the hardware has)."""
     exported: bool = True
@@ -111,6 +114,11 @@ def effective_remove_padding(cfg: Any) -> bool:
     if get(cfg, "backend.name") != "fsdp":
         return False
     return get(cfg, "hw.device") == "cuda" or int(get(cfg, "parallelism.sp", 1) or 1) > 1
+
+
+def _fsdp_size(v: Any, cfg: Any) -> Any:
+    world = int(get(cfg, "hw.nodes")) * int(get(cfg, "hw.devices_per_node"))
+    return world if v in (-1, 0, None) else int(v)
 
 
 def _rollout_dp(cfg: Any) -> int:
@@ -276,9 +284,9 @@ KEYS: List[Key] = [
     Key(f"{OVERRIDE_OPT}.optimizer_offload_fraction", "backend.optimizer_offload_fraction", MEGATRON, plus=True),
     Key(f"{OVERRIDE_OPT}.overlap_cpu_optimizer_d2h_h2d", "backend.overlap_cpu_optimizer_d2h_h2d", MEGATRON, plus=True),
     Key("actor_rollout_ref.nccl_timeout", "backend.dist_timeout_s", verl_default=600),
-    Key(f"{ACTOR}.use_torch_compile", "backend.use_torch_compile", verl_default=True),
+    Key(f"{ACTOR}.use_torch_compile", "backend.use_torch_compile"),  # an implementation detail: verl's default stays
     # FSDP
-    Key(f"{ACTOR}.fsdp_config.fsdp_size", "parallelism.fsdp_size", FSDP, verl_default=-1),
+    Key(f"{ACTOR}.fsdp_config.fsdp_size", "parallelism.fsdp_size", FSDP, verl_default=-1, canon=_fsdp_size),
     Key(f"{ACTOR}.ulysses_sequence_parallel_size", "parallelism.sp", FSDP, verl_default=1,
         aliases=(f"{ACTOR}.fsdp_config.ulysses_sequence_parallel_size",),
         also=(f"{ACTOR}.fsdp_config.ulysses_sequence_parallel_size",)),
@@ -290,8 +298,7 @@ KEYS: List[Key] = [
     Key(f"{MODEL}.use_remove_padding", "backend.remove_padding", FSDP, verl_default=True,
         effective=effective_remove_padding),
     Key(f"{MODEL}.enable_gradient_checkpointing", "backend.gradient_checkpointing", FSDP, verl_default=True),
-    Key(f"{ACTOR}.entropy_from_logits_with_chunking", "backend.entropy_from_logits_with_chunking", FSDP,
-        verl_default=False),
+    Key(f"{ACTOR}.entropy_from_logits_with_chunking", "backend.entropy_from_logits_with_chunking", FSDP),
     # Megatron
     Key(f"{ACTOR}.megatron.tensor_model_parallel_size", "parallelism.tp", MEGATRON, verl_default=1,
         aliases=(f"{REF}.megatron.tensor_model_parallel_size",)),
