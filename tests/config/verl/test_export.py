@@ -116,3 +116,18 @@ def test_plan_prints_verl_launch():
     assert plan["verl"]["argv"][0] == "model_engine=megatron"
     assert plan["verl"]["env"]["HCCL_CONNECT_TIMEOUT"] == "1500"
     assert {"key", "value", "why"} <= set(plan["verl"]["not_exported"][0])
+
+
+@pytest.mark.parametrize("value", [None, True, False, 0, -1, 1e-06, 0.66, "vllm", "0.18.0", "1e-6", "true", "null",
+                                   "a b", "it's", "x=y", "/data/geo3k/train.parquet", "~/data", "${x}", "a,b",
+                                   [1, "two", None], {"a": 1, "b": [True]}, [], "garbage_collection_threshold:0.8"])
+def test_hydra_value_parses_back(value):
+    assert _same(override_value(f"k={hydra_value(value)}"), value)
+
+
+def test_exported_environment_is_redacted_in_the_plan():
+    from qwen35rl.config.plan import build_plan
+
+    plan = build_plan(compose(REFS[0] + ["+hw.env.WANDB_API_KEY=s3cr3t-value", "+hw.env.NCCL_DEBUG=WARN"]))
+    assert plan["verl"]["env"]["NCCL_DEBUG"] == "WARN"
+    assert "s3cr3t-value" not in json.dumps(plan)
