@@ -319,8 +319,10 @@ KEYS: List[Key] = [
     Key(f"{ACTOR}.megatron.use_distributed_optimizer", "backend.use_distributed_optimizer", MEGATRON,
         verl_default=True),
     Key(f"{ACTOR}.megatron.use_dist_checkpointing", "backend.use_dist_checkpointing", MEGATRON, verl_default=False),
-    Key(f"{ACTOR}.megatron.use_remove_padding", "backend.remove_padding", MEGATRON, verl_default=True,
-        aliases=(f"{MODEL}.use_remove_padding",), effective=effective_remove_padding),
+    # verl's engine workers set the Megatron engine's use_remove_padding from model.use_remove_padding
+    Key(f"{MODEL}.use_remove_padding", "backend.remove_padding", MEGATRON, verl_default=True,
+        aliases=(f"{ACTOR}.megatron.use_remove_padding",), also=(f"{ACTOR}.megatron.use_remove_padding",),
+        effective=effective_remove_padding),
     Key(f"{OVERRIDE_TC}.recompute_granularity", "backend.recompute_granularity", MEGATRON, verl_default=None,
         effective=_recompute),
     Key(f"{OVERRIDE_TC}.recompute_method", "backend.recompute_method", MEGATRON, verl_default=None),
