@@ -121,6 +121,29 @@ def _fsdp_size(v: Any, cfg: Any) -> Any:
     return world if v in (-1, 0, None) else int(v)
 
 
+def _budget_to_verl(v: Any, cfg: Any) -> Any:
+    """verl's budget is per GPU of an SP group (its micro batch holds budget x SP tokens, split over the group);
+    qwen35rl's is the micro batch before the split."""
+    sp = int(get(cfg, "parallelism.sp", 1) or 1) if get(cfg, "backend.name") == "fsdp" else 1
+    return int(v) // sp
+
+
+def _budget_to_qwen(v: Any, ctx: Any) -> Any:
+    sp = get_verl(ctx, f"{ACTOR}.ulysses_sequence_parallel_size",
+                  get_verl(ctx, f"{ACTOR}.fsdp_config.ulysses_sequence_parallel_size", 1))
+    return int(v) * int(sp or 1)
+
+
+def _strategy_to_verl(v: Any, cfg: Any) -> Any:
+    return "fsdp2" if v == "fsdp" else v
+
+
+def _strategy_to_qwen(v: Any, ctx: Any) -> Any:
+    if v == "fsdp":
+        raise NotCarried("verl's strategy fsdp is FSDP1; qwen35rl's FSDP engine is FSDP2 (verl's fsdp2)")
+    return "fsdp" if v == "fsdp2" else v
+
+
 def _rollout_dp(cfg: Any) -> int:
     """vLLM data parallel inside one rollout engine: qwen35rl's rollout dp counts engines when EP is 1 (each
     engine TP devices), and is vLLM's DP-attention degree of the one EP engine when EP > 1."""
@@ -173,7 +196,7 @@ def _trackers_to_qwen(v: Any, ctx: Any) -> Any:
 
 
 def _resume_to_verl(v: Any, cfg: Any) -> Any:
-    return {"auto": "auto", "never": "disable"}.get(str(v), "resume_path")
+    return {"auto": "auto", "never": "disable", "force": "auto"}.get(str(v), "resume_path")  # verl never compares
 
 
 def _resume_to_qwen(v: Any, ctx: Any) -> Any:
@@ -186,7 +209,7 @@ def _resume_to_qwen(v: Any, ctx: Any) -> Any:
 
 def _resume_path(cfg: Any) -> Any:
     r = str(get(cfg, "trainer.resume"))
-    return None if r in ("auto", "never") else r
+    return None if r in ("auto", "never", "force") else r
 
 
 def _quirk(name: str) -> Callable[[Any], bool]:
@@ -246,7 +269,9 @@ KEYS: List[Key] = [
     Key(f"{ACTOR}.use_dynamic_bsz", "backend.dynamic_batch_size", verl_default=False,
         aliases=(f"{REF}.log_prob_use_dynamic_bsz", f"{ROLLOUT}.log_prob_use_dynamic_bsz")),
     Key(f"{ACTOR}.ppo_max_token_len_per_gpu", "backend.max_tokens_per_device", verl_default=16384,
-        aliases=(f"{REF}.log_prob_max_token_len_per_gpu", f"{ROLLOUT}.log_prob_max_token_len_per_gpu")),
+        aliases=(f"{REF}.log_prob_max_token_len_per_gpu", f"{ROLLOUT}.log_prob_max_token_len_per_gpu"),
+        to_verl=_budget_to_verl, to_qwen=_budget_to_qwen),
+    Key(f"{ACTOR}.strategy", "backend.name", to_verl=_strategy_to_verl, to_qwen=_strategy_to_qwen),
     # the loss
     Key("algorithm.adv_estimator", "algorithm.adv_estimator", verl_default="gae"),
     Key("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std", verl_default=True),
@@ -359,7 +384,6 @@ CHOICE_KEYS: Dict[str, str] = {
     "trainer.nnodes": "hw.nodes",
     "trainer.n_gpus_per_node": "hw.devices_per_node",
     "trainer.device": "hw.device",
-    f"{ACTOR}.strategy": "backend.name",
     "model_engine": "backend.name",
 }
 """verl keys that pick qwen35rl's `hw=` / `backend=` option rather than set a value."""
@@ -394,7 +418,6 @@ NOT_CARRIED: Dict[str, str] = {
     f"{ROLLOUT}.n_gpus_per_node": "qwen35rl places rollout engines on the training devices",
     f"{ROLLOUT}.checkpoint_engine.": "verl's weight-sync engine: qwen35rl syncs through its own buckets",
     f"{ROLLOUT}.": "no counterpart in qwen35rl's rollout settings",
-    f"{ACTOR}.strategy": "picks backend= (qwen35rl's FSDP engine is FSDP2)",
     f"{REF}.strategy": "the reference model runs on the actor's engine",
     f"{REF}.": "the reference model runs on the actor's engine and layout (qwen35rl has one set of these settings)",
     f"{ACTOR}.ppo_micro_batch_size": "verl's deprecated global micro batch: set ppo_micro_batch_size_per_gpu",

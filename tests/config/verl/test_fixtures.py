@@ -596,7 +596,7 @@ def _exported(r: Result) -> Dict[str, Any]:
     return r.verl_export
 
 
-KNOWN_EXPORT_GAPS = {"actor_rollout_ref.actor.strategy"}
+KNOWN_EXPORT_GAPS: set = set()
 """Checked on their own below (test_export_keeps_fsdp2)."""
 
 
@@ -620,18 +620,12 @@ def test_export_composes_in_verl_tree_and_gives_back_the_fixture(case, tmp_path_
         assert get(exported, "actor_rollout_ref.model.use_remove_padding") is False
 
 
-@pytest.mark.xfail(strict=True, reason="exporter.export writes no actor_rollout_ref.actor.strategy for backend=fsdp: "
-                   "verl 0.9.1 then builds FSDP1 (strategy fsdp), not qwen35rl's FSDP2 (fsdp2)")
 def test_export_keeps_fsdp2(tmp_path_factory):
     r = _run("fsdp_27b-gpu", tmp_path_factory)
     assert r.imp.verl_values["actor_rollout_ref.actor.strategy"] == "fsdp2"
     assert get(_exported(r), "actor_rollout_ref.actor.strategy") == "fsdp2"
 
 
-@pytest.mark.xfail(strict=True, reason="keys.py maps ppo_max_token_len_per_gpu 1:1 to backend.max_tokens_per_device, "
-                   "but verl packs micro batches of ppo_max_token_len_per_gpu * ulysses_sequence_parallel_size tokens "
-                   "(verl/workers/engine/utils.py prepare_micro_batches) and qwen35rl's budget is the whole micro "
-                   "batch before the SP split")
 @pytest.mark.parametrize("case", ["fsdp_27b-gpu", "fsdp_27b-npu"])
 def test_token_budget_with_ulysses_sp(case, tmp_path_factory):
     r = _run(case, tmp_path_factory)
