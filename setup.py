@@ -8,7 +8,8 @@ conf_packages = ["qwen35rl.conf"] + [
     for d, _, _ in os.walk("conf") if d != "conf" and "__pycache__" not in d
 ]
 setup(
-    packages=find_packages(include=["qwen35rl", "qwen35rl.*"]) + conf_packages,
+    # hydra_plugins.qwen35rl_submitit: the submitit launchers of `qwen35rl-train -m hydra/launcher=submitit_slurm`
+    packages=find_packages(include=["qwen35rl", "qwen35rl.*"]) + conf_packages + ["hydra_plugins.qwen35rl_submitit"],
     package_dir={"qwen35rl.conf": "conf"},
     package_data={p: ["*.yaml"] for p in conf_packages},
     include_package_data=False,

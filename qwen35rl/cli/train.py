@@ -56,7 +56,9 @@ def _train_job(cfg: DictConfig) -> Dict[str, Any]:
         _exit_codes.append(EXIT_CONFIG)
         return {"valid": False, "problems": [p.to_dict() for p in problems]}
     from qwen35rl.runtime.driver import run_training
+    from qwen35rl.runtime.slurm import ray_for_allocation
 
+    cfg = ray_for_allocation(cfg)  # a multi-node Slurm job (hydra/launcher=submitit_slurm): Ray across its nodes
     code = run_training(cfg, Path(HydraConfig.get().runtime.output_dir))
     _exit_codes.append(code)
     return {"valid": True, "problems": [p.to_dict() for p in problems], "exit_code": code}

@@ -960,6 +960,17 @@ def _find_module(name: str) -> bool:
     return True
 
 
+def _data_file_hint(path: str, key: str, data_name: Any) -> str:
+    """The way to the missing data file: the `qwen35rl-data prepare` command that writes it, when it is one."""
+    from qwen35rl.data.prepare import prepare_command
+
+    command = prepare_command(path, None if data_name is None else str(data_name))
+    if command:
+        return f"{command} (README: Data); or fix the path, or remove it from {key}"
+    return (f"fix the path, or remove it from {key}; for GSM8K or Geometry3K, `qwen35rl-data prepare gsm8k|geo3k "
+            "--out DIR` writes DIR/<name>/train.parquet and test.parquet (README: Data)")
+
+
 def path_findings(cfg: Any) -> List[Tuple[str, str, str, str]]:
     """(code, key, message, hint) for each file-system fact this machine contradicts: tokenizer and checkpoint
     directories, local data files, the output root and a resume directory. The plan reports them (errors when the
@@ -979,7 +990,7 @@ def path_findings(cfg: Any) -> List[Tuple[str, str, str, str]]:
         for f in _get(cfg, key, None) or []:
             if "://" not in str(f) and not os.path.exists(str(f)):
                 out.append(("data_file_missing", key, f"{key} lists {str(f)!r}, which does not exist here",
-                            f"fix the path, or remove it from {key}"))
+                            _data_file_hint(str(f), key, _get(cfg, "data.name", None))))
     root = str(_get(cfg, "trainer.output_root", "runs"))
     probe = os.path.abspath(root)
     while not os.path.exists(probe) and os.path.dirname(probe) != probe:

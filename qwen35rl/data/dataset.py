@@ -2,14 +2,23 @@
 from __future__ import annotations
 
 import io
-from typing import Any, Dict, List, Optional
+import logging
+from typing import Any, Dict, List, Optional, Sequence
 
 from qwen35rl.data.example import PromptExample
 from qwen35rl.data.files import lookup, read_rows
 from qwen35rl.data.synthetic import make_prompts
 
+log = logging.getLogger(__name__)
+
 IMAGE_PLACEHOLDER = "<image>"
 _VAL_SEED_OFFSET = 1_000_003  # a different stream for validation prompts than for training prompts
+_NAMED_DROPS = 10  # dropped prompts named one by one in the log; the rest are counted
+
+
+class DataError(ValueError):
+    """Data that cannot make the prompts of a run (every prompt filtered out for length, ...); the message says
+    what happened and what to change."""
 
 
 def build_dataset(data_cfg: Any, tokenizer: Any, split: str) -> List[PromptExample]:
@@ -30,8 +39,55 @@ def build_dataset(data_cfg: Any, tokenizer: Any, split: str) -> List[PromptExamp
         return examples  # prompt length is known only once the processor has added the image tokens
     if tokenizer is None:
         raise ValueError(f"data.kind={kind} needs a tokenizer to build prompt ids")
-    tokenized = (_tokenize(data_cfg, tokenizer, ex) for ex in examples)
-    return [ex for ex in tokenized if ex is not None]
+    kept, dropped = [], []
+    for ex in examples:
+        (kept if _tokenize(data_cfg, tokenizer, ex) is not None else dropped).append(ex)
+    report_length_filter(data_cfg, split, len(examples), kept, dropped)
+    return kept
+
+
+def report_length_filter(data_cfg: Any, split: Optional[str], total: int, kept: Sequence[PromptExample],
+                         dropped: Sequence[PromptExample], image_prompts: bool = False) -> None:
+    """Log the prompts `data.filter_overlong_prompts` dropped (how many, and which: row index and token count);
+    when it dropped all `total` of them, raise a DataError that says so, with their lengths and the settings to
+    change. `dropped` examples carry their full, uncut `prompt_ids`."""
+    if not dropped:
+        return
+    limit = int(data_cfg.max_prompt_length)
+    what = ("image prompts" if image_prompts else "prompts") if split is None else \
+        f"{split} {'image prompts' if image_prompts else 'prompts'}"
+    named = ", ".join(f"{ex.index} ({len(ex.prompt_ids)} tokens)" for ex in dropped[:_NAMED_DROPS])
+    more = f" and {len(dropped) - _NAMED_DROPS} more" if len(dropped) > _NAMED_DROPS else ""
+    log.warning("dropped %d of %d %s longer than data.max_prompt_length=%d tokens (data.filter_overlong_prompts="
+                "true): rows %s%s", len(dropped), total, what, limit, named, more)
+    if kept:
+        return
+    lengths = sorted(len(ex.prompt_ids) for ex in dropped)
+    if data_cfg.kind == "synthetic":
+        source = f" (data.synthetic_task={data_cfg.synthetic_task})"
+    elif split is None:
+        source = ""
+    else:
+        key = "data.train_files" if split == "train" else "data.val_files"
+        source = f" ({key}=[{', '.join(map(str, data_cfg.train_files if split == 'train' else data_cfg.val_files))}])"
+    if image_prompts:
+        counted = "the chat template, system prompt and image tokens included"
+    elif data_cfg.use_chat_template:
+        counted = "the chat template and system prompt included"
+    else:
+        counted = "the system prompt included"
+    cut = "" if image_prompts else ("; or cut them instead of dropping them: data.filter_overlong_prompts=false with "
+                                    "data.truncation=left (keeps each prompt's end) or data.truncation=right")
+    shortest, longest = lengths[0], lengths[-1]
+    if shortest == longest:
+        have, raise_to = f"each has {shortest} tokens", f"to at least {shortest}"
+    else:
+        have = f"these have {shortest} (shortest) to {longest} (longest) tokens"
+        raise_to = f"to at least {shortest} ({longest} keeps them all)"
+    raise DataError(
+        f"all {total} {what}{source} were filtered out for length: data.filter_overlong_prompts=true drops "
+        f"every prompt longer than data.max_prompt_length={limit} tokens, and {have}, {counted}. Raise "
+        f"data.max_prompt_length {raise_to}{cut}")
 
 
 # ------------------------------------------------------------------------------------------------------ sources
@@ -116,6 +172,7 @@ def _tokenize(data_cfg: Any, tokenizer: Any, ex: PromptExample) -> Optional[Prom
     limit = data_cfg.max_prompt_length
     if len(ids) > limit:
         if data_cfg.filter_overlong_prompts:
+            ex.prompt_ids = ids  # its uncut length, for the report of what was dropped
             return None
         if data_cfg.truncation == "left":
             ids = ids[-limit:]

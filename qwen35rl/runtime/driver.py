@@ -155,7 +155,7 @@ def _run_training(cfg: DictConfig, run_dir: Path) -> int:
         if cfg.data.kind == "multimodal":
             from qwen35rl.runtime.image_prompts import tokenize_image_prompts
 
-            examples = tokenize_image_prompts(examples, cfg.model, cfg.data, tokenizer)
+            examples = tokenize_image_prompts(examples, cfg.model, cfg.data, tokenizer, split)
         return examples
 
     loader = PromptLoader(prompts("train"), cfg.data.train_batch_size, seed=cfg.trainer.seed)

@@ -16,7 +16,7 @@ from geo3k_fixture import write_geo3k
 from qwen35rl.config import rules
 from qwen35rl.config.compose import compose
 from qwen35rl.config.layout import derive_layout
-from qwen35rl.data import build_dataset
+from qwen35rl.data import DataError, build_dataset
 from qwen35rl.models.tokenizer import build_tokenizer
 from qwen35rl.runtime.image_prompts import tokenize_image_prompts
 from qwen35rl.runtime.tracking import read_metrics
@@ -53,7 +53,8 @@ def test_image_prompts_get_their_image_tokens(geo3k):
         assert len(ex.images) == 1 and 1 <= ex.prompt_ids.count(image_pad) <= 4
         assert tok.decode(ex.prompt_ids).endswith("<|im_start|>assistant\n")
     short = compose(["data=geo3k", "model=qwen3_5_tiny_vl", "data.max_prompt_length=20", *_data(geo3k)])
-    assert tokenize_image_prompts(build_dataset(short.data, tok, "train"), short.model, short.data, tok) == []
+    with pytest.raises(DataError, match=r"all 16 train image prompts .* filtered out for length"):
+        tokenize_image_prompts(build_dataset(short.data, tok, "train"), short.model, short.data, tok, "train")
 
 
 def _train_two_steps(geo3k, run, *overrides):

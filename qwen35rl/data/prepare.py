@@ -1,0 +1,285 @@
+"""`qwen35rl-data prepare NAME`: the parquet files `conf/data/<NAME>.yaml` reads, made from the public dataset.
+
+Each dataset is loaded with the `datasets` library, from the Hugging Face hub (`load_dataset(HUB_ID, CONFIG)`) or from
+a local copy of the hub repository's parquet shards (`load_dataset("parquet", data_files=...)`), converted row by row
+and written to `OUT/<NAME>/<split>.parquet`:
+
+- gsm8k (openai/gsm8k, config main; splits train, test): `question`; `answer` = the final number (what follows the
+  solution's `#### ` line, thousands separators removed), which `data.reward=math` compares the boxed answer with;
+  `solution` = the original answer text (worked solution and `#### N` line).
+- geo3k (hiyouga/geometry3k; splits train, validation, test): `problem` (with its `<image>` placeholder), `answer`,
+  `images` = a list of {bytes, path} structs (the encoded image files, as the hub stores them and as
+  `qwen35rl.data.dataset` reads them).
+
+`datasets` is imported only here, when a dataset is prepared (`pip install 'qwen35rl[data]'`).
+"""
+from __future__ import annotations
+
+import io
+import os
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+DEFAULT_SPLITS = ("train", "test")
+
+
+class PrepareError(Exception):
+    """A dataset that cannot be prepared as asked (the command exits 2 with this message)."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    hub_id: str
+    hub_config: Optional[str]
+    folder: str
+    """The folder of the hub repository that holds this config's parquet shards (`<split>-00000-of-00001.parquet`)."""
+    splits: Tuple[str, ...]
+    source_columns: Tuple[str, ...]
+    convert: Callable[[Dict[str, Any], int, str, Optional[Path]], Dict[str, Any]]
+    columns: Tuple[str, ...]
+    """Columns of the written files, in order."""
+
+
+# ------------------------------------------------------------------------------------------------------ rows
+_FINAL_ANSWER = "####"
+_GROUPED_NUMBER = re.compile(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?")
+
+
+def final_answer(solution: str) -> Optional[str]:
+    """What follows the last `####` of a GSM8K answer ("1,000" -> "1000"); None when there is no such line."""
+    head, sep, tail = str(solution).rpartition(_FINAL_ANSWER)
+    answer = tail.strip()
+    if not sep or not answer:
+        return None
+    return answer.replace(",", "") if _GROUPED_NUMBER.fullmatch(answer) else answer
+
+
+def _gsm8k_row(row: Dict[str, Any], n: int, split: str, source_dir: Optional[Path]) -> Dict[str, Any]:
+    solution = str(row["answer"])
+    answer = final_answer(solution)
+    if answer is None:
+        raise PrepareError(f"gsm8k {split} row {n}: its answer has no '#### <final answer>' line "
+                           f"(it ends with {solution[-60:]!r})")
+    return {"question": str(row["question"]).strip(), "answer": answer, "solution": solution}
+
+
+def _geo3k_row(row: Dict[str, Any], n: int, split: str, source_dir: Optional[Path]) -> Dict[str, Any]:
+    images = row["images"]
+    if images is None:
+        images = []
+    elif not isinstance(images, (list, tuple)):
+        images = [images]
+    return {"problem": str(row["problem"]).strip(), "answer": str(row["answer"]).strip(),
+            "images": [_image_struct(img, f"geo3k {split} row {n}", source_dir) for img in images]}
+
+
+def _image_struct(image: Any, where: str, source_dir: Optional[Path]) -> Dict[str, Any]:
+    """{bytes, path} of one image: the stored encoded bytes as they are; a file named by path only is read in."""
+    path = None
+    if isinstance(image, dict):
+        path = image.get("path")
+        data = image.get("bytes")
+    elif isinstance(image, (bytes, bytearray)):
+        data = bytes(image)
+    elif hasattr(image, "save"):  # a decoded PIL image
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        data = buf.getvalue()
+    else:
+        raise PrepareError(f"{where}: unsupported image value of type {type(image).__name__}")
+    if not data and path:
+        candidates = [Path(path)] + ([source_dir / path] if source_dir is not None else [])
+        found = next((c for c in candidates if c.is_file()), None)
+        if found is None:
+            raise PrepareError(f"{where}: the image has no bytes and its path {path!r} is not a file here")
+        data = found.read_bytes()
+    if not data:
+        raise PrepareError(f"{where}: an image without bytes or path")
+    return {"bytes": bytes(data), "path": path}
+
+
+DATASETS: Dict[str, Spec] = {
+    "gsm8k": Spec("gsm8k", "openai/gsm8k", "main", "main", ("train", "test"), ("question", "answer"),
+                  _gsm8k_row, ("question", "answer", "solution")),
+    "geo3k": Spec("geo3k", "hiyouga/geometry3k", None, "data", ("train", "validation", "test"),
+                  ("problem", "answer", "images"), _geo3k_row, ("problem", "answer", "images")),
+}
+
+
+def local_layouts(spec: Spec, split: str) -> List[str]:
+    """Glob patterns (relative to --source) tried in order for a split's parquet shards: the hub repository's
+    layout, its folder itself, and the hub's parquet conversion (refs/convert/parquet)."""
+    config = spec.hub_config or "default"
+    return [f"{spec.folder}/{split}-*.parquet", f"{split}-*.parquet", f"{config}/{split}/*.parquet"]
+
+
+# -------------------------------------------------------------------------------------------------- loading
+def _import_datasets() -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise PrepareError("qwen35rl-data needs the 'datasets' package: pip install 'qwen35rl[data]' "
+                           "(or pip install 'datasets>=2.14')") from None
+    return datasets
+
+
+def _local_files(spec: Spec, source: Path, splits: Sequence[str]) -> Dict[str, List[str]]:
+    files: Dict[str, List[str]] = {}
+    for split in splits:
+        for pattern in local_layouts(spec, split):
+            found = sorted(str(p) for p in source.glob(pattern) if p.is_file())
+            if found:
+                files[split] = found
+                break
+        else:
+            tried = ", ".join(str(source / p) for p in local_layouts(spec, split))
+            raise PrepareError(f"--source {source}: no {split} parquet files of {spec.hub_id} there (looked for "
+                               f"{tried}); give a copy of the hub repository (its {spec.folder}/ folder holds "
+                               f"{split}-00000-of-00001.parquet)")
+    return files
+
+
+def load_splits(spec: Spec, source: Optional[str], splits: Sequence[str],
+                cache_dir: Optional[str] = None) -> Dict[str, Any]:
+    """split -> a `datasets.Dataset`, from the hub (source None or a hub id) or a local directory."""
+    datasets = _import_datasets()
+    local = Path(source).expanduser() if source else None
+    if local is not None and local.exists():
+        if not local.is_dir():
+            raise PrepareError(f"--source {source}: not a directory (give the directory of the hub repository's "
+                               f"files, e.g. one holding {spec.folder}/train-00000-of-00001.parquet)")
+        files = _local_files(spec, local, splits)
+        loaded = datasets.load_dataset("parquet", data_files=files, cache_dir=cache_dir)
+        return {split: loaded[split] for split in splits}
+    hub_id = source or spec.hub_id
+    if source and (source.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", source)):
+        raise PrepareError(f"--source {source}: no such directory here (nor a hub id like {spec.hub_id})")
+    try:
+        loaded = datasets.load_dataset(hub_id, spec.hub_config, cache_dir=cache_dir)
+    except Exception as e:  # noqa: BLE001 - any failure to fetch is said the same way, with the way out
+        what = f"{hub_id}" + (f" (config {spec.hub_config})" if spec.hub_config else "")
+        reason = f"{type(e).__name__}: {e}"
+        cause = ("the Hugging Face hub is not reachable from here"
+                 if isinstance(e, ConnectionError) or "connect" in reason.lower() or "offline" in reason.lower()
+                 else "the hub did not give it")
+        local_note = f" (--source {source} is not a directory here, so it was taken as a hub id)" if source else ""
+        shards = ", ".join(f"{s}-00000-of-00001.parquet" for s in spec.splits)
+        raise PrepareError(
+            f"could not load {what} from the Hugging Face hub{local_note}: {cause} ({reason}). Copy the repository's "
+            f"parquet files from a machine that reaches the hub (its {spec.folder}/ folder: {shards}) and pass "
+            f"--source DIR with that copy, or set HF_ENDPOINT to a mirror") from None
+    missing = [s for s in splits if s not in loaded]
+    if missing:
+        raise PrepareError(f"{hub_id} has no split {', '.join(missing)} (it has {', '.join(loaded)})")
+    return {split: loaded[split] for split in splits}
+
+
+# -------------------------------------------------------------------------------------------------- writing
+def _features(spec: Spec) -> Any:
+    datasets = _import_datasets()
+    text = datasets.Value("string")
+    if spec.name == "geo3k":
+        image_list = getattr(datasets, "List", None) or datasets.Sequence
+        return datasets.Features({"problem": text, "answer": text, "images": image_list(datasets.Image())})
+    return datasets.Features({c: text for c in spec.columns})
+
+
+def _schema(spec: Spec) -> Any:
+    """The written schema, with the `datasets` feature metadata (images load as images with `datasets` too)."""
+    import pyarrow as pa
+
+    features = _features(spec)
+    schema = getattr(features, "arrow_schema", None)
+    return schema if schema is not None else pa.schema(features.type)
+
+
+def convert_split(spec: Spec, dataset: Any, split: str, source_dir: Optional[Path] = None) -> List[Dict[str, Any]]:
+    """The written rows of one loaded split. Read in Arrow form: images stay the stored encoded bytes."""
+    table = dataset.with_format("arrow")[:]
+    missing = [c for c in spec.source_columns if c not in table.column_names]
+    if missing:
+        raise PrepareError(f"{spec.hub_id} {split}: the rows lack {', '.join(missing)} (their columns: "
+                           f"{', '.join(table.column_names)}); is --source a copy of {spec.hub_id}?")
+    rows = table.select(list(spec.source_columns)).to_pylist()
+    return [spec.convert(row, n, split, source_dir) for n, row in enumerate(rows)]
+
+
+@dataclass
+class Written:
+    split: str
+    path: Path
+    rows: int
+
+
+def _check_splits(spec: Spec, splits: Sequence[str]) -> List[str]:
+    splits = [s.strip() for s in splits if s.strip()]
+    if not splits:
+        raise PrepareError("--splits is empty")
+    unknown = [s for s in splits if s not in spec.splits]
+    if unknown:
+        raise PrepareError(f"{spec.name} has no split {', '.join(map(repr, unknown))}: its splits are "
+                           f"{', '.join(spec.splits)}")
+    return list(dict.fromkeys(splits))
+
+
+def get_spec(name: str) -> Spec:
+    if name not in DATASETS:
+        from qwen35rl.config.compose import did_you_mean
+
+        hint = did_you_mean(name, DATASETS)
+        raise PrepareError(f"unknown dataset {name!r}: qwen35rl-data prepares {' or '.join(DATASETS)}"
+                           + (f" ({hint})" if hint else ""))
+    return DATASETS[name]
+
+
+def prepare(name: str, out: str = "data", source: Optional[str] = None, splits: Sequence[str] = DEFAULT_SPLITS,
+            force: bool = False, cache_dir: Optional[str] = None) -> List[Written]:
+    """Load, convert and write `out/<name>/<split>.parquet` for each split; nothing is written unless every split
+    loaded and converted. An existing non-empty `out/<name>` is refused unless `force` (its split files are then
+    replaced, other files left alone)."""
+    spec = get_spec(name)
+    splits = _check_splits(spec, splits)
+    target = Path(out).expanduser() / spec.name
+    if target.exists() and not target.is_dir():
+        raise PrepareError(f"{target} exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()) and not force:
+        raise PrepareError(f"{target} exists and is not empty ({', '.join(sorted(p.name for p in target.iterdir()))}): "
+                           f"pass --force to replace its {', '.join(s + '.parquet' for s in splits)}, or choose "
+                           "another --out")
+    loaded = load_splits(spec, source, splits, cache_dir=cache_dir)
+    source_dir = Path(source).expanduser() if source and Path(source).expanduser().is_dir() else None
+    converted = {split: convert_split(spec, loaded[split], split, source_dir) for split in splits}
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = _schema(spec)
+    target.mkdir(parents=True, exist_ok=True)
+    written = []
+    for split, rows in converted.items():
+        path = target / f"{split}.parquet"
+        tmp = path.with_name(f".{path.name}.tmp")
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp)
+        os.replace(tmp, path)
+        written.append(Written(split, path, len(rows)))
+    return written
+
+
+# ------------------------------------------------------------------------------------------- plan's hint
+def prepare_command(path: str, data_name: Optional[str] = None) -> Optional[str]:
+    """How to make the missing data file `path`: the exact `qwen35rl-data prepare ...` command when `path` is named
+    as the command names its files (`OUT/<dataset>/<split>.parquet`); when only `data_name` is a dataset the command
+    knows, the command with DIR and where it writes. None otherwise."""
+    p = Path(str(path))
+    spec = DATASETS.get(p.parent.name)
+    if spec is not None and p.suffix == ".parquet" and p.stem in spec.splits:
+        out = str(p.parent.parent)
+        extra = "" if p.stem in DEFAULT_SPLITS else f" --splits {p.stem}"
+        return f"make it with `qwen35rl-data prepare {spec.name} --out {shlex.quote(out)}{extra}`"
+    if data_name in DATASETS:
+        return (f"`qwen35rl-data prepare {data_name} --out DIR` writes DIR/{data_name}/train.parquet and "
+                f"test.parquet: point the data files there")
+    return None
