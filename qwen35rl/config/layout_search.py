@@ -10,7 +10,9 @@ Training options are checked once with the `train` rules, rollout options once w
 each pair with the memory rules (the same functions `rules.check_all` runs).
 
 Cost model: the estimated seconds of one RL step, lower is better, from nominal constants (below) - only the
-ranking matters, not the absolute time:
+ranking matters, not the absolute time. The score is those seconds times the headroom penalty: its unit is
+`SCORE_UNIT`, seconds per RL step (the plan's `cost.score_unit`), comparable between layouts of one config, not a
+measured time:
 - compute  = 6 * tokens per step * (active params of the busiest pipeline rank, incl. the output layer, x PP)
              (* 4/3 with full recompute) / (world * hw.peak_tflops * MFU)
 - bubble   = compute * b / (1 - b), b = (pp - 1) / (m + pp - 1), m = micro batches per mini batch per DP rank
@@ -34,7 +36,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Tuple
+from functools import lru_cache
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -59,13 +62,15 @@ PCIE_GBPS = 25.0
 HOST_ADAM_GBPS = 10.0
 """GB/s of optimizer state a CPU Adam step sweeps per device (reads and writes)."""
 MIN_HEADROOM, HEADROOM_PENALTY = 0.10, 0.5
+SCORE_UNIT = "s/step"
+"""The score's unit: estimated seconds of one RL step (training + rollout), times the headroom penalty."""
 
 
 @dataclass
 class Candidate:
     layout: Layout
     score: float
-    """Estimated seconds per RL step with the headroom penalty (lower is better)."""
+    """Estimated seconds per RL step with the headroom penalty (`SCORE_UNIT`; lower is better)."""
     memory: M.MemoryEstimate
     overrides: List[str]
     """Command-line overrides that select this layout, e.g. ["parallelism.tp=2", ...]."""
@@ -75,7 +80,8 @@ class Candidate:
     """The same as `overrides`, as dotted key -> value."""
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"score": round(self.score, 4), "overrides": list(self.overrides), "train": self.layout.train_dict(),
+        return {"score": round(self.score, 4), "score_unit": SCORE_UNIT, "overrides": list(self.overrides),
+                "train": self.layout.train_dict(),
                 "rollout": self.layout.rollout_dict(), "memory_gib": self.memory.to_dict(),
                 "cost": {k: round(v, 4) for k, v in self.cost.items()}}
 
@@ -194,12 +200,14 @@ def _fmt(v: Any) -> str:
 
 
 def apply(cfg: Any, candidate: Candidate) -> DictConfig:
-    """A copy of `cfg` with the candidate's layout set (parallelism.auto off, the name records the choice)."""
+    """A copy of `cfg` with the candidate's layout set (parallelism.auto off, the name records the choice:
+    `auto/tp=2 pp=4 ...`)."""
     out = cfg.copy() if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
     for key, value in candidate.settings.items():
         OmegaConf.update(out, key, value, merge=False)
     for key, value in (("parallelism.vpp", None), ("parallelism.pipeline_layout", None),
-                       ("parallelism.auto", False), ("parallelism.name", "auto/" + " ".join(candidate.overrides))):
+                       ("parallelism.auto", False),
+                       ("parallelism.name", "auto/" + " ".join(o[len("parallelism."):] for o in candidate.overrides))):
         OmegaConf.update(out, key, value, merge=False)
     return out
 
@@ -326,3 +334,123 @@ def cost(cfg: Any, layout: Layout, est: M.MemoryEstimate) -> Dict[str, float]:
     """The cost model's components for `layout` (seconds per RL step) and the final score."""
     tree = M.as_tree(cfg)
     return combine_cost(train_cost(tree, layout), rollout_seconds(tree, layout, est), est)
+
+
+# ------------------------------------------------------------------------------------------ the tested layouts
+DEGREE_KEYS = ("tp", "pp", "cp", "ep", "etp", "vpp", "pipeline_layout", "fsdp_size", "sp", "rollout.tp", "rollout.dp",
+               "rollout.ep")
+"""The `parallelism.*` keys that make a layout (name and auto aside)."""
+
+
+def _degrees(par: Any) -> Dict[str, Any]:
+    return {k: OmegaConf.select(par, k) if isinstance(par, DictConfig) else _get(par, k) for k in DEGREE_KEYS}
+
+
+def _get(tree: Dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree[part]
+    return tree
+
+
+@lru_cache(maxsize=64)
+def _load_preset(name: str, overlays: Tuple[str, ...]) -> Optional[Tuple[Tuple[str, Any], ...]]:
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.types import RunMode
+
+    from qwen35rl.config.paths import config_dir
+    from qwen35rl.config.schema import ParallelismConfig
+    from qwen35rl.config.store import register
+
+    base = OmegaConf.structured(ParallelismConfig)
+    if name != "default":
+        register()
+        path = create_config_search_path(str(config_dir()))
+        anchor = "main"
+        for d in overlays:  # where hydra.searchpath puts them: after the packaged tree, in order
+            path.append("qwen35rl-overlay", f"file://{d}", anchor=anchor)
+            anchor = "qwen35rl-overlay"
+        try:  # Hydra's own loading (defaults lists, overlays): no global Hydra state, so safe inside a sweep job
+            loaded = ConfigLoaderImpl(config_search_path=path).load_configuration(
+                config_name=f"parallelism/{name}", overrides=[], run_mode=RunMode.RUN)
+        except Exception:  # not a config on the search path (a hand-set parallelism.name): nothing to compare
+            return None
+        if "parallelism" not in loaded:
+            return None
+        base = OmegaConf.merge(base, loaded.parallelism)
+    return tuple(_degrees(base).items())
+
+
+def preset_degrees(name: str) -> Optional[Dict[str, Any]]:
+    """The degrees of the tested layout `parallelism/<name>.yaml` (its values over the schema's defaults; `default`:
+    the schema's defaults), or None where no such config is on the search path."""
+    from qwen35rl.config.paths import extra_config_dirs
+
+    found = _load_preset(str(name), tuple(str(d) for d in extra_config_dirs()))
+    return None if found is None else dict(found)
+
+
+def _value(v: Any) -> str:
+    return "null" if v is None else str(v)
+
+
+def layout_origin(cfg: Any) -> Tuple[Optional[str], List[str]]:
+    """(the tested layout the config's layout starts from, or `default`; the degrees set apart from it, as
+    `parallelism.<key>=<value>`). (None, []) for a searched layout (`auto/...`) or a name that is no config."""
+    name = str(cfg["parallelism"]["name"])
+    if name == "auto" or name.startswith("auto/"):
+        return None, []
+    preset = preset_degrees(name)
+    if preset is None:
+        return None, []
+    own = _degrees(cfg["parallelism"])
+    return name, [f"parallelism.{k}={_value(own[k])}" for k in DEGREE_KEYS if own[k] != preset[k]]
+
+
+def layout_label(cfg: Any) -> str:
+    """The layout's name as the plan shows it: the tested layout's name, `+` the degrees set apart from it (a sweep
+    over parallelism.tp is not labelled with the tested layout alone)."""
+    name, changed = layout_origin(cfg)
+    if name is None:
+        return str(cfg["parallelism"]["name"])
+    return name if not changed else f"{name} + " + " ".join(c[len("parallelism."):] for c in changed)
+
+
+def tested_name(cfg: Any) -> Optional[str]:
+    """`<backend>/<model>@<hw>` when that tested layout exists (the one `parallelism=auto` keeps the deltas of)."""
+    name = f"{cfg['backend']['name']}/{cfg['model']['name']}@{cfg['hw']['name']}"
+    return name if preset_degrees(name) is not None and name != "default" else None
+
+
+def tested_rank(cfg: Any, candidates: List[Candidate]) -> Optional[Dict[str, Any]]:
+    """Where the tested layout of this model x hw x backend ranks among the searched candidates: {name, overrides,
+    rank (1 = best; None when it is not a candidate), of, score, score_unit, best_score, why (when not ranked)}.
+    None without a tested layout."""
+    name = tested_name(cfg)
+    if name is None:
+        return None
+    preset = preset_degrees(name)
+    out = cfg.copy() if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+    for key, value in preset.items():
+        OmegaConf.update(out, f"parallelism.{key}", value, merge=False)
+    OmegaConf.update(out, "parallelism.auto", False, merge=False)
+    OmegaConf.update(out, "parallelism.name", name, merge=False)
+    layout = derive_layout(out)
+    keys = ("tp", "pp", "cp", "ep", "etp") if layout.backend == "megatron" else ("fsdp_size", "sp")
+    shown = [*keys, *(k for k in ("vpp", "pipeline_layout") if preset[k] is not None), "rollout.tp", "rollout.dp",
+             "rollout.ep"]
+    info: Dict[str, Any] = {"name": name, "overrides": [f"parallelism.{k}={_value(preset[k])}" for k in shown],
+                            "rank": None, "of": len(candidates), "score": None, "score_unit": SCORE_UNIT,
+                            "best_score": round(candidates[0].score, 4) if candidates else None}
+    if preset["pipeline_layout"] is None:
+        for i, c in enumerate(candidates, 1):
+            if c.layout == layout:
+                info.update(rank=i, score=round(c.score, 4))
+                return info
+    refused = sorted({p.code for p in R.check_all(out, layout) if p.severity == "error"})
+    info["why"] = (f"the rules refuse it here: {', '.join(refused)}" if refused else
+                   "outside the search space (powers of two, even pipeline splits, no vpp)")
+    if not refused:
+        est = M.estimate(out, layout)
+        info["score"] = round(cost(out, layout, est)["score"], 4)
+    return info

@@ -47,11 +47,13 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
     unsafe = rules.gate_problems(memory.as_tree(cfg))
     if unsafe:  # a value out of its range: nothing below may divide by it or search over it
         return refused_plan(cfg, rules.check_all(cfg, derive_layout(cfg)) + environment_problems(cfg))
+    searched_from = cfg
     cfg, candidates, problems = select_layout(cfg)
     layout = derive_layout(cfg)
     problems += rules.check_all(cfg, layout) + environment_problems(cfg)
     count = params.count_params(cfg.model)
     mem = memory.estimate(cfg, layout)
+    preset, changed = layout_search.layout_origin(cfg)
     return {
         "valid": not any(p.severity == ERROR for p in problems),
         "problems": [p.to_dict() for p in problems],
@@ -62,10 +64,13 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "world_size": layout.world,
         "train": layout.train_dict(),
         "rollout": layout.rollout_dict(),
-        "layout_name": str(cfg.parallelism.name),
+        "layout_name": layout_search.layout_label(cfg),
+        "layout_preset": preset,
+        "layout_overrides": changed,
         "params": count.to_dict(),
         "memory_gib": mem.to_dict(),
-        "cost": layout_search.cost(cfg, layout, mem),
+        "offload": offload_settings(cfg, mem),
+        "cost": {**layout_search.cost(cfg, layout, mem), "score_unit": layout_search.SCORE_UNIT},
         "batch": batch_arithmetic(cfg, layout),
         "device": str(cfg.hw.device),
         "nodes": int(cfg.hw.nodes),
@@ -74,8 +79,22 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "vllm_quirks": vllm_quirks(cfg),
         "output_dir": f"{cfg.trainer.output_root}/{cfg.trainer.run_name}",
         "auto_candidates": [c.to_dict() for c in candidates[:5]],
+        "auto_candidate_count": len(candidates),
+        "auto_tested": layout_search.tested_rank(searched_from, candidates) if candidates else None,
         "verl": verl_export(cfg),
     }
+
+
+def offload_settings(cfg: DictConfig, mem) -> Dict[str, Any]:
+    """What the trainer keeps in host memory and when, and the host memory that takes per device (GiB)."""
+    b = cfg.backend
+    out: Dict[str, Any] = {"param": bool(b.param_offload), "grad": bool(b.grad_offload),
+                           "optimizer": bool(b.optimizer_offload), "host_gib": round(float(mem.host_gib), 3)}
+    if cfg.backend.name == "megatron":
+        out["optimizer_cpu_fraction"] = float(b.optimizer_offload_fraction) if b.optimizer_cpu_offload else 0.0
+    else:
+        out["offload_policy"] = bool(b.offload_policy)
+    return out
 
 
 def verl_export(cfg: DictConfig) -> Dict[str, Any]:
@@ -92,14 +111,16 @@ def refused_plan(cfg: DictConfig, problems: List[Problem]) -> Dict[str, Any]:
         "valid": False, "problems": [p.to_dict() for p in problems], "model": str(cfg.model.name),
         "hw": str(cfg.hw.name), "backend": str(cfg.backend.name), "rollout_engine": str(cfg.rollout.engine),
         "world_size": None, "train": {}, "rollout": {"tp": None, "dp": None, "ep": None},
-        "layout_name": str(cfg.parallelism.name), "params": zero, "memory_gib": {}, "cost": {},
-        "batch": {"prompts_per_step": None, "responses_per_step": None, "optimizer_steps_per_rollout_batch": None,
+        "layout_name": str(cfg.parallelism.name), "layout_preset": None, "layout_overrides": [], "params": zero,
+        "memory_gib": {}, "offload": {}, "cost": {},
+        "batch": {"prompts_per_step": None, "responses_per_prompt": None, "responses_per_step": None,
+                  "optimizer_steps_per_rollout_batch": None,
                   "responses_per_mini_batch_per_dp_rank": None, "micro_batches_per_device": None,
                   "micro_batch_size_per_device": None, "dynamic_batch_size": False, "max_tokens_per_device": None,
                   "sequence_length": None},
         "device": str(cfg.hw.device), "nodes": cfg.hw.nodes, "devices_per_node": cfg.hw.devices_per_node,
         "worker_env": {}, "vllm_quirks": [], "output_dir": f"{cfg.trainer.output_root}/{cfg.trainer.run_name}",
-        "auto_candidates": [],
+        "auto_candidates": [], "auto_candidate_count": 0, "auto_tested": None,
     }
 
 
@@ -119,6 +140,7 @@ def batch_arithmetic(cfg: DictConfig, layout) -> Dict[str, Any]:
     per_dp = (mini * n) // max(layout.dp, 1)
     return {
         "prompts_per_step": prompts,
+        "responses_per_prompt": n,
         "responses_per_step": prompts * n,
         "optimizer_steps_per_rollout_batch": (prompts // mini if mini else 0) * int(cfg.algorithm.ppo_epochs),
         "responses_per_mini_batch_per_dp_rank": per_dp,
@@ -140,9 +162,51 @@ def _fmt_gib(x) -> str:
     return f"{x:.1f} GiB" if x >= 0.1 else f"{x * 1024:.1f} MiB"
 
 
+_TERM_NAMES = {"train/weights": "weights", "train/optimizer": "optimizer", "train/grads": "grads",
+               "train/gathered_params": "gathered params", "train/activations": "activations",
+               "train/vision_activations": "vision activations", "train/backward_transient": "backward transient",
+               "train/optimizer_step": "optimizer step", "train/reference": "reference", "train/sleeping_engine":
+               "sleeping engine", "rollout/weights": "weights", "rollout/kept_by_trainer": "trainer state",
+               "rollout/activations": "activations", "rollout/kv_cache": "KV cache", "rollout/pool": "vLLM pool",
+               "rollout/sequence_cache": "one sequence", "host/trainer_offload": "trainer",
+               "host/sleeping_engine": "sleeping engine"}
+
+
+def _terms(m: Dict[str, Any], phase: str) -> str:
+    """The non-zero memory terms of one phase, largest first: "grads 11.2 GiB, weights 5.6 GiB"."""
+    terms = [(k, v) for k, v in (m.get("terms") or {}).items() if k.startswith(phase + "/") and v]
+    terms.sort(key=lambda kv: -kv[1])
+    return ", ".join(f"{_TERM_NAMES.get(k, k.split('/', 1)[1].replace('_', ' '))} {_fmt_gib(v)}" for k, v in terms)
+
+
+def _offload_line(plan: Dict[str, Any]) -> str:
+    o, m = plan.get("offload") or {}, plan["memory_gib"]
+    what = [name for key, name in (("param", "params"), ("grad", "grads"), ("optimizer", "optimizer states"))
+            if o.get(key)]
+    parts = [f"{', '.join(what)} to the host between phases"] if what else []
+    if o.get("optimizer_cpu_fraction"):
+        parts.append(f"CPU optimizer step on {o['optimizer_cpu_fraction']:.0%} of the states")
+    if o.get("offload_policy"):
+        parts.append("FSDP CPU offload policy (parameters, gradients and optimizer on the host throughout)")
+    if not parts:
+        return "  offload    none (the trainer's state stays on the device)"
+    host = _terms(m, "host")
+    parts.append(f"host {_fmt_gib(o.get('host_gib', m.get('host')) or 0.0)} per device" + (f" ({host})" if host else ""))
+    return "  offload    " + "; ".join(parts)
+
+
+def _secs(x: float) -> str:
+    return f"{x:.3g}" if x >= 0.001 else "<0.001"
+
+
+def _score(x: Any) -> str:
+    return "n/a" if x is None else f"{x:.3g} s/step"
+
+
 def render_text(plan: Dict[str, Any]) -> str:
     t, r, b, m, p = plan["train"], plan["rollout"], plan["batch"], plan["memory_gib"], plan["params"]
     train = " ".join(f"{k.upper()}{v}" for k, v in t.items() if v is not None)
+    n = b.get("responses_per_prompt")
     lines = [
         f"qwen35rl plan: {plan['model']} on {plan['hw']} with {plan['backend']}"
         f" ({'VALID' if plan['valid'] else 'INVALID'})",
@@ -152,25 +216,48 @@ def render_text(plan: Dict[str, Any]) -> str:
         f" = world {plan['world_size']}",
         f"  train      {train}   [layout: {plan['layout_name']}]",
         f"  rollout    {plan['rollout_engine']} TP{r['tp']} DP{r['dp']} EP{r['ep']}",
-        f"  batch      {b['prompts_per_step']} prompts x n -> {b['responses_per_step']} responses/step;"
-        f" {b['optimizer_steps_per_rollout_batch']} optimizer step(s) per rollout batch;"
+        f"  batch      {b['prompts_per_step']} prompts x {n if n is not None else 'n'} -> {b['responses_per_step']}"
+        f" responses/step; {b['optimizer_steps_per_rollout_batch']} optimizer step(s) per rollout batch;"
         f" {b['responses_per_mini_batch_per_dp_rank']} responses per DP rank per mini batch"
         + (f" in {b['micro_batches_per_device']} micro batch(es) of {b['micro_batch_size_per_device']}"
            if b["micro_batches_per_device"] is not None
            else f" in micro batches of at most {b['max_tokens_per_device']} tokens"),
         f"  memory     train peak {_fmt_gib(m.get('train_peak'))}, rollout peak {_fmt_gib(m.get('rollout_peak'))},"
-        f" usable {_fmt_gib(m.get('capacity'))} per device -> {'fits' if m.get('fits') else 'DOES NOT FIT'}",
-        f"  output     {plan['output_dir']}",
+        f" usable {_fmt_gib(m.get('capacity'))} per device -> {'fits' if m.get('fits') else 'DOES NOT FIT'}"
+        + (f" ({m['headroom']:.0%} free)" if m.get("headroom") is not None and m.get("fits") else ""),
     ]
+    for phase in ("train", "rollout"):
+        if _terms(m, phase):
+            lines.append(f"             {phase + ':':9}{_terms(m, phase)}")
+    if plan.get("offload"):
+        lines.append(_offload_line(plan))
+    c = plan.get("cost") or {}
+    if c.get("score") is not None:
+        parts = [f"{k[:-2].replace('comm_', 'comm ')} {_secs(v)}" for k, v in c.items()
+                 if k.endswith("_s") and isinstance(v, (int, float)) and v > 0]
+        penalty = c.get("headroom_penalty", 1.0)
+        lines.append(f"  cost       score {_score(c['score'])} (estimated seconds per RL step from nominal constants,"
+                     f" for ranking layouts: {', '.join(parts)}"
+                     + (f"; x{penalty:.2f} for memory headroom under 10%" if penalty > 1.0 else "") + ")")
+    lines.append(f"  output     {plan['output_dir']}")
     for q in plan.get("vllm_quirks", []):
         state = "overridden by rollout.engine_kwargs" if q["overridden"] else "applied"
         lines.append(f"  vllm quirk {q['key']}={q['value']} ({state}): {q['why']}")
     if plan["worker_env"]:
         lines.append("  worker env " + " ".join(f"{k}={v}" for k, v in sorted(plan["worker_env"].items())))
     if plan["auto_candidates"]:
-        lines.append("  parallelism=auto, best five of the valid layouts (lower score is better):")
+        total = plan.get("auto_candidate_count") or len(plan["auto_candidates"])
+        lines.append(f"  parallelism=auto, best {len(plan['auto_candidates'])} of {total} valid layouts"
+                     " (score: estimated seconds per RL step, lower is better):")
         for i, c in enumerate(plan["auto_candidates"], 1):
-            lines.append(f"    {i}. score {c.get('score', 0):.3f}  {' '.join(c.get('overrides', []))}")
+            lines.append(f"    {i}. {_score(c.get('score')):>12}  {' '.join(c.get('overrides', []))}")
+        tested = plan.get("auto_tested")
+        if tested:
+            where = (f"ranks {tested['rank']} of {tested['of']}" if tested.get("rank") else
+                     f"is not among the {tested['of']} candidates: {tested.get('why')}")
+            lines.append(f"  tested layout {tested['name']} {where} (score {_score(tested.get('score'))});"
+                         " its settings outside parallelism are kept")
+            lines.append(f"    {' '.join(tested['overrides'])}")
     for prob in plan["problems"]:
         lines.append(f"  {prob['severity']}: [{prob['code']}] {prob['key']}: {prob['message']}")
         if prob.get("hint"):

@@ -55,6 +55,38 @@ def test_the_tested_layout_is_among_the_candidates():
     assert any(set(c.overrides) == tested for c in cands)
 
 
+def test_the_tested_layouts_rank_is_its_place_among_the_candidates():
+    cfg, cands, _ = searched(MG397_A3)
+    tested = S.tested_rank(cfg, cands)
+    assert tested["name"] == "megatron/qwen3_5_397b_a17b@a3_16node" and tested["of"] == len(cands)
+    hit = cands[tested["rank"] - 1]
+    assert set(hit.overrides) == set(tested["overrides"]) and tested["score"] == round(hit.score, 4)
+    assert all(set(c.overrides) != set(tested["overrides"]) for c in cands[:tested["rank"] - 1])
+    assert S.tested_rank(compose(["parallelism=auto"]), cands) is None  # no tested layout of the tiny model on cpu
+
+
+def test_the_score_is_in_seconds_per_step_and_a_searched_layout_names_its_degrees():
+    cfg, cands, _ = searched(MG397_A3)
+    assert cands[0].to_dict()["score_unit"] == S.SCORE_UNIT == "s/step"
+    applied = S.apply(cfg, cands[0])
+    assert applied.parallelism.name == "auto/" + " ".join(o.replace("parallelism.", "", 1) for o in cands[0].overrides)
+    assert S.layout_origin(applied) == (None, []) and S.layout_label(applied) == applied.parallelism.name
+
+
+def test_a_layout_is_labelled_with_what_differs_from_its_tested_preset():
+    base = ["model=qwen3_5_35b_a3b", "hw=h200_1node", "backend=megatron"]
+    tested = "megatron/qwen3_5_35b_a3b@h200_1node"
+    assert S.layout_origin(compose(base)) == (tested, [])
+    assert S.preset_degrees(tested) == S.preset_degrees("megatron/qwen3_5_35b_a3b@gpu_1node")  # the same layout
+    cfg = compose(base + ["parallelism.ep=4", "parallelism.vpp=2"])
+    assert S.layout_origin(cfg) == (tested, ["parallelism.ep=4", "parallelism.vpp=2"])
+    assert S.layout_label(cfg) == f"{tested} + ep=4 vpp=2"
+    # parallelism=auto loads the tested layout (for its deltas) too, and still composes
+    assert compose(base + ["parallelism=auto"]).parallelism.auto is True
+    cfg = compose(base + ["parallelism.name=hand-made"])  # a name that is no config: shown as it is
+    assert S.layout_origin(cfg) == (None, []) and S.layout_label(cfg) == "hand-made"
+
+
 def test_invalid_layouts_are_dropped():
     _, cands, _ = searched(MG397_A3)
     for c in cands:
