@@ -55,7 +55,7 @@ def _train_job(cfg: DictConfig) -> Dict[str, Any]:
     if errors:  # a sweep job that is invalid returns without launching anything
         _exit_codes.append(EXIT_CONFIG)
         return {"valid": False, "problems": [p.to_dict() for p in problems]}
-    from qwen35rl.runtime.driver import run_training
+    from qwen35rl.runtime.entry import train as run_training  # run identity and start-up lines, then the driver
     from qwen35rl.runtime.slurm import ray_for_allocation
 
     cfg = ray_for_allocation(cfg)  # a multi-node Slurm job (hydra/launcher=submitit_slurm): Ray across its nodes

@@ -1000,10 +1000,10 @@ def path_findings(cfg: Any) -> List[Tuple[str, str, str, str]]:
         out.append(("output_root_unwritable", "trainer.output_root", f"trainer.output_root={root!r}: {probe} {what}",
                     "try trainer.output_root=runs (a directory you can write)"))
     resume = str(_get(cfg, "trainer.resume", "auto"))
-    if resume not in ("auto", "never") and not os.path.isfile(os.path.join(resume, "meta.json")):
-        out.append(("resume_not_a_checkpoint", "trainer.resume", f"trainer.resume={resume!r} is neither auto, never "
-                    "nor a finished checkpoint directory here (one with meta.json)",
-                    did_you_mean(resume, ("auto", "never")) or "try trainer.resume=auto"))
+    if resume not in ("auto", "never", "force") and not os.path.isfile(os.path.join(resume, "meta.json")):
+        out.append(("resume_not_a_checkpoint", "trainer.resume", f"trainer.resume={resume!r} is neither auto, never, "
+                    "force nor a finished checkpoint directory here (one with meta.json)",
+                    did_you_mean(resume, ("auto", "never", "force")) or "try trainer.resume=auto"))
     reward = str(_get(cfg, "data.reward", "exact_match"))
     if ":" in reward and reward not in REWARDS:
         module = reward.partition(":")[0]

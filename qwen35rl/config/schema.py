@@ -419,9 +419,17 @@ class TrainerConfig:
     """Checkpoint every N steps (-1: only at the end)."""
     test_freq: int = at_least(1, -1, also=(-1,))
     """Validation every N steps (-1: off)."""
+    log_val_generations: int = at_least(0, 4, high=1000)
+    """Sample generations kept at each validation: the first N validation prompts with their greedy responses,
+    answers and scores, in `generations.jsonl` (with the jsonl tracker) and TensorBoard text; 0: none."""
     val_before_train: bool = False
     resume: str = "auto"
-    """auto | never | a checkpoint directory."""
+    """auto: resume from the newest checkpoint of the run directory, when the config still makes the same
+    experiment (a change of model, data, algorithm, sampling, seeds, lengths, batch sizes, optimizer, ... is refused
+    before anything starts, with the diff; hardware, layout, engine knobs, length and paths may change); a finished
+    run says "already complete". never: start over at step 0 (an earlier run's outputs move to `superseded/`).
+    force: resume from the newest checkpoint whatever changed. A checkpoint directory: resume from it (changes are
+    shown, not refused)."""
     seed: int = at_least(0, 1)
     trackers: List[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     project_name: str = "qwen35rl"

@@ -142,11 +142,12 @@ class CheckpointManager:
         return None
 
     def resolve(self, resume: str) -> Optional[Path]:
-        """`trainer.resume`: auto (newest finished checkpoint here, or none), never, or a checkpoint directory."""
+        """`trainer.resume`: auto or force (the newest intact checkpoint here, or none; whether the config may resume
+        it is qwen35rl.runtime.run_identity's question), never, or a checkpoint directory."""
         resume = str(resume)
         if resume == "never":
             return None
-        if resume == "auto":
+        if resume in ("auto", "force"):
             return self.latest()
         path = Path(resume).expanduser()
         if not (path / META_FILE).is_file():

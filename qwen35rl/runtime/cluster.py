@@ -328,9 +328,11 @@ class WorkerGroup:
         return len(self.actors)
 
     @classmethod
-    def create(cls, cfg: Any, platform: Platform, worker_cls: type, world: int, **worker_kwargs: Any) -> "WorkerGroup":
+    def create(cls, cfg: Any, platform: Platform, worker_cls: type, world: int, *,
+               on_started: Optional[Any] = None, **worker_kwargs: Any) -> "WorkerGroup":
         """Place one `worker_cls(cfg, rank=, world_size=, local_rank=, **worker_kwargs)` actor per device (Ray must
-        be connected) and join them in torch.distributed."""
+        be connected) and join them in torch.distributed. `on_started()` is called once every worker answered,
+        before they join (and build their engines)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -357,6 +359,8 @@ class WorkerGroup:
         wg = cls(actors, groups)
         try:
             wg.where = wg._gather([a.__ray_call__.remote(_whereabouts) for a in actors], "start-up")
+            if on_started is not None:
+                on_started()
             master_addr, master_port = wg.call_rank(0, "rendezvous_address")
             wg.run("init_distributed", master_addr, master_port)
         except BaseException:
@@ -434,10 +438,10 @@ class LocalWorkerGroup:
         self.where: List[Dict[str, Any]] = [whereabouts()]
 
     @classmethod
-    def create(cls, cfg: Any, platform: Platform, worker_cls: type, world: int,
-               **worker_kwargs: Any) -> "LocalWorkerGroup":
+    def create(cls, cfg: Any, platform: Platform, worker_cls: type, world: int, *,
+               on_started: Optional[Any] = None, **worker_kwargs: Any) -> "LocalWorkerGroup":
         """Build `worker_cls(cfg, rank=0, world_size=1, local_rank=0, **worker_kwargs)` here and join it in a
-        torch.distributed group of one."""
+        torch.distributed group of one (`on_started()` in between, as WorkerGroup.create)."""
         if world != 1:
             raise ClusterError(f"trainer.launcher=local runs one worker in this process, the layout has world "
                                f"{world}: use trainer.launcher=ray")
@@ -453,6 +457,8 @@ class LocalWorkerGroup:
             raise WorkerFailure(0, whereabouts(), "start-up", f"failed to start ({raised_cause(e)})",
                                 traceback.format_exc()) from None
         wg = cls(worker)
+        if on_started is not None:
+            on_started()
         try:
             wg.run("init_distributed", "127.0.0.1", free_port())
         except BaseException:

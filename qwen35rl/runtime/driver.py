@@ -17,7 +17,7 @@ from collections import defaultdict, deque
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -28,16 +28,17 @@ from qwen35rl.algo.dapo import group_filter_mask, overlong_penalty
 from qwen35rl.config import capabilities
 from qwen35rl.config.layout import Layout, derive_layout
 from qwen35rl.config.problems import EXIT_CONFIG
-from qwen35rl.exit_codes import EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_REWARD_FAILURE
+from qwen35rl.exit_codes import EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_REWARD_FAILURE, EXIT_TERMINATED, ExitCode
 from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST
 from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.runtime.batching import Sequences, split_even, split_sequences
-from qwen35rl.runtime import provenance
+from qwen35rl.runtime import provenance, quiet, report
 from qwen35rl.runtime.cluster import (EXIT_WORKER_FAILURE, ClusterError, LocalWorkerGroup, WorkerFailure, WorkerGroup,
                                      ray_session)
 from qwen35rl.runtime.flops import mfu, train_flops
 from qwen35rl.runtime.platform import Platform, require_stack, resolve_platform
 from qwen35rl.runtime.preflight import EXIT_PREFLIGHT, PreflightError, run_local_preflight, run_preflight
+from qwen35rl.runtime.run_identity import PROVENANCE_KEY
 from qwen35rl.runtime.rollouts import RolloutBatch, data_metrics, logprob_diff_metrics
 from qwen35rl.runtime.signals import StopRequest
 from qwen35rl.runtime.tracking import Tracking, plot_curves_safely
@@ -46,6 +47,8 @@ from qwen35rl.runtime.worker import PolicyWorker, needs_reference
 log = logging.getLogger(__name__)
 
 FINAL_DIR = "final"
+EXIT_ERROR = int(ExitCode.ERROR)
+"""An unexpected error (a bug): said in one block, the traceback in the log file."""
 SKIPPED_KEY = "actor/skipped_steps"
 """Train-engine metric: optimizer steps skipped so far in the run because the loss or gradient was not finite."""
 
@@ -126,23 +129,59 @@ def report_disk_full(e: BaseException, run_dir: Path) -> int:
     return EXIT_DISK_FULL
 
 
-def run_training(cfg: DictConfig, run_dir: Path) -> int:
+class _Where:
+    """What the run is doing, for a failure's block: the start-up phase, then the trainer's activity."""
+
+    def __init__(self, phases: report.Phases):
+        self.phases = phases
+        self.trainer: Any = None
+
+    def __str__(self) -> str:
+        if self.trainer is not None and self.trainer.activity:
+            return self.trainer.activity
+        return f"start-up ({self.phases.current})"
+
+
+def run_training(cfg: DictConfig, run_dir: Path, *, decision: Any = None, phases: Optional[report.Phases] = None) -> int:
     """Train with the resolved, validated `cfg` in `run_dir`; returns the process exit code (qwen35rl.exit_codes).
-    A full disk anywhere ends the run with EXIT_DISK_FULL and one block saying what could not be written."""
+    `decision`: what run_identity decided about the run directory (decided here when not given); `phases`: the
+    start-up clock of the launch. A full disk anywhere ends the run with EXIT_DISK_FULL and one block saying what
+    could not be written; any other failure ends it with one block too (its traceback in the log file)."""
     run_dir = Path(run_dir).resolve()
+    where = _Where(phases or report.Phases())
     try:
-        return _run_training(cfg, run_dir)
-    except Exception as e:  # noqa: BLE001 - re-raised unless it is a full disk
-        if not disk_full(e):
-            raise
-        return report_disk_full(e, run_dir)
+        return _run_training(cfg, run_dir, decision, where)
+    except Exception as e:  # noqa: BLE001 - every failure ends in one block and an exit code
+        if disk_full(e):
+            return report_disk_full(e, run_dir)
+        log.error("%s", report.unexpected_block(e, str(where), run_dir, EXIT_ERROR))
+        return EXIT_ERROR
 
 
-def _run_training(cfg: DictConfig, run_dir: Path) -> int:
+def _describe_data(train_set: Sequence[Any], loader: Any, val_set: Sequence[Any], total_steps: int,
+                   cfg: DictConfig) -> str:
+    return (f"{len(train_set)} train prompts ({loader.batches_per_epoch} steps of {cfg.data.train_batch_size} per "
+            f"epoch), {len(val_set)} validation prompts, reward {cfg.data.reward}; {total_steps} step(s) to run")
+
+
+def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) -> int:
+    from qwen35rl.runtime import run_identity
+
+    phases = where.phases
     run_dir.mkdir(parents=True, exist_ok=True)
+    if decision is None:
+        from qwen35rl.runtime.entry import settle
+
+        decision = settle(cfg, run_dir)
+    if decision.exit_code is not None:
+        return decision.exit_code
+    phases.begin("data")
     layout = derive_layout(cfg)
     platform = resolve_platform(cfg)
     require_stack(platform, cfg.rollout.engine)
+    note = quiet.note_for_log(platform.device_type)
+    if note and quiet.quiet_known_warnings(platform.device_type):
+        report.file_log.info("%s", note)
 
     from qwen35rl.data import PromptLoader, build_dataset
     from qwen35rl.models.tokenizer import build_tokenizer
@@ -158,10 +197,18 @@ def _run_training(cfg: DictConfig, run_dir: Path) -> int:
             examples = tokenize_image_prompts(examples, cfg.model, cfg.data, tokenizer, split)
         return examples
 
-    loader = PromptLoader(prompts("train"), cfg.data.train_batch_size, seed=cfg.trainer.seed)
+    train_set = prompts("train")
+    loader = PromptLoader(train_set, cfg.data.train_batch_size, seed=cfg.trainer.seed)
     validating = cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train
     val_set = prompts("val") if validating else []
     total_steps = int(cfg.trainer.total_steps or cfg.trainer.total_epochs * loader.batches_per_epoch)
+    try:
+        reward_fn = get_reward_fn(cfg.data.reward)
+    except Exception as e:  # noqa: BLE001 - a reward that does not load is the config's problem, said before Ray
+        log.error("[reward_not_loadable] data.reward: data.reward=%s does not load: %s: %s\n  hint: give a built-in "
+                  "reward or an importable `pkg.module:function` (or `path/to/file.py:function`)", cfg.data.reward,
+                  type(e).__name__, e)
+        return EXIT_CONFIG
 
     checkpoints = ckpt.CheckpointManager(run_dir / "checkpoints", cfg.trainer.max_keep_checkpoints)
     checkpoints.remove_partial()
@@ -177,42 +224,72 @@ def _run_training(cfg: DictConfig, run_dir: Path) -> int:
         log.error("cannot resume from %s\n%s", resume_from, refused.render())
         return EXIT_CONFIG
     start_step = int(meta["step"]) if resume_from else 0
+    if resume_from is None:
+        moved = run_identity.start_over(run_dir)
+        if moved is not None:
+            report.say(f"starting over at step 0 (trainer.resume={cfg.trainer.resume}): the earlier run's outputs in "
+                       f"this directory moved to {report.shown_path(moved)}/")
     start_dir = provenance.record_start(run_dir, cfg, start_step=start_step, resume_from=resume_from)
     tracking = Tracking(cfg, run_dir, total_steps, start_step)
-    if resume_from:
-        log.warning("resuming from %s (step %d of %d)", resume_from, start_step, total_steps)
 
     from qwen35rl.rewards.scoring import warm_pool
 
     warm_pool()  # reward worker start-up stays out of every scoring time limit
+    phases.done("data ready", _describe_data(train_set, loader, val_set, total_steps, cfg)
+                + (f"; resuming from {report.shown_path(resume_from)} (step {start_step} of {total_steps})"
+                   if resume_from else ""))
+    code = EXIT_ERROR
+    trainer = None
     try:
-        with launcher(cfg, platform, layout.world) as (preflight, group_cls), StopRequest() as stop:
+        phases.begin("Ray up" if cfg.trainer.launcher == "ray" else "preflight")
+        with launcher(cfg, platform, layout.world, phases) as (preflight, group_cls), StopRequest() as stop:
+            phases.begin("preflight")
             provenance.record_cluster(start_dir, preflight())
+            phases.mark("preflight")  # the preflight says its own line
             optimizer_steps = (total_steps * cfg.algorithm.ppo_epochs
                                * (cfg.data.train_batch_size // cfg.algorithm.mini_batch_size))
-            workers = group_cls.create(cfg, platform, PolicyWorker, layout.world, layout=layout,
+            phases.begin("workers up")
+
+            def started() -> None:
+                phases.done("workers up", f"{layout.world} worker process(es) on {cfg.hw.nodes} node(s)")
+                phases.begin("engines built")
+
+            workers = group_cls.create(cfg, platform, PolicyWorker, layout.world, layout=layout, on_started=started,
                                        run_dir=str(run_dir), optimizer_steps=optimizer_steps)
             try:
-                trainer = GRPOTrainer(cfg, layout, workers, tokenizer, loader, val_set, get_reward_fn(cfg.data.reward),
+                phases.done("engines built", _describe_engines(cfg))
+                trainer = GRPOTrainer(cfg, layout, workers, tokenizer, loader, val_set, reward_fn,
                                       tracking, checkpoints, stop, total_steps, run_dir)
+                trainer.phases, trainer.provenance_start = phases, start_dir.name
+                where.trainer = trainer
                 if resume_from:
+                    phases.begin("checkpoint restored")
                     trainer.restore(resume_from)
-                return trainer.fit()
+                    phases.done("checkpoint restored", f"step {start_step} from {report.shown_path(resume_from)}")
+                phases.begin("first step")
+                code = trainer.fit()
+                return code
             finally:
                 workers.shutdown()
     except KeyboardInterrupt:
         log.warning("interrupted; the last finished checkpoint is intact")
-        return EXIT_INTERRUPTED
+        code = EXIT_INTERRUPTED
+        return code
     except (PreflightError, ClusterError) as e:
         log.error("%s", e)
         return EXIT_PREFLIGHT
     except WorkerFailure as e:  # every worker was killed on the way out, and a local Ray stopped
         if disk_full(e):
             raise  # said as a full disk by run_training
-        log.error("%s\nstopped the run. The failure in full:\n%s", e, e.detail)
+        log.error("%s", report.failure_block("a worker failed", what=str(e), where=str(where),
+                                             fix=report.known_fix(f"{e.cause}\n{e.detail}"),
+                                             code=EXIT_WORKER_FAILURE, run_dir=run_dir, detail=e.detail))
         return EXIT_WORKER_FAILURE
     except RewardFailure as e:
-        log.error("%s", e)
+        log.error("%s", report.failure_block(
+            "the reward function failed too often", what=str(e), where=str(where),
+            fix="fix the reward function (or raise data.max_reward_failure_rate / data.reward_timeout_s), then run "
+                "the same command again", code=EXIT_REWARD_FAILURE, run_dir=run_dir))
         return EXIT_REWARD_FAILURE
     except ckpt.CheckpointError as e:
         log.error("%s", e)
@@ -220,10 +297,38 @@ def _run_training(cfg: DictConfig, run_dir: Path) -> int:
     finally:  # clean-up never raises a second error: the exit code stays the first one's
         tracking.close()
         plot_curves_safely(run_dir)
+        if trainer is not None and code in (0, EXIT_INTERRUPTED, EXIT_TERMINATED):
+            _say_summary(trainer, run_dir, code, phases)
+
+
+def _describe_engines(cfg: DictConfig) -> str:
+    parts = [f"{cfg.backend.name} train engine", f"{cfg.rollout.engine} rollout engine"]
+    if needs_reference(cfg):
+        parts.insert(1, "reference policy")
+    return ", ".join(parts) + " on each worker"
+
+
+def _say_summary(trainer: "GRPOTrainer", run_dir: Path, code: int, phases: report.Phases) -> None:
+    """The end-of-run block (a summary must not turn a finished run into a failed one)."""
+    try:
+        from qwen35rl.runtime.tracking import METRICS_FILE, read_metrics
+
+        rows = read_metrics(run_dir / METRICS_FILE)
+        done_steps = trainer.step - trainer.first_step
+        if code == 0:
+            head = f"done: step {trainer.step} of {trainer.total_steps}"
+        else:
+            head = (f"stopped at step {trainer.step} of {trainer.total_steps} (exit code {code}); the same command "
+                    f"resumes from its checkpoint")
+        report.say(report.summary(run_dir, rows, trainer.total_steps, head=head, wall_s=phases.total_s(),
+                                  steps_this_launch=done_steps))
+    except Exception as e:  # noqa: BLE001
+        log.warning("no end-of-run summary: %s: %s", type(e).__name__, e)
 
 
 @contextmanager
-def launcher(cfg: DictConfig, platform: Platform, world: int) -> Iterator[Tuple[Callable[[], Dict[str, Any]], type]]:
+def launcher(cfg: DictConfig, platform: Platform, world: int,
+             phases: Optional[report.Phases] = None) -> Iterator[Tuple[Callable[[], Dict[str, Any]], type]]:
     """How the workers start (trainer.launcher): yields the preflight to run and the worker group class. `ray`
     connects to Ray for the duration (a local cluster it starts is stopped on exit); `local` needs nothing: the
     one worker lives in this process and the probe runs here."""
@@ -231,9 +336,24 @@ def launcher(cfg: DictConfig, platform: Platform, world: int) -> Iterator[Tuple[
         yield partial(run_local_preflight, cfg, platform), LocalWorkerGroup
         return
     with ray_session(cfg, platform, world) as started_local:
+        if phases is not None:
+            phases.done("Ray up", _describe_ray(started_local))
         # a cluster still being assembled gets time to reach its size; a local one is what it is
         wait_s = 0.0 if started_local else cfg.trainer.placement_timeout_s
         yield partial(run_preflight, cfg, platform, wait_s=wait_s), WorkerGroup
+
+
+def _describe_ray(started_local: bool) -> str:
+    import ray
+
+    try:
+        resources = ray.cluster_resources()
+        nodes = len([n for n in ray.nodes() if n.get("Alive")])
+    except Exception:  # noqa: BLE001 - a description only
+        resources, nodes = {}, 0
+    have = ", ".join(f"{resources[k]:g} {k}" for k in ("CPU", "GPU", "NPU") if resources.get(k))
+    what = "started a local cluster" if started_local else f"joined the cluster at {ray.get_runtime_context().gcs_address}"
+    return f"{what} ({nodes} node(s){', ' + have if have else ''})"
 
 
 class Timer:
@@ -307,31 +427,51 @@ class GRPOTrainer:
         self.step_reward = [0, 0]
         self.step_errors: List[str] = []
         """How each rollout group's share of the latest generation decoded (`RolloutResult.decode`)."""
+        self.activity = ""
+        """What the loop is doing (a failure's block says it): the step, its validation, a checkpoint, the export."""
+        self.phases: Optional[report.Phases] = None
+        """The launch's start-up clock: the first step ends it with a line."""
+        self.provenance_start: Optional[str] = None
+        """The `provenance/start-<NNN>` of this start, named in each checkpoint's meta.json (run identity)."""
+        self.first_step = 0
+        """The step this start began at (0, or the resumed checkpoint's)."""
 
     # ==================================================================================================== loop
     def fit(self) -> int:
+        self.first_step = self.step
+        self.activity = "the first weight sync"
         self.workers.run("sync_weights")  # the rollout engines start from the policy (fresh or restored)
         if self.cfg.trainer.val_before_train and self.step == 0 and self.val_set:
+            self.activity = "validation before training"
             self.tracking.log(0, self.validate())
         while self.step < self.total_steps and not self.stop.requested:
             self.step += 1
+            self.activity = f"training step {self.step} of {self.total_steps}"
             metrics = self.train_step()
             if self._due(self.cfg.trainer.test_freq) and self.val_set:
+                self.activity = f"validation at step {self.step}"
                 t0 = time.perf_counter()
                 metrics.update(self.validate())
                 metrics["timing_s/testing"] = time.perf_counter() - t0
+            if self.step == self.first_step + 1 and self.phases is not None:
+                self.phases.done("first step", f"{self.phases.total_s():.1f} s since the command started; one line "
+                                               "per step follows")
             if self.step % max(self.cfg.trainer.log_every, 1) == 0 or self.step == self.total_steps:
                 self.tracking.log(self.step, metrics)
             self.check_reward_failures()
             # after logging: a step with a checkpoint always has its metrics row (resume keeps rows up to it)
             if self._due(self.cfg.trainer.save_freq) or self.stop.requested:
+                self.activity = f"the checkpoint of step {self.step}"
                 self.save_checkpoint()
         if self.stop.requested:
             return self.stop.exit_code
         if self.saved_step != self.step and not (self.checkpoints.root / f"step_{self.step}").is_dir():
+            self.activity = f"the checkpoint of step {self.step}"
             self.save_checkpoint()
         if self.cfg.trainer.export_hf:
+            self.activity = "the final Hugging Face export"
             self.export_final()
+        self.activity = ""
         return 0
 
     def _due(self, freq: Any) -> bool:
@@ -351,8 +491,7 @@ class GRPOTrainer:
                 f"the reward function ({self.data.reward}) failed on {failed} of {total} responses "
                 f"({failed / total:.0%}) over {_steps(self.step - len(self.reward_window) + 1, self.step)}, more than "
                 f"data.max_reward_failure_rate={self.data.max_reward_failure_rate:g}: the run would learn nothing. "
-                f"First errors:\n" + "\n".join(f"  {e}" for e in first)
-                + "\nFix the reward (or raise data.max_reward_failure_rate / data.reward_timeout_s) and resume.")
+                f"First errors:\n" + "\n".join(f"           {e}" for e in first))
 
     def train_step(self) -> Dict[str, float]:
         self.step_reward, self.step_errors = [0, 0], []
@@ -535,9 +674,12 @@ class GRPOTrainer:
 
     # ============================================================================================ validation
     def validate(self) -> Dict[str, float]:
-        """Greedy (rollout.val_temperature), one response per held-out prompt."""
+        """Greedy (rollout.val_temperature), one response per held-out prompt. The first
+        trainer.log_val_generations prompts (the same ones every time) are kept with their responses and scores."""
         scores: List[float] = []
         lengths: List[int] = []
+        samples: List[Dict[str, Any]] = []
+        keep = int(self.cfg.trainer.get("log_val_generations", 0) or 0)
         failed = 0.0
         size = max(self.data.val_batch_size, 1)
         for i in range(0, len(self.val_set), size):
@@ -547,6 +689,12 @@ class GRPOTrainer:
             failed += stats.get("reward/failed", 0) + stats.get("reward/timeout", 0)
             scores.extend(batch.scores)
             lengths.extend(len(r) for r in batch.response_ids)
+            for ex, ids, score in zip(batch.examples, batch.response_ids, batch.scores):
+                if len(samples) < keep:
+                    samples.append({"index": int(ex.index), "prompt": ex.prompt_text, "answer": ex.answer,
+                                    "response": self.tokenizer.decode(ids, skip_special_tokens=True),
+                                    "score": float(score)})
+        self.tracking.log_generations(self.step, samples)
         return {"val/score/mean": float(np.mean(scores)), "val/response_length/mean": float(np.mean(lengths)),
                 "val/reward/failed": failed}
 
@@ -572,7 +720,8 @@ class GRPOTrainer:
                                           "rng": ckpt.rng_state()})
             final = self.checkpoints.commit(tmp, self.step, {
                 "world": self.workers.world, "layout": self.layout.to_dict(), "total_steps": self.total_steps,
-                "checkpoint_layout": capabilities.checkpoint_layout(self.cfg, self.layout)})
+                "checkpoint_layout": capabilities.checkpoint_layout(self.cfg, self.layout),
+                PROVENANCE_KEY: self.provenance_start})
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)  # a half-written save only takes space
             if disk_full(e):

@@ -1,5 +1,6 @@
-"""Where metrics go: console progress on stderr, `metrics.jsonl` in the run dir, TensorBoard (default), W&B and
-MLflow (opt-in through `trainer.trackers`), and a PNG of the main curves at the end.
+"""Where metrics go: console progress on stderr (and train.log), `metrics.jsonl` in the run dir, TensorBoard
+(default), W&B and MLflow (opt-in through `trainer.trackers`), and a PNG of the main curves at the end. Sample
+generations of validation (`trainer.log_val_generations` prompts) go to `generations.jsonl` and TensorBoard text.
 
 Files are written so that a failed write (a full disk) leaves what was there intact: a metrics row is appended in
 one write and cut off again if it fails; curves.png and the rewritten metrics.jsonl of a resume go through a temp
@@ -11,7 +12,6 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 TRACKERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 METRICS_FILE = "metrics.jsonl"
+GENERATIONS_FILE = "generations.jsonl"
+GENERATIONS_TAG = "val/generations"
 CURVES_FILE = "curves.png"
 # (panel title, metric names drawn in it: the first present ones are plotted)
 CURVE_PANELS = (
@@ -44,10 +46,10 @@ class JsonlTracker:
     """One JSON object per step: {"step": N, metric: value, ...}. On resume, rows after the resumed step (logged
     by the interrupted run after its last checkpoint) are dropped so every step appears once."""
 
-    def __init__(self, run_dir: Path, start_step: int):
+    def __init__(self, run_dir: Path, start_step: int, name: str = METRICS_FILE):
         from qwen35rl.runtime.checkpoint import write_atomic
 
-        self.path = run_dir / METRICS_FILE
+        self.path = run_dir / name
         if self.path.exists():
             kept = [line for line in self.path.read_text().splitlines() if _step_of(line) is not None
                     and _step_of(line) <= start_step]
@@ -55,8 +57,14 @@ class JsonlTracker:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        row = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
-        data = (json.dumps(row) + "\n").encode()
+        self.write_rows([{"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}])
+
+    def log_generations(self, step: int, samples: List[Mapping[str, Any]]) -> None:
+        pass  # the samples have their own file (GenerationsFile)
+
+    def write_rows(self, rows: List[Mapping[str, Any]]) -> None:
+        """Rows appended in one write; a failed write leaves the file as it was."""
+        data = "".join(json.dumps(row) + "\n" for row in rows).encode()
         size = os.fstat(self._fd).st_size
         try:
             _append(self._fd, data)
@@ -94,7 +102,8 @@ class ConsoleTracker:
 
     def __init__(self, total_steps: int, start_step: int, stream=None):
         self.total, self.start_step = total_steps, start_step
-        self.stream = stream or sys.stderr
+        self.stream = stream
+        """None: the line is a progress record (console + train.log, qwen35rl.runtime.report.say)."""
         self.t0 = time.monotonic()
         self._first: Optional[tuple] = None  # (time, step) of the first logged step
 
@@ -115,8 +124,16 @@ class ConsoleTracker:
                            ("actor/pg_loss", "pg_loss"), ("val/score/mean", "val"), ("timing_s/step", "s/step")):
             if metrics.get(key) is not None:
                 parts.append(f"{label} {metrics[key]:.4g}")
-        self.stream.write("[qwen35rl] " + " | ".join(parts) + "\n")
-        self.stream.flush()
+        if self.stream is None:
+            from qwen35rl.runtime.report import say
+
+            say(" | ".join(parts))
+        else:
+            self.stream.write("[qwen35rl] " + " | ".join(parts) + "\n")
+            self.stream.flush()
+
+    def log_generations(self, step: int, samples: List[Mapping[str, Any]]) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -142,6 +159,10 @@ class TensorBoardTracker:
                 self.writer.add_scalar(k, v, global_step=step)
         self.writer.flush()
 
+    def log_generations(self, step: int, samples: List[Mapping[str, Any]]) -> None:
+        self.writer.add_text(GENERATIONS_TAG, generations_markdown(samples), global_step=step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -158,6 +179,13 @@ class WandbTracker:
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         self.run.log(dict(metrics), step=step)
+
+    def log_generations(self, step: int, samples: List[Mapping[str, Any]]) -> None:
+        import wandb
+
+        columns = list(GENERATION_FIELDS)
+        table = wandb.Table(columns=columns, data=[[s.get(c) for c in columns] for s in samples])
+        self.run.log({GENERATIONS_TAG: table}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -176,6 +204,9 @@ class MlflowTracker:
                  if isinstance(v, (int, float)) and math.isfinite(float(v))}
         self.mlflow.log_metrics(clean, step=step)
 
+    def log_generations(self, step: int, samples: List[Mapping[str, Any]]) -> None:
+        self.mlflow.log_text(generations_markdown(samples), f"generations/step_{step}.md")
+
     def close(self) -> None:
         self.mlflow.end_run()
 
@@ -191,9 +222,56 @@ def _import_tracker(name: str):
 
 
 def _stable_id(run_dir: Path) -> str:
+    """The same for every start of one run (its first start's record stays), another after the directory started
+    over (`trainer.resume=never` moves the earlier run, provenance included, aside)."""
     import hashlib
 
-    return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    first = run_dir / "provenance" / "start-001" / "run.json"
+    try:
+        began = json.loads(first.read_text()).get("started_at", "")
+    except (OSError, ValueError):
+        began = ""
+    return hashlib.sha1(f"{run_dir.resolve()}|{began}".encode()).hexdigest()[:16]
+
+
+# -------------------------------------------------------------------------------------------------- generations
+GENERATION_FIELDS = ("step", "index", "prompt", "response", "answer", "score")
+"""One sample of validation: the prompt's row index, its text, the greedy response, the ground truth, the score."""
+
+
+def generations_markdown(samples: List[Mapping[str, Any]]) -> str:
+    """The samples as a Markdown table (TensorBoard's text panel renders it)."""
+    def cell(v: Any) -> str:
+        text = f"{v:.4g}" if isinstance(v, float) else str(v)
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    cols = [c for c in GENERATION_FIELDS if c != "step"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(s.get(c, "")) for c in cols) + " |" for s in samples]
+    return "\n".join(lines)
+
+
+class GenerationsFile:
+    """`generations.jsonl`: one row per sample (GENERATION_FIELDS); on resume, the rows of steps after the resumed
+    one are dropped, as metrics.jsonl's are."""
+
+    def __init__(self, run_dir: Path, start_step: int):
+        self.run_dir = run_dir
+        exists = (run_dir / GENERATIONS_FILE).exists()
+        self.file: Optional[JsonlTracker] = JsonlTracker(run_dir, start_step, GENERATIONS_FILE) if exists else None
+        """Opened at the first samples: a run without validation leaves no empty file."""
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        pass
+
+    def log_generations(self, step: int, samples: List[Mapping[str, Any]]) -> None:
+        if self.file is None:
+            self.file = JsonlTracker(self.run_dir, step, GENERATIONS_FILE)
+        self.file.write_rows([{"step": step, **{k: v for k, v in s.items() if k != "step"}} for s in samples])
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
 
 
 # ------------------------------------------------------------------------------------------------------ facade
@@ -214,6 +292,7 @@ class Tracking:
                 self.backends.append(ConsoleTracker(total_steps, start_step, console_stream))
             elif name == "jsonl":
                 self.backends.append(JsonlTracker(run_dir, start_step))
+                self.backends.append(GenerationsFile(run_dir, start_step))
             elif name == "tensorboard":
                 try:
                     self.backends.append(TensorBoardTracker(run_dir, start_step))
@@ -227,6 +306,12 @@ class Tracking:
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         for b in self.backends:
             b.log(step, metrics)
+
+    def log_generations(self, step: int, samples: List[Mapping[str, Any]]) -> None:
+        """Sample generations of a validation (GENERATION_FIELDS each) to every tracker that keeps them."""
+        if samples:
+            for b in self.backends:
+                b.log_generations(step, samples)
 
     def close(self) -> None:
         """Closes every backend; one that fails to (a full disk, a tracker server gone) is logged, not raised."""

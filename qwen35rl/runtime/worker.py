@@ -28,6 +28,7 @@ from qwen35rl.runtime.batching import Sequences, build_batch, response_values
 from qwen35rl.runtime.cluster import connected_ray, free_port, node_ip
 from qwen35rl.runtime.micro_batches import fixed_groups, token_budget_groups
 from qwen35rl.runtime.platform import device_module, require_stack, resolve_platform
+from qwen35rl.runtime.quiet import quiet_known_warnings
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class PolicyWorker:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.run_dir, self.optimizer_steps = Path(run_dir), optimizer_steps
         self.platform = resolve_platform(self.cfg)
+        quiet_known_warnings(self.platform.device_type)  # e.g. the GPU-kernel fallback warnings of a CPU run
         require_stack(self.platform, self.cfg.rollout.engine)
         self.device = self.platform.torch_device(self.platform.local_device_index(self._accelerator_ids()))
         self.actor: Optional[TrainEngine] = None

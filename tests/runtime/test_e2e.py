@@ -6,6 +6,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -34,9 +35,18 @@ STEP_METRICS = ["critic/score/mean", "critic/rewards/mean", "critic/advantages/m
                 "perf/max_memory_allocated_gb"]
 
 
-def train(run_dir, *overrides, timeout=600):
+def train(run_dir, *overrides, timeout=600, env=None):
     return subprocess.run([*TRAIN, f"hydra.run.dir={run_dir}", *SMALL, *overrides], capture_output=True, text=True,
-                          timeout=scaled(timeout), env=dict(os.environ))
+                          timeout=scaled(timeout), env=env or dict(os.environ))
+
+
+def without_torch_and_ray(tmp_path):
+    """An environment whose Python cannot import torch or ray (a sitecustomize makes both imports fail): what a
+    command run in it does, it does without them."""
+    block = tmp_path / "no_torch_no_ray"
+    block.mkdir(exist_ok=True)
+    (block / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\nsys.modules['ray'] = None\n")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(block), os.environ.get("PYTHONPATH")]))}
 
 
 def _ok(proc):
@@ -81,6 +91,44 @@ def test_train_end_to_end(tmp_path):
     start = run / "provenance" / "start-001"
     assert {p.name for p in start.iterdir()} >= {"config.yaml", "run.json", "cluster.json"}
     assert json.loads((start / "cluster.json").read_text())["probes"][0]["packages"]["torch"] == torch.__version__
+    assert json.loads((ckpts / "step_3" / "meta.json").read_text())["provenance"] == "start-001"
+
+    # a line per start-up phase, in order, each with its time, before the first step's line
+    err = proc.stderr
+    phases = ["config + plan checked", "libraries imported", "data ready", "Ray up", "preflight passed",
+              "workers up", "engines built", "first step"]
+    at = [err.find(f"[qwen35rl] {p} in ") for p in phases]
+    assert -1 not in at and at == sorted(at) and at[-1] < err.index("[qwen35rl] step 1/3"), err[:3000]
+    assert re.search(r"\[qwen35rl\] Ray up in \d+\.\d s: started a local cluster \(1 node\(s\), 3 CPU\)", err)
+    assert re.search(r"\[qwen35rl\] workers up in \d+\.\d s: 2 worker process\(es\) on 1 node\(s\)", err)
+    # the end: steps, time, tokens/s, reward first -> last, validation, where everything is
+    summary = err[err.index("[qwen35rl] done: step 3 of 3"):]
+    assert re.search(r"time: +\d:\d\d:\d\d wall time for 3 step\(s\) in this launch; [\d.]+ s per step, [\d,]+ "
+                     r"tokens/s", summary), summary
+    first, last = rows[0]["critic/score/mean"], rows[-1]["critic/score/mean"]
+    assert f"reward:      critic/score/mean {first:.3g} at step 1 -> {last:.3g} at step 3" in summary
+    assert f"validation:  val/score/mean {rows[2]['val/score/mean']:.3g} at step 3" in summary
+    for label, path in (("metrics", run / "metrics.jsonl"), ("curves", run / "curves.png"),
+                        ("samples", run / "generations.jsonl"), ("checkpoint", ckpts / "step_3"),
+                        ("export", run / "final"), ("log", run / "train.log")):
+        assert re.search(rf"^\[qwen35rl\]   {label}: +{re.escape(str(path))}/?( |$)", summary, re.M), (label, summary)
+    # the CPU's GPU-kernel fallback warnings: not on the console, noted once in train.log, which has the steps too
+    assert "falling back to its reference PyTorch implementation" not in err
+    log = (run / "train.log").read_text()
+    assert log.count("reference PyTorch code") == 1
+    assert "step 3/3 | " in log and "first step in " in log and "done: step 3 of 3" in log
+    # validation samples: the first 4 validation prompts with their greedy responses and scores
+    samples = [json.loads(line) for line in (run / "generations.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["index"]) for s in samples] == [(3, 0), (3, 1), (3, 2), (3, 3)]
+    for s in samples:
+        assert s["prompt"].endswith("=") and s["answer"].isdigit() and isinstance(s["response"], str)
+        assert 0.0 <= s["score"] <= 1.0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    text = events.Tensors("val/generations")[0]
+    assert text.step == 3 and samples[0]["prompt"] in text.tensor_proto.string_val[0].decode()
 
 
 def test_moe_model_trains(tmp_path):
@@ -119,7 +167,7 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path):
     assert done == ["step_3"], f"killed too late: {done}"
     proc = train(resumed, *args)           # the same command again: resume=auto picks step_3 up
     _ok(proc)
-    assert "resuming from" in proc.stderr
+    assert "resuming from" in proc.stderr and "[qwen35rl] checkpoint restored in " in proc.stderr
     starts = sorted(p.name for p in (resumed / "provenance").iterdir())
     assert starts == ["start-001", "start-002"]                      # the resume kept the first start's record
     assert json.loads((resumed / "provenance" / "start-002" / "run.json").read_text())["start_step"] == 3
@@ -134,6 +182,19 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path):
     for ra, rb in zip(rows_a, rows_b):
         for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm"):
             assert ra[key] == rb[key], (ra["step"], key)
+
+    # once more: already complete, said without starting Ray, or even importing torch
+    blocked = without_torch_and_ray(tmp_path)
+    done = train(resumed, *args, "hw.devices_per_node=1", env=blocked)   # another device count is no other run
+    _ok(done)
+    assert "[qwen35rl] already complete (step 6 of 6)" in done.stderr
+    assert f"export:      {resumed / 'final'}/ (Hugging Face format)" in done.stderr
+    # another experiment in this directory is refused with the diff and the ways out, before anything starts
+    other = train(resumed, *args, "algorithm.ppo_epochs=2", "trainer.total_steps=8", env=blocked)
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert "[resume_config_changed] trainer.resume:" in other.stderr
+    assert "    algorithm.ppo_epochs: 1 -> 2" in other.stderr and "    trainer.total_steps: 6 -> 8" in other.stderr
+    assert "trainer.resume=never" in other.stderr and "trainer.resume=force" in other.stderr
 
 
 def test_ctrl_c_finishes_the_step_checkpoints_and_exits(tmp_path):
@@ -190,8 +251,6 @@ def _assert_nothing_left(sid, grace_s=15):
 
 
 def test_killed_worker_stops_the_run_naming_it(tmp_path):
-    import re
-
     from qwen35rl.runtime.cluster import EXIT_WORKER_FAILURE
 
     run, err = tmp_path / "run", tmp_path / "stderr.txt"
@@ -213,6 +272,13 @@ def test_killed_worker_stops_the_run_naming_it(tmp_path):
     assert proc.returncode == EXIT_WORKER_FAILURE, text[-3000:]
     assert re.search(rf"worker rank [01] on node \S+ \(\S+\), pid {victim}, failed in \w+: its process died", text), \
         text[-3000:]
+    # one block: what, where, the fix; Ray's own error text in full only in train.log
+    block = text[text.index("[qwen35rl] error: a worker failed: the run stopped (exit code 4)"):]
+    assert re.search(r"\n  where: (training step \d+ of 100|the checkpoint of step \d+)\n", block), block
+    assert "\n  fix:   the worker's own log says why" in block
+    assert f"\n  the full traceback: {run / 'train.log'}" in block
+    assert "a worker failed: the full error" in (run / "train.log").read_text()
+    assert "a worker failed: the full error" not in text
     _assert_nothing_left(proc.pid)
 
 

@@ -151,8 +151,29 @@ def test_worker_failure_in_a_run_exits_4_naming_rank_and_method(tmp_path, monkey
         assert driver.run_training(cfg, tmp_path) == EXIT_WORKER_FAILURE
     assert "worker rank 0 on node 127.0.0.1" in caplog.text and f"pid {os.getpid()}" in caplog.text
     assert "failed in generate: RuntimeError: sampler exploded" in caplog.text
-    assert "in broken_generate" in caplog.text  # the traceback
     assert not torch.distributed.is_initialized()  # the worker left its process group on the way out
+    # one block (what, where, fix); the traceback goes to the log file only (the qwen35rl.file logger)
+    [block] = [r.getMessage() for r in caplog.records if r.name == "qwen35rl.runtime.driver"]
+    assert block.startswith("a worker failed: the run stopped (exit code 4)\n  what:  worker rank 0 on node")
+    assert "\n  where: training step 1 of 1\n  fix:   no known fix" in block and "in broken_generate" not in block
+    [full] = [r.getMessage() for r in caplog.records if r.name == "qwen35rl.file" and r.levelno == logging.ERROR]
+    assert full.startswith("a worker failed: the full error") and "in broken_generate" in full
+
+
+def test_an_unexpected_error_after_launch_is_one_block_and_exit_1(tmp_path, monkeypatch, caplog):
+    def broken_step(self):
+        raise KeyError("critic/score/mean")
+
+    monkeypatch.setattr(driver.GRPOTrainer, "train_step", broken_step)
+    cfg = compose([*LOCAL, *SMALL, "trainer.total_steps=2", "trainer.save_freq=1"])
+    with caplog.at_level(logging.ERROR):
+        assert driver.run_training(cfg, tmp_path) == 1
+    [block] = [r.getMessage() for r in caplog.records if r.name == "qwen35rl.runtime.driver"]
+    assert block.startswith("an unexpected error: the run stopped (exit code 1)\n  what:  KeyError: 'critic/score/mean'")
+    assert "\n  where: training step 1 of 2, at tests/runtime/test_local_launcher.py:" in block
+    assert block.split("\n")[2].endswith(" in broken_step")
+    [full] = [r.getMessage() for r in caplog.records if r.name == "qwen35rl.file"]
+    assert "Traceback (most recent call last)" in full and 'raise KeyError("critic/score/mean")' in full
 
 
 # ----------------------------------------------------------------------------------------------- end to end
@@ -171,7 +192,12 @@ def _ok(proc):
 
 def test_train_without_ray(tmp_path):
     run = tmp_path / "run"
-    _ok(train(run, "trainer.total_steps=2", "trainer.save_freq=1"))
+    proc = train(run, "trainer.total_steps=2", "trainer.save_freq=1")
+    _ok(proc)
+    for phase in ("config + plan checked", "data ready", "preflight passed", "workers up", "engines built",
+                  "first step"):
+        assert f"[qwen35rl] {phase}" in proc.stderr, phase
+    assert "Ray up" not in proc.stderr and "[qwen35rl] done: step 2 of 2" in proc.stderr
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -205,6 +231,7 @@ def test_resume_continues_like_an_uninterrupted_run(tmp_path):
         assert rows_b[2][key] == rows_a[2][key], key
     a, b = load_file(straight / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((resumed / "checkpoints" / "step_3" / "meta.json").read_text())["provenance"] == "start-002"
 
 
 def test_a_reward_that_always_fails_ends_the_run_with_exit_5_and_its_error(tmp_path, caplog):
@@ -216,6 +243,10 @@ def test_a_reward_that_always_fails_ends_the_run_with_exit_5_and_its_error(tmp_p
         assert driver.run_training(cfg, tmp_path) == EXIT_REWARD_FAILURE
     assert "failed on 16 of 16 responses (100%) over step 1, more than" in caplog.text
     assert "ConnectionError: reward server at 10.0.0.9:8000 refused the connection" in caplog.text
+    [block] = [r.getMessage() for r in caplog.records if r.name == "qwen35rl.runtime.driver"]
+    assert block.startswith("the reward function failed too often: the run stopped (exit code 5)\n  what:  ")
+    assert "\n  where: training step 1 of 3\n  fix:   fix the reward function" in block
+    assert "last complete checkpoint: " not in block  # none yet
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
 
 
