@@ -127,7 +127,7 @@ def test_train_end_to_end(tmp_path):
 
     events = EventAccumulator(str(run / "tensorboard"), size_guidance={"tensors": 0})
     events.Reload()
-    text = events.Tensors("val/generations")[0]
+    text = events.Tensors("val/generations/text_summary")[0]  # add_text's tag
     assert text.step == 3 and samples[0]["prompt"] in text.tensor_proto.string_val[0].decode()
 
 
