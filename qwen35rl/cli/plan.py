@@ -1,7 +1,8 @@
 """`qwen35rl-plan [overrides]`: compose, check and print the plan of a run without starting anything.
 
 Exit 0 when the plan is valid, 2 when it is not or the config cannot be composed. `format=json` prints exactly one
-JSON object on stdout (one per job with -m). Imports no torch, ray, transformers or vllm."""
+JSON object on stdout (one per job with -m). Imports no torch, ray, transformers or vllm. `--help` (qwen35rl/cli/help.py)
+says more."""
 from __future__ import annotations
 
 import json
@@ -38,8 +39,12 @@ def plan_config(cfg: DictConfig) -> Dict[str, Any]:
 
 
 def _sweep_job(cfg: DictConfig) -> Dict[str, Any]:
+    from hydra.core.hydra_config import HydraConfig
+
     OmegaConf.resolve(cfg)
     plan = plan_config(cfg)
+    sweep = HydraConfig.get().sweep  # the job's directory as this sweep lays it out (training's sweep has its own)
+    plan["output_dir"] = f"{sweep.dir}/{sweep.subdir}"
     _sweep_results.append(plan)
     emit(plan, str(cfg.format))
     return plan
@@ -47,14 +52,15 @@ def _sweep_job(cfg: DictConfig) -> Dict[str, Any]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args, cfg, done = start(argv)
+    args, cfg, done = start(argv, "plan")
     if done is not None:
         return done
     if args.multirun:
         _sweep_results.clear()
-        run_hydra(_sweep_job, argv, extra=["hydra.output_subdir=null"])
+        run_hydra(_sweep_job, args, "plan", extra=["hydra.output_subdir=null"])
         return 0 if any(p["valid"] for p in _sweep_results) else EXIT_CONFIG
     plan = plan_config(cfg)
+    plan["output_dir"] = args.run_dir  # where training writes: hydra.run.dir, whatever sets it
     emit(plan, output_format(args.overrides))
     return 0 if plan["valid"] else EXIT_CONFIG
 

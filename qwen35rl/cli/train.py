@@ -66,9 +66,7 @@ def _train_job(cfg: DictConfig) -> Dict[str, Any]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:  # Hydra's help follows (config groups and options)
-        print(__doc__)
-    args, cfg, done = start(argv)
+    args, cfg, done = start(argv, "train")  # --help, --cfg, --info, a refused config: answered here, without Ray
     if done is not None:
         return done
     if not args.multirun:
@@ -80,7 +78,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             _print_problems(errors)
             return EXIT_CONFIG
     _exit_codes.clear()
-    run_hydra(_train_job, argv)
+    run_hydra(_train_job, args, "train")
     if not _exit_codes:
         return 1
     if args.multirun:

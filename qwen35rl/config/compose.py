@@ -2,11 +2,12 @@
 names the key, the bad value, what is allowed and a hint. Pure hydra/omegaconf: nothing heavy is imported."""
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import re
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf, errors as oc_errors
 
@@ -102,6 +103,45 @@ def available_options(group: str) -> List[str]:
                 if not rel.startswith("common/"):
                     names.add(rel)
     return sorted(names)
+
+
+def search_groups() -> List[str]:
+    """Every config group on the search path (the packaged tree and the QWEN35RL_CONFIG_PATH overlays): its
+    top-level directories holding YAML files, internal trees left out. Overlay groups such as `experiment` are
+    added with `+experiment=NAME`."""
+    names = set()
+    for root in search_dirs():
+        if root.is_dir():
+            for d in root.iterdir():
+                if d.is_dir() and d.name not in _INTERNAL_DIRS and not d.name.startswith((".", "_")) \
+                        and next(d.rglob("*.yaml"), None) is not None:
+                    names.add(d.name)
+    return sorted(names)
+
+
+def group_sources(group: str) -> List[Path]:
+    """The search-path directories that hold options of `group`."""
+    return [root for root in search_dirs() if (root / group).is_dir()]
+
+
+def normalize_overrides(overrides: Sequence[str]) -> List[str]:
+    """Group choices written either way mean the same: `+cluster=x` for a group the defaults list already has
+    (Hydra: "Multiple values for cluster") becomes `cluster=x`, and `experiment=x` / `++experiment=x` for an overlay
+    group it lacks (Hydra: "No match in the defaults list") becomes `+experiment=x`. Everything else is kept."""
+    out, groups = [], None
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        bare = key.lstrip("+")
+        plus = len(key) - len(bare)
+        if eq and plus <= 2 and re.fullmatch(r"[A-Za-z_][\w-]*", bare or "-"):
+            if bare in GROUPS:
+                o = f"{bare}={value}" if plus else o
+            elif plus != 1:
+                groups = search_groups() if groups is None else groups
+                if bare in groups:
+                    o = f"+{bare}={value}"
+        out.append(o)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------- overrides
@@ -239,14 +279,18 @@ def parse_overrides(overrides: Sequence[str]):
                           code="parse_error") from None
 
 
-def _group_of(key: str) -> Optional[str]:
-    return key if key in GROUPS else None
+def _group_of(key: str, groups: Optional[Sequence[str]] = None) -> Optional[str]:
+    """`key` when it names a config group (one of GROUPS, or an overlay group on the search path)."""
+    if key in GROUPS:
+        return key
+    return key if "." not in key and key in (search_groups() if groups is None else groups) else None
 
 
 def check_group_choices(parsed) -> None:
     """Unknown group options fail here with the list of options and a did-you-mean."""
+    groups = search_groups()
     for o in parsed:
-        group = _group_of(o.key_or_group)
+        group = _group_of(o.key_or_group, groups)
         if group in REQUIRED_GROUPS and o.is_delete():
             raise ConfigError(group, f"'{o.input_line}' deletes the required group '{group}'", value=o.input_line,
                               allowed=available_options(group),
@@ -262,8 +306,9 @@ def check_group_choices(parsed) -> None:
             if v is None or (group == "cluster" and str(v) == "null"):
                 continue
             if str(v) not in options:
+                where = ", ".join(str(d / group) for d in group_sources(group)) or f"conf/{group}"
                 raise ConfigError(group, f"unknown {group} '{v}'", value=str(v), allowed=options,
-                                  hint=did_you_mean(str(v), options) or f"list them with: ls conf/{group}",
+                                  hint=did_you_mean(str(v), options) or f"the options are the YAML files in {where}",
                                   code="unknown_group_option")
 
 
@@ -289,14 +334,31 @@ def single_overrides(parsed) -> List[List[str]]:
 
 
 # ---------------------------------------------------------------------------------------------------- compose
-def _hydra_compose(overrides: Sequence[str]) -> DictConfig:
+def _hydra_compose(overrides: Sequence[str], job_name: Optional[str] = None) -> DictConfig:
+    """Hydra's composition of the overrides; with `job_name` (the command's, as `@hydra.main` names the job) the
+    `hydra` node is kept."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     register()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return hydra_compose("config", overrides=[*overrides, *searchpath_override()])
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3", job_name=job_name or "app"):
+        return hydra_compose("config", overrides=[*overrides, *searchpath_override()],
+                             return_hydra_config=job_name is not None)
+
+
+def _run_dir_of(cfg: DictConfig) -> str:
+    """`hydra.run.dir` of a composition that kept its `hydra` node, resolved as Hydra resolves it for the job: the
+    directory a run writes to (Hydra makes it absolute against the working directory)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    holder = HydraConfig.instance()
+    before = holder.cfg
+    try:
+        holder.set_config(cfg)  # for ${hydra:...} in the directory's pattern
+        return str(OmegaConf.select(cfg, "hydra.run.dir"))
+    finally:
+        holder.cfg = before
 
 
 def _keys_at(cfg: DictConfig, dotted_parent: str) -> List[str]:
@@ -314,6 +376,204 @@ def _is_open_dict(dotted: str, overrides: Sequence[str]) -> bool:
         return False
 
 
+# ------------------------------------------------------------------------------------- strict keys, verl names
+def _fields_of(object_type: Any) -> Optional[Dict[str, Any]]:
+    """The schema fields of a config node's type, or None for a pass-through dict (or a tree no schema types)."""
+    if isinstance(object_type, type) and dataclasses.is_dataclass(object_type):
+        return {f.name: f for f in dataclasses.fields(object_type)}
+    return None
+
+
+def pass_through_dicts() -> List[str]:
+    """The schema's dict-typed fields (any backend): the only places a leading `+` may add keys."""
+    import typing
+
+    from qwen35rl.config import schema
+
+    out: List[str] = []
+
+    def walk(cls: Any, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            hint, path = hints.get(f.name), f"{prefix}{f.name}"
+            args = [a for a in typing.get_args(hint) if a is not type(None)]
+            inner = args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+            if typing.get_origin(inner) is dict and path not in out:
+                out.append(path)
+            elif isinstance(inner, type) and dataclasses.is_dataclass(inner):
+                walk(inner, path + ".")
+            elif path == "backend":
+                for backend in schema.BACKENDS.values():
+                    walk(backend, "backend.")
+
+    walk(schema.RunConfig, "")
+    return out
+
+
+def stray_keys(cfg: DictConfig, prefix: str = "") -> List[str]:
+    """Keys of a composed config that no schema field declares (what a `+key=` added outside the pass-through
+    dicts), each at its first undeclared part."""
+    fields = _fields_of(cfg._metadata.object_type)
+    if fields is None:
+        return []
+    out = []
+    for k in cfg.keys():
+        path = f"{prefix}{k}"
+        if str(k) not in fields:
+            out.append(path)
+            continue
+        child = cfg._get_node(k)
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing() \
+                and not child._is_interpolation():
+            out += stray_keys(child, path + ".")
+    return out
+
+
+def _verl_roots() -> List[str]:
+    from qwen35rl.config import schema
+    from qwen35rl.config.verl import keys as verl_keys
+
+    ours = {f.name for f in dataclasses.fields(schema.RunConfig)} | {"hydra"}
+    heads = {k.verl.split(".")[0] for k in verl_keys.KEYS} | {n.split(".")[0] for n in verl_keys.NOT_CARRIED}
+    return sorted(heads - ours)
+
+
+def verl_hint(key: str, value: Optional[str] = None) -> str:
+    """For a verl config key (verl 0.9.1's or an older line's name): the qwen35rl key to set instead, from the
+    verl<->qwen35rl table (`qwen35rl/config/verl/keys.py`). Empty for anything else."""
+    from qwen35rl.config.verl import keys as verl_keys
+
+    key = key.lstrip("+~")
+    shown = f"={value}" if value is not None else "=..."
+    for k in verl_keys.KEYS:
+        if key in k.names() and k.qwen != key:
+            return f"this is verl's key; qwen35rl's is {k.qwen}: try {k.qwen}{shown}"
+    if key in verl_keys.CHOICE_KEYS:
+        target = verl_keys.CHOICE_KEYS[key]
+        if target == "backend.name":
+            return "this is verl's key; qwen35rl picks the training engine with backend=fsdp or backend=megatron"
+        return (f"this is verl's key; qwen35rl's is {target} (or pick a preset with hw=...): "
+                f"try {target}{shown}")
+    for prefix, target in verl_keys.PASS_THROUGH.items():
+        if key.startswith(prefix) and len(key) > len(prefix):
+            rest = key[len(prefix):]
+            return f"this is verl's key; qwen35rl's is {target}{rest}: try +{target}{rest}{shown}"
+    roots = _verl_roots()
+    # a named verl key, or one under a prefix of verl's own (not under a root both trees have, such as trainer.)
+    explicit = any(key == n or (n.endswith(".") and key.startswith(n) and (n.count(".") > 1 or n.split(".")[0] in roots))
+                   for n in verl_keys.NOT_CARRIED)
+    if explicit or key.split(".")[0] in roots:
+        return (f"this is verl's key; qwen35rl has no such setting ({verl_keys.why_not_carried(key)}); "
+                "qwen35rl-import verl converts a whole verl launch")
+    return ""
+
+
+def _unknown_key(full_key: str, value: Optional[str], stray: str, parent_fields: Sequence[str],
+                 top: Sequence[str], added: bool, other_backends: Sequence[str] = (), source: str = "",
+                 overrides: Sequence[str] = ()) -> ConfigError:
+    """The block for a key no schema field declares. `stray`: its first undeclared part; `parent_fields`: the keys
+    declared beside it; `top`: the top-level keys; `added`: it came with a leading `+`."""
+    parent, _, leaf = stray.rpartition(".")
+    head, _, rest = full_key.partition(".")
+    where = f" (set in {source})" if source else ""
+    plus_rule = (" ('+' adds keys only inside the pass-through dicts: " + ", ".join(pass_through_dicts()) + ")"
+                 if added else "")
+    hint = verl_hint(full_key, value)
+    if not parent:  # the first part is unknown
+        if not hint and added and not rest and value is not None and re.fullmatch(r"[A-Za-z_][\w/@.-]*", value):
+            dirs = ", ".join(str(d) for d in search_dirs())
+            hint = (f"there is no config group '{head}' on the search path ({dirs}): put the directory holding "
+                    f"{head}/{value}.yaml on QWEN35RL_CONFIG_PATH")
+        if not hint and rest:
+            close = difflib.get_close_matches(head, list(top), n=3, cutoff=0.6)
+            hint = f"did you mean {' or '.join(c + '.' + rest for c in close)}?" if close else ""
+        if not hint:
+            hint = did_you_mean(head, top)
+        hint = hint or f"'{head}' is not a top-level key; see them with: qwen35rl-plan --cfg job"
+        return ConfigError(full_key, f"unknown top-level key '{head}'{where}{plus_rule}", value=value,
+                           allowed=list(top), hint=hint, code="unknown_key")
+    if not hint:
+        hint = did_you_mean(leaf, parent_fields)
+    if not hint and other_backends:
+        hint = (f"'{stray}' is a setting of backend={' or backend='.join(other_backends)}, not of this run's "
+                "backend")
+    if not hint and not added and _is_open_dict(parent, overrides):
+        hint = f"'{parent}' takes new entries with a leading plus: +{full_key}={value if value is not None else '...'}"
+    hint = hint or f"see the keys of '{parent}' with: qwen35rl-plan --cfg job (the schema: qwen35rl/config/schema.py)"
+    return ConfigError(full_key, f"unknown key '{leaf}'{where}{plus_rule}", value=value, allowed=list(parent_fields),
+                       hint=hint, code="unknown_key")
+
+
+def check_additions(cfg: DictConfig, parsed: Sequence[Any]) -> None:
+    """Refuse keys that `+key=`/`++key=` added outside the schema and its pass-through dicts (Hydra adds any key
+    with a leading plus; the engines would never read it)."""
+    from qwen35rl.config import schema
+
+    strays = stray_keys(cfg)
+    if not strays:
+        return
+    stray = strays[0]
+    added = [o for o in parsed if (o.is_add() or o.is_force_add()) and not o.is_delete()]
+    owner = next((o for o in added if o.key_or_group == stray or o.key_or_group.startswith(stray + ".")), None)
+    full_key = owner.key_or_group if owner is not None else stray
+    value = owner.input_line.partition("=")[2] if owner is not None else None
+    parent = stray.rpartition(".")[0]
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    fields = list(_fields_of(node._metadata.object_type) or {})
+    others = []
+    if parent == "backend":
+        leaf = stray.rpartition(".")[2]
+        others = [name for name, cls in schema.BACKENDS.items() if leaf in (_fields_of(cls) or {})]
+    top = list(_fields_of(cfg._metadata.object_type) or {})
+    raise _unknown_key(full_key, value, stray, fields, top, added=owner is not None, other_backends=others)
+
+
+def _source_path(source: str) -> Optional[Path]:
+    """The file of the search path Hydra read for the config `source` (e.g. `experiment/x`): overlays win."""
+    for root in reversed(search_dirs()):
+        f = root / f"{source}.yaml"
+        if f.is_file():
+            return f
+    return None
+
+
+def _source_file(source: str) -> str:
+    """`experiment/x` -> `experiment/x (/path/to/experiment/x.yaml)`."""
+    path = _source_path(source)
+    return f"{source} ({path})" if path else source
+
+
+def _set_in_file(path: Optional[Path], full_key: str) -> List[Tuple[str, Optional[str]]]:
+    """(dotted key, value) of every leaf the config file sets at or under `full_key` (the file's own package, or
+    _global_), so that an unknown section is named down to its keys."""
+    if path is None:
+        return []
+    try:
+        tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception:
+        return []
+    parts = full_key.split(".")
+    for start in range(len(parts)):  # the file may hold the key under its group's package
+        node: Any = tree
+        for part in parts[start:]:
+            node = node.get(part) if isinstance(node, dict) else None
+            if node is None:
+                break
+        if node is not None:
+            out: List[Tuple[str, Optional[str]]] = []
+
+            def walk(n: Any, prefix: str) -> None:
+                if isinstance(n, dict) and n:
+                    for k, v in n.items():
+                        walk(v, f"{prefix}.{k}")
+                else:
+                    out.append((prefix, None if isinstance(n, (dict, list)) else str(n)))
+
+            walk(node, full_key)
+            return out
+    return []
+
+
 def _translate(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
     """Map hydra/omegaconf exceptions onto a ConfigError with the key, value, allowed and a hint."""
     cause = exc
@@ -324,55 +584,92 @@ def _translate(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
     unknown = re.search(r"Could not override '([^']+)'", str(exc))
     if unknown:
         full_key, msg = unknown.group(1), "not in struct"
-    value = None
+    # an error inside a config file (an overlay setting a key the schema lacks, or a value of the wrong type):
+    # Hydra names the file first, then omegaconf's message with the key
+    source, kind, value, reported = "", "", None, ""
+    in_file = re.match(r"In '([^']+)': (\w+) raised while composing config:\s*(.*)", str(exc), re.S)
+    if in_file:
+        source, kind, body = _source_file(in_file.group(1)), in_file.group(2), in_file.group(3)
+        found = re.search(r"full_key: (\S+)", body)
+        full_key = found.group(1) if found else full_key
+        msg = (body.strip().splitlines() or [msg])[0]
+        leaves = _set_in_file(_source_path(in_file.group(1)), full_key)
+        if kind == "ConfigKeyError":
+            msg = "not in struct"
+            # name the first key the file sets there, a verl name first (its hint says what to write instead)
+            leaves = sorted(leaves, key=lambda kv: not verl_hint(kv[0], kv[1]))
+        if leaves:
+            (full_key, value), reported = leaves[0], full_key
     for ov in overrides:
         k, _, v = ov.lstrip("+~").partition("=")
         if k == full_key:
             value = v
-    if isinstance(cause, oc_errors.ConfigKeyError) or "not in struct" in msg:
-        parent, _, leaf = full_key.rpartition(".")
+    if (isinstance(cause, oc_errors.ConfigKeyError) and not kind) or "not in struct" in msg:
         try:
-            base = _hydra_compose([o for o in overrides if o.split("=", 1)[0] in GROUPS])
-            allowed, top = _keys_at(base, parent), _keys_at(base, "")
+            base: Optional[DictConfig] = _hydra_compose([o for o in overrides if o.split("=", 1)[0] in GROUPS])
+            top = _keys_at(base, "")
         except Exception:  # the suggestion is a courtesy; the error itself stands
-            allowed, top = [], []
-        head, _, rest = full_key.partition(".")
-        if rest and top and head not in top:  # the first part is the typo: suggest the group
-            close = difflib.get_close_matches(head, top, n=3, cutoff=0.6)
-            hint = (f"did you mean {' or '.join(c + '.' + rest for c in close)}?" if close else
-                    f"'{head}' is not a top-level key; see them with: qwen35rl-plan --cfg job")
-            return ConfigError(full_key, f"unknown top-level key '{head}'", value=value, allowed=top, hint=hint,
-                               code="unknown_key")
-        hint = did_you_mean(leaf, allowed)
-        if not hint and _is_open_dict(parent, overrides):
-            hint = f"'{parent}' takes new entries with a leading plus: +{full_key}={value if value is not None else '...'}"
-        hint = hint or f"see the keys of '{parent or '<root>'}' with: qwen35rl-plan --cfg job"
-        return ConfigError(full_key or "?", f"unknown key '{leaf}'", value=value, allowed=allowed, hint=hint,
-                           code="unknown_key")
-    if isinstance(cause, oc_errors.ValidationError):
+            base, top = None, []
+        head = full_key.partition(".")[0]
+        stray = head if top and head not in top else (reported or full_key)  # its first undeclared part
+        allowed = _keys_at(base, stray.rpartition(".")[0]) if base is not None else []
+        return _unknown_key(full_key or "?", value, stray, allowed, top, added=False, source=source,
+                            overrides=overrides)
+    if isinstance(cause, oc_errors.ValidationError) or kind == "ValidationError":
         node_type = getattr(cause, "object_type_str", None) or ""
-        return ConfigError(full_key or "?", msg, value=value,
+        where = f" (set in {source})" if source else ""
+        return ConfigError(full_key or "?", msg + where, value=value,
                            hint=f"give '{full_key}' a value of the right type{(' (' + node_type + ')') if node_type else ''}",
                            code="wrong_type")
     if isinstance(cause, oc_errors.MissingMandatoryValue):
         return ConfigError(full_key or "?", "has no value", hint=f"set it: {full_key}=...", code="missing_value")
     text = str(exc).strip()
+    present = re.search(r"An item is already at '([^']+)'", text)
+    if present:  # `+key=` for a key the config has
+        k = present.group(1)
+        v = next((ov.partition("=")[2] for ov in overrides if ov.lstrip("+").partition("=")[0] == k), "...")
+        return ConfigError(k, "is already in the config: a leading '+' adds a new key", value=v,
+                           hint=f"set it without the plus: {k}={v}", code="key_exists")
     for group in GROUPS:
         if f"Could not find '{group}/" in text or f"'{group}/" in text and "Could not" in text:
             return ConfigError(group, text.splitlines()[0], allowed=available_options(group), code="unknown_group_option")
+    if source:
+        return ConfigError(full_key or source, f"{msg} (in {source})", value=value,
+                           hint="fix that file; HYDRA_FULL_ERROR=1 shows where it failed")
     return ConfigError(full_key or "?", text.splitlines()[0] if text else type(exc).__name__,
                        hint="check the overrides; HYDRA_FULL_ERROR=1 shows where it failed")
 
 
 def compose(overrides: Sequence[str] = (), *, resolve: bool = True) -> DictConfig:
     """The resolved run config for command-line overrides (no sweeps). Raises ConfigError."""
+    return _compose(overrides, resolve, None)[0]
+
+
+def compose_run(overrides: Sequence[str] = (), *, job_name: str = "train") -> Tuple[DictConfig, str]:
+    """The resolved run config and the directory a run of it writes to: `hydra.run.dir` as Hydra resolves it for
+    the job `job_name` (by default `${trainer.output_root}/${trainer.run_name}`; the command line, an overlay or
+    `hydra.run.dir=` itself may set it). `qwen35rl-plan` reports it; `qwen35rl-train` runs there."""
+    cfg, run_dir = _compose(overrides, True, job_name)
+    return cfg, str(run_dir)
+
+
+def _compose(overrides: Sequence[str], resolve: bool, job_name: Optional[str]) -> Tuple[DictConfig, Optional[str]]:
+    overrides = normalize_overrides(overrides)
     parsed = parse_overrides(overrides)
     check_group_choices(parsed)
     if any(o.is_sweep_override() for o in parsed):
         raise ConfigError(next(o.key_or_group for o in parsed if o.is_sweep_override()),
                           "a sweep (a,b,c) needs multirun", hint="add -m to run one job per value")
+    run_dir = None
     try:
-        cfg = _hydra_compose(overrides)
+        cfg = _hydra_compose(overrides, job_name)
+        if job_name is not None:
+            run_dir = _run_dir_of(cfg)
+            from omegaconf import open_dict
+
+            with open_dict(cfg):
+                del cfg["hydra"]
+        check_additions(cfg, parsed)
         if resolve:
             OmegaConf.resolve(cfg)
     except ConfigError:
@@ -381,12 +678,12 @@ def compose(overrides: Sequence[str] = (), *, resolve: bool = True) -> DictConfi
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         raise _translate(e, overrides) from None
-    return cfg
+    return cfg, run_dir
 
 
 def check_sweep(overrides: Sequence[str]) -> None:
     """Before a multirun starts: every swept value must compose (typos stop the whole sweep, nothing runs)."""
-    parsed = parse_overrides(overrides)
+    parsed = parse_overrides(normalize_overrides(overrides))
     check_group_choices(parsed)
     for variant in single_overrides(parsed):
         compose(variant)

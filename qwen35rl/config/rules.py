@@ -742,9 +742,8 @@ def value_in_range(cfg: Any, layout: Layout) -> List[Problem]:
 # =========================================================================================== pass-through dicts
 @rule("config")
 def engine_kwargs_known(cfg: Any, layout: Layout) -> List[Problem]:
-    """`rollout.engine_kwargs` keys are vLLM EngineArgs fields (a typo would fail only on the cluster)."""
-    if val(cfg, "rollout.engine") != "vllm":
-        return []
+    """`rollout.engine_kwargs` keys are vLLM EngineArgs fields (a typo would fail only on the cluster), whatever
+    engine this run picks (the same overrides often go to a vLLM run next)."""
     out = []
     for key in val(cfg, "rollout.engine_kwargs") or {}:
         if key not in known_keys.VLLM_ENGINE_ARGS:
