@@ -584,6 +584,13 @@ def _translate(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
     unknown = re.search(r"Could not override '([^']+)'", str(exc))
     if unknown:
         full_key, msg = unknown.group(1), "not in struct"
+        if full_key.startswith("hydra."):  # Hydra's own config, not qwen35rl's schema
+            value = next((ov.partition("=")[2] for ov in overrides if ov.lstrip("+~").partition("=")[0] == full_key),
+                         None)
+            return ConfigError(full_key, "Hydra's own config cannot take this override", value=value,
+                               hint=f"a Hydra dict that starts empty takes new keys one by one "
+                               f"(+{full_key}.<name>=<value>); qwen35rl-plan --cfg hydra lists Hydra's keys",
+                               code="unknown_key")
     # an error inside a config file (an overlay setting a key the schema lacks, or a value of the wrong type):
     # Hydra names the file first, then omegaconf's message with the key
     source, kind, value, reported = "", "", None, ""

@@ -296,3 +296,12 @@ def test_the_plan_reports_the_directory_training_writes_to(overlay, tmp_path):
 def test_plan_text_shows_the_run_directory(tmp_path, capsys):
     assert plan([f"hydra.run.dir={tmp_path}/x"]) == 0
     assert f"  output     {tmp_path}/x" in capsys.readouterr().out
+
+
+def test_a_hydra_key_that_cannot_be_overridden_names_hydras_config():
+    from qwen35rl.config.compose import ConfigError, compose
+
+    with pytest.raises(ConfigError) as e:
+        compose(["hydra.launcher.no_such_key={a: 1}"])
+    assert e.value.key == "hydra.launcher.no_such_key" and "Hydra's own config" in e.value.message
+    assert "+hydra.launcher.no_such_key.<name>=<value>" in e.value.hint
