@@ -728,7 +728,7 @@ class GRPOTrainer:
                 raise DiskFull(f"checkpoint step_{self.step}: {_unwritten(e)}") from e
             raise
         self.saved_step = self.step
-        log.info("checkpoint %s (%.1f s)", final, time.perf_counter() - t0)
+        log.info("checkpoint %s (%.1f s)", report.shown_path(final), time.perf_counter() - t0)
         return final
 
     def restore(self, path: Path) -> None:

@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from qwen35rl.config.redact import REDACTED
 from qwen35rl.exit_codes import EXIT_CONFIG
 from qwen35rl.runtime import checkpoint as ckpt
+from qwen35rl.runtime.report import shown_path
 
 log = logging.getLogger(__name__)
 
@@ -268,10 +269,10 @@ def decide(cfg: Any, run_dir: Path) -> Decision:
             decision.exit_code = EXIT_CONFIG
             return decision
         log.warning("resuming %s with trainer.resume=%s although the experiment changed (saved in %s -> now):\n%s",
-                    checkpoint, "force" if resume == "force" else "<dir>", decision.saved_file,
-                    _listed(decision.experiment))
+                    shown_path(checkpoint), "force" if resume == "force" else "<dir>",
+                    shown_path(decision.saved_file), _listed(decision.experiment))
     if decision.allowed:
-        log.info("resuming with changes the run allows (saved in %s -> now):\n%s", decision.saved_file,
+        log.info("resuming with changes the run allows (saved in %s -> now):\n%s", shown_path(decision.saved_file),
                  _listed(decision.allowed))
     step = int(meta.get("step", -1))
     total = _total_steps(cfg, saved, meta)
@@ -285,13 +286,13 @@ def decide(cfg: Any, run_dir: Path) -> Decision:
 def refusal(run_dir: Path, d: Decision) -> str:
     """The block a refused resume prints: what changed, what may change, the ways out."""
     step = ckpt.read_meta(d.checkpoint).get("step", "?") if d.checkpoint else "?"
-    text = (f"[resume_config_changed] trainer.resume: {run_dir} holds a run made with another config; resuming its "
-            f"checkpoint step_{step} with this one would mix two experiments in one run directory\n"
-            f"  changed (saved in {d.saved_file} -> now):\n{_listed(d.experiment)}")
+    text = (f"[resume_config_changed] trainer.resume: {shown_path(run_dir)} holds a run made with another config; "
+            f"resuming its checkpoint step_{step} with this one would mix two experiments in one run directory\n"
+            f"  changed (saved in {shown_path(d.saved_file)} -> now):\n{_listed(d.experiment)}")
     if d.allowed:
         text += ("\n  also changed, which a resume allows (hardware, layout, engine knobs, length, paths):\n"
                  + _listed(d.allowed))
     text += (f"\n  hint: start over in this directory: trainer.resume=never (the earlier run's outputs move to "
-             f"{Path(run_dir) / SUPERSEDED_DIR}/); or another run directory: trainer.run_name=<name>; or resume it "
-             "anyway: trainer.resume=force")
+             f"{shown_path(Path(run_dir) / SUPERSEDED_DIR)}/); or another run directory: trainer.run_name=<name>; or "
+             "resume it anyway: trainer.resume=force")
     return text
