@@ -205,9 +205,9 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) 
     try:
         reward_fn = get_reward_fn(cfg.data.reward)
     except Exception as e:  # noqa: BLE001 - a reward that does not load is the config's problem, said before Ray
-        log.error("[reward_not_loadable] data.reward: data.reward=%s does not load: %s: %s\n  hint: give a built-in "
-                  "reward or an importable `pkg.module:function` (or `path/to/file.py:function`)", cfg.data.reward,
-                  type(e).__name__, e)
+        why = str(e) if str(e).startswith("data.reward") else f"data.reward={cfg.data.reward!r}: {type(e).__name__}: {e}"
+        log.error("[reward_not_loadable] data.reward: %s\n  hint: a built-in reward, or an importable "
+                  "`pkg.module:function` (or `path/to/file.py:function`); nothing was started", why)
         return EXIT_CONFIG
 
     checkpoints = ckpt.CheckpointManager(run_dir / "checkpoints", cfg.trainer.max_keep_checkpoints)

@@ -3,7 +3,8 @@
     provenance/start-<NNN>/
       config.yaml     the resolved config (every interpolation filled in)
       run.json        package versions, git revision of the code (and whether the tree was dirty), the command
-                      line, working directory, hostname, start time, the checkpoint it resumed from
+                      line, working directory, hostname, start time, the checkpoint it resumed from, the run's id
+                      (made by its first start, the same for every resume: trackers such as W&B continue it)
       git_diff.patch  uncommitted changes of tracked files (only when the tree was dirty)
       cluster.json    what preflight found on the cluster (nodes, devices, their package versions)
 
@@ -23,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
@@ -144,8 +146,17 @@ def _write_start(start: Path, cfg: Any, start_step: int, resume_from: Optional[P
                                          "root": str(code_root())},
         "start_step": int(start_step),
         "resume_from": str(resume_from) if resume_from else None,
+        "run_id": run_id(start.parent) or uuid.uuid4().hex[:16],
     }
     write_atomic(start / RUN_FILE, json.dumps(info, indent=2) + "\n")
+
+
+def run_id(provenance_root: Path) -> Optional[str]:
+    """The id the run's first start made (None before it, or for a run recorded before starts had ids)."""
+    try:
+        return json.loads((Path(provenance_root) / "start-001" / RUN_FILE).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def record_cluster(start_dir: Path, report: Dict[str, Any]) -> None:

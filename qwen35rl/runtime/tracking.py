@@ -222,16 +222,14 @@ def _import_tracker(name: str):
 
 
 def _stable_id(run_dir: Path) -> str:
-    """The same for every start of one run (its first start's record stays), another after the directory started
-    over (`trainer.resume=never` moves the earlier run, provenance included, aside)."""
+    """The run's id (provenance: made by its first start), the same for every resume and another after the
+    directory started over (`trainer.resume=never` moves the earlier run, provenance included, aside); a run
+    recorded before runs had ids keeps the id of its directory."""
     import hashlib
 
-    first = run_dir / "provenance" / "start-001" / "run.json"
-    try:
-        began = json.loads(first.read_text()).get("started_at", "")
-    except (OSError, ValueError):
-        began = ""
-    return hashlib.sha1(f"{run_dir.resolve()}|{began}".encode()).hexdigest()[:16]
+    from qwen35rl.runtime.provenance import PROVENANCE_DIR, run_id
+
+    return run_id(run_dir / PROVENANCE_DIR) or hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
 
 
 # -------------------------------------------------------------------------------------------------- generations

@@ -220,6 +220,7 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_exits(tmp_path):
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert names == [f"step_{last}"], names          # the interrupted step's checkpoint, nothing half-written
     assert not (run / "final").exists()
+    assert f"[qwen35rl] stopped at step {last} of 100 (exit code 130); the same command resumes" in err
 
 
 # ------------------------------------------------------------------------------------------------- failures

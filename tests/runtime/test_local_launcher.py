@@ -250,6 +250,15 @@ def test_a_reward_that_always_fails_ends_the_run_with_exit_5_and_its_error(tmp_p
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
 
 
+def test_a_reward_that_does_not_load_is_refused_before_any_worker(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(driver, "launcher", lambda *a, **k: pytest.fail("launched"))
+    cfg = compose([*LOCAL, *SMALL, "data.reward=tests.rewards.reward_helpers:no_such_reward"])
+    with caplog.at_level(logging.ERROR):
+        assert driver.run_training(cfg, tmp_path) == 2
+    assert "[reward_not_loadable] data.reward: data.reward='tests.rewards.reward_helpers:no_such_reward': cannot " \
+           "import it" in caplog.text and "no_such_reward" in caplog.text
+
+
 def test_a_full_disk_while_checkpointing_is_said_in_one_block_and_exits_6(tmp_path, caplog, monkeypatch):
     """DCP's shard write of the second checkpoint fails with ENOSPC inside the worker; curves.png then fails too.
     One block (what, free space, last complete checkpoint), exit 6, the clean-up's failure only a warning."""

@@ -109,3 +109,16 @@ def test_a_fresh_start_moves_the_earlier_run_aside(tmp_path):
     assert sorted(p.name for p in dest.iterdir()) == ["checkpoints", "final", "metrics.jsonl", "provenance"]
     assert sorted(p.name for p in run.iterdir()) == ["superseded", "train.log"]
     assert run_identity.start_over(run) is None  # nothing left to move
+
+
+def test_a_wandb_run_id_stays_over_resumes_and_changes_after_a_start_over(tmp_path):
+    from qwen35rl.runtime.tracking import _stable_id
+
+    run = _run_dir(tmp_path, BASE)
+    first = _stable_id(run)
+    assert first == provenance.run_id(run / "provenance") and len(first) == 16
+    resumed = provenance.record_start(run, compose(BASE), start_step=2)  # a resume: start-002
+    assert _stable_id(run) == first == json.loads((resumed / "run.json").read_text())["run_id"]
+    run_identity.start_over(run)
+    provenance.record_start(run, compose(BASE))  # the new run's start-001
+    assert _stable_id(run) != first
