@@ -18,8 +18,10 @@ class ExitCode(IntEnum):
 
 MEANINGS = {
     ExitCode.OK: "done",
-    ExitCode.ERROR: "an unexpected error (a bug: the traceback says where)",
-    ExitCode.CONFIG: "the config is refused (before anything starts), or trainer.resume names a damaged checkpoint",
+    ExitCode.ERROR: "an unexpected error (a bug: one block says where; the traceback is in train.log)",
+    ExitCode.CONFIG: "the config is refused before anything starts (including a resume whose experiment changed, "
+                     "data that cannot make a batch, a reward that does not load), or trainer.resume names a damaged "
+                     "checkpoint",
     ExitCode.PREFLIGHT: "the cluster does not match the config (preflight)",
     ExitCode.WORKER_FAILURE: "a worker failed (rank, node, call and its error are printed)",
     ExitCode.REWARD_FAILURE: "the reward function failed on more than data.max_reward_failure_rate of the responses "

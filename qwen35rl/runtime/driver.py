@@ -197,10 +197,18 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) 
             examples = tokenize_image_prompts(examples, cfg.model, cfg.data, tokenizer, split)
         return examples
 
-    train_set = prompts("train")
-    loader = PromptLoader(train_set, cfg.data.train_batch_size, seed=cfg.trainer.seed)
-    validating = cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train
-    val_set = prompts("val") if validating else []
+    from qwen35rl.data import DataError
+
+    try:  # prompts that cannot make a batch are the config's problem: said before Ray, exit 2
+        train_set = prompts("train")
+        loader = PromptLoader(train_set, cfg.data.train_batch_size, seed=cfg.trainer.seed)
+        validating = cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train
+        val_set = prompts("val") if validating else []
+    except (DataError, ValueError) as e:
+        if isinstance(e, DataError) or "needs at least that many prompts" in str(e):
+            log.error("[data_unusable] data: %s\n  nothing was started", e)
+            return EXIT_CONFIG
+        raise
     total_steps = int(cfg.trainer.total_steps or cfg.trainer.total_epochs * loader.batches_per_epoch)
     try:
         reward_fn = get_reward_fn(cfg.data.reward)

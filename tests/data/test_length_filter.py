@@ -112,7 +112,8 @@ def test_train_reports_all_prompts_filtered_before_starting(tmp_path):
         [*TRAIN, f"hydra.run.dir={tmp_path / 'run'}", "data=gsm8k", f"data.train_files=[{rows}]",
          f"data.val_files=[{rows}]", "data.max_prompt_length=16", "data.train_batch_size=4", "trainer.total_steps=1"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=dict(os.environ))
-    assert run.returncode != 0
+    assert run.returncode == 2, run.stderr[-3000:]  # the config's problem, said before anything starts
+    assert "Traceback" not in run.stderr and "[data_unusable]" in run.stderr
     assert f"all 8 train prompts (data.train_files=[{rows}]) were filtered out for length" in run.stderr, \
         run.stderr[-3000:]
     assert "data.max_prompt_length=16" in run.stderr and "Raise data.max_prompt_length to at least" in run.stderr

@@ -367,6 +367,7 @@ KEYS: List[Key] = [
     Key("trainer.test_freq", "trainer.test_freq", verl_default=-1),
     Key("trainer.val_before_train", "trainer.val_before_train", verl_default=True),
     Key("trainer.project_name", "trainer.project_name"),
+    Key("trainer.log_val_generations", "trainer.log_val_generations"),  # logging only: verl's default of 0 stays
     Key("trainer.experiment_name", "trainer.run_name"),
     Key("trainer.logger", "trainer.trackers", to_verl=_trackers_to_verl, to_qwen=_trackers_to_qwen,
         verl_default=["console", "wandb"]),
@@ -474,7 +475,6 @@ NOT_CARRIED: Dict[str, str] = {
     "trainer.default_local_dir": "qwen35rl writes checkpoints under trainer.output_root/trainer.run_name",
     "trainer.default_hdfs_dir": "no counterpart in qwen35rl",
     "trainer.balance_batch": "no counterpart in qwen35rl",
-    "trainer.log_val_generations": "no counterpart in qwen35rl",
     "trainer.ray_wait_register_center_timeout": "qwen35rl waits trainer.placement_timeout_s for its workers",
     "trainer.": "no counterpart in qwen35rl's trainer settings",
     "ray_kwargs.ray_init.runtime_env.py_executable": "launcher plumbing: qwen35rl's workers run the driver's Python",
