@@ -8,15 +8,14 @@ still call programs by absolute path), so import only scripts you would run."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from qwen35rl.config.problems import EXIT_CONFIG
-from qwen35rl.config.paths import ENV_CONFIG_PATH, extra_config_dirs
+from qwen35rl.config.paths import ENV_CONFIG_PATH, config_path_set, extra_config_dirs
 
 
 def parser() -> argparse.ArgumentParser:
@@ -51,25 +50,11 @@ def out_dir(arg: Optional[str]) -> Path:
     return extra[0] if extra else Path("qwen35rl_conf").resolve()
 
 
-@contextlib.contextmanager
-def search_path(env: Dict[str, str]) -> Iterator[None]:
-    old = os.environ.get(ENV_CONFIG_PATH)
-    if ENV_CONFIG_PATH in env:
-        os.environ[ENV_CONFIG_PATH] = env[ENV_CONFIG_PATH]
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(ENV_CONFIG_PATH, None)
-        else:
-            os.environ[ENV_CONFIG_PATH] = old
-
-
 def check_plan(cmd: Sequence[str], env: Dict[str, str]) -> Dict[str, Any]:
     from qwen35rl.config.compose import ConfigError, compose
     from qwen35rl.config.plan import build_plan
 
-    with search_path(env):
+    with config_path_set(env.get(ENV_CONFIG_PATH)):
         try:
             plan = build_plan(compose(list(cmd[1:])))
         except ConfigError as e:

@@ -1,9 +1,10 @@
 """Where the Hydra config tree lives: inside the installed wheel, or `conf/` of a source checkout."""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
-from typing import List
+from typing import Iterator, List, Optional
 
 ENV_CONFIG_PATH = "QWEN35RL_CONFIG_PATH"
 
@@ -21,3 +22,18 @@ def extra_config_dirs() -> List[Path]:
     """Overlay directories from QWEN35RL_CONFIG_PATH (os.pathsep-separated), in order."""
     raw = os.environ.get(ENV_CONFIG_PATH, "")
     return [Path(p).expanduser().resolve() for p in raw.split(os.pathsep) if p.strip()]
+
+
+@contextlib.contextmanager
+def config_path_set(value: Optional[str]) -> Iterator[None]:
+    """QWEN35RL_CONFIG_PATH set to `value` for the block (None: left as it is), then restored."""
+    old = os.environ.get(ENV_CONFIG_PATH)
+    if value is not None:
+        os.environ[ENV_CONFIG_PATH] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV_CONFIG_PATH, None)
+        else:
+            os.environ[ENV_CONFIG_PATH] = old

@@ -463,20 +463,14 @@ def _hw_on_search_path(hw: Optional[Dict[str, Any]]) -> Iterator[None]:
     if not hw:
         yield
         return
-    from qwen35rl.config.paths import ENV_CONFIG_PATH
+    from qwen35rl.config.paths import ENV_CONFIG_PATH, config_path_set
 
-    old = os.environ.get(ENV_CONFIG_PATH)
+    old = os.environ.get(ENV_CONFIG_PATH, "")
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "hw").mkdir()
         (Path(tmp) / "hw" / f"{hw['name']}.yaml").write_text(hw_overlay_text(hw, "the launch"))
-        os.environ[ENV_CONFIG_PATH] = os.pathsep.join([p for p in (old or "").split(os.pathsep) if p] + [tmp])
-        try:
+        with config_path_set(os.pathsep.join([p for p in old.split(os.pathsep) if p] + [tmp])):
             yield
-        finally:
-            if old is None:
-                os.environ.pop(ENV_CONFIG_PATH, None)
-            else:
-                os.environ[ENV_CONFIG_PATH] = old
 
 
 def command(imp: Imported) -> List[str]:

@@ -485,12 +485,17 @@ NOT_CARRIED: Dict[str, str] = {
 }
 """verl keys (exact, or a prefix ending with '.') the importer does not carry, with why; the longest match wins."""
 
-def why_not_carried(key: str) -> str:
+def _longest_match(table: Dict[str, str], key: str, default: str) -> str:
+    """The reason of `table`'s entry for `key`: an exact key, or the longest prefix ending with '.'."""
     best = ""
-    for k in NOT_CARRIED:
+    for k in table:
         if (key == k or (k.endswith(".") and key.startswith(k))) and len(k) > len(best):
             best = k
-    return NOT_CARRIED[best] if best else "no counterpart in qwen35rl"
+    return table[best] if best else default
+
+
+def why_not_carried(key: str) -> str:
+    return _longest_match(NOT_CARRIED, key, "no counterpart in qwen35rl")
 
 
 def keys_for(backend: str) -> List[Key]:
@@ -583,8 +588,4 @@ UNUSED_BY_BACKEND = {
 
 
 def why_not_exported(key: str) -> str:
-    best = ""
-    for k in NOT_EXPORTED:
-        if (key == k or (k.endswith(".") and key.startswith(k))) and len(k) > len(best):
-            best = k
-    return NOT_EXPORTED[best] if best else "no counterpart in verl"
+    return _longest_match(NOT_EXPORTED, key, "no counterpart in verl")
