@@ -428,9 +428,12 @@ def profile_call(fn) -> str:
 
 
 def bench_decode(worker, prompts, n, new_tokens: int) -> Dict[str, Any]:
-    """Decode of all prompts x n rows: ms per step (after the prefill) of our loop with a CUDA graph, of the same
-    loop run eagerly, of the loop with its decode step compiled (`rollout.compile_decode`) and captured, and of
-    transformers `generate` (dynamic cache), each after a short warm-up (which pays the compilation)."""
+    """Decode of all prompts x n rows: ms per decode step of our loop with a CUDA graph, run eagerly, with its decode
+    step compiled (`rollout.compile_decode`) and captured, and of transformers `generate` (dynamic cache, as TRL
+    generates). Per step = (T(2k) - T(k)) / k over two generations of k and 2k new tokens after a warm-up at k
+    (which compiles and autotunes): both timed generations pay one prefill, one graph capture and the eager steps
+    before it, so the difference is k replayed steps. Next to them the floor of reading the weights once per step
+    (bf16 bytes / 4.8 TB/s, the H200's HBM bandwidth)."""
     import torch
     from transformers import GenerationConfig
 
@@ -439,6 +442,7 @@ def bench_decode(worker, prompts, n, new_tokens: int) -> Dict[str, Any]:
     eng, mem = worker.rollout, DeviceMemory()
     rows = [p for p in prompts for _ in range(n)]
     ids = torch.tensor(rows, device=eng.device)
+    k = max(32, new_tokens)
 
     def timed(fn) -> float:
         mem.sync()
@@ -459,7 +463,9 @@ def bench_decode(worker, prompts, n, new_tokens: int) -> Dict[str, Any]:
                 eng.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
         return run
 
-    out: Dict[str, Any] = {"rows": len(rows), "prompt_len": len(rows[0]), "new_tokens": new_tokens}
+    weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+    out: Dict[str, Any] = {"rows": len(rows), "prompt_len": len(rows[0]), "k": k, "method": "(T(2k) - T(k)) / k",
+                           "weight_gib": weight_bytes / 2 ** 30, "floor_ms": weight_bytes / 4.8e12 * 1e3}
     # compiled last: its compilation is the longest warm-up
     for label, graphs, compiled in (("graph", True, False), ("eager", False, False), ("hf_generate", None, False),
                                     ("compiled_graph", True, True)):
@@ -467,14 +473,14 @@ def bench_decode(worker, prompts, n, new_tokens: int) -> Dict[str, Any]:
             eng.cuda_graphs, eng.compile_decode = graphs, compiled
         make = hf if graphs is None else ours
         try:
-            out[label] = {"warmup_s": timed(make(4))}  # kernel compilation and autotuning (torch.compile too)
-            first, total = timed(make(1)), timed(make(new_tokens))
+            out[label] = {"warmup_s": timed(make(k))}
+            short, long = timed(make(k)), timed(make(2 * k))
         except Exception as e:  # noqa: BLE001 - record it and measure the other ways
             out[label] = {"error": f"{type(e).__name__}: {e}"[:1000]}
             continue
-        out[label].update(prefill_s=first, total_s=total, ms_per_step=(total - first) / (new_tokens - 1) * 1e3)
+        out[label].update(k_s=short, two_k_s=long, ms_per_step=(long - short) / k * 1e3)
         if graphs is not None:
-            out[label].update(captured=eng.stats.cuda_graph, graph_error=eng.stats.graph_error)
+            out[label].update(captured=eng.stats.cuda_graph, graph_error=eng.stats.graph_error, steps=eng.stats.steps)
         print(f"decode bench {label}", json.dumps(out[label]), flush=True)
     eng.cuda_graphs, eng.compile_decode = True, False
     print("decode bench", json.dumps(out), flush=True)

@@ -20,6 +20,9 @@
 #   bash bench/gpu/run_all.sh profile         (carry .whl-gdn .whl-x .kcache; ~9 min; one GPU is enough)
 #       fla + TileLang: the memory job with kernel profiles of an update, a reference pass and a generation, and the
 #       decode benchmark, on its first shape; then the other memory shapes in what is left of the call
+#   bash bench/gpu/run_all.sh phases          (carry .whl-gdn .whl-x .kcache; ~9.5 min; one GPU)
+#       fla + TileLang: bench/gpu/train_phases.py (the FSDP engine's reference pass and update, kernel change by
+#       kernel change, all-at-cap and realistic lengths, kernel profiles), then the decode benchmark
 #   bash bench/gpu/run_all.sh moe-numerics    (carry .whl .whl-x; ~8 min)
 #       the MoE model's log-probs against transformers at EP2 and TP1, with the whole call's time
 #   bash bench/gpu/run_all.sh scale     (carry .whl .whl-x; ~5 min; ran 2026-11-30 with the Megatron jobs)
@@ -45,7 +48,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
+stage=${1:?usage: run_all.sh phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -263,6 +266,23 @@ profile)  # where the time of the training phases and of a decode step goes, wit
   PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left)" $G memory --out "$OUT/profile/memory.json" \
     --profile --decode-bench --decode-tokens 16 > "$LOGS/memory.log" 2>&1
   elapsed "memory job with profiles done (exit $?)"
+  ;;
+phases)  # where the FSDP engine's training phases spend their time, kernel change by kernel change (fla + TileLang)
+  install_gdn
+  env_info > "$OUT/env-phases.txt" 2>&1
+  elapsed "installed: $(tail -2 "$OUT/env-phases.txt" | tr '\n' ' ')"
+  peaks
+  mkdir -p "$OUT/phases"
+  export PYTHONFAULTHANDLER=1
+  # the new kernels against the torch math first (fla's convolution, the compiled bf16 head)
+  PYTHONPATH=$FLA_PATH timeout -s ABRT 120 python3 -m pytest -q -p no:cacheprovider -k "cuda" \
+    tests/engines/test_packed_gdn.py tests/engines/test_logprob.py > "$LOGS/gpu-tests.log" 2>&1
+  elapsed "GPU tests (exit $?): $(tail -1 "$LOGS/gpu-tests.log")"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 575)" python3 bench/gpu/train_phases.py \
+    --out "$OUT/phases/phases_0_8b.json" --peak-tflops "$PEAK" --profile torch,regions --plain --padded \
+    --decode-tokens 32 > "$LOGS/phases.log" 2>&1
+  elapsed "training phases (exit $?)"
+  grep "^phases\|^decode bench [a-z]" "$LOGS/phases.log"
   ;;
 moe-numerics)  # the MoE model's log-probs against transformers at EP2 and TP1 (DP2), alone in a call
   install_base

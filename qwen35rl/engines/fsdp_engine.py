@@ -215,6 +215,12 @@ class FsdpTrainEngine(TrainEngine):
     world / sp shares). `total_steps`: optimizer steps of the whole run (needed by the cosine schedule).
     """
 
+    shard_single_rank = True
+    """Shard with FSDP2 also when the engine has one rank (then FSDP's mixed-precision policy casts the weights);
+    False runs that rank's model as a plain module under autocast."""
+    compile_regions = False
+    """torch.compile the norms and dense MLPs of every decoder layer (`compile_regions.compile_layer_parts`)."""
+
     def __init__(self, cfg: Any, *, layout: Layout, rank: int, world_size: int, device: Any,
                  dp_group: Optional[Any] = None, reference: bool = False, total_steps: Optional[int] = None):
         self.cfg, self.layout, self.rank, self.world_size, self.reference = cfg, layout, rank, world_size, reference
@@ -224,7 +230,7 @@ class FsdpTrainEngine(TrainEngine):
             if not reference:
                 log.warning("%s [%s]", p.message, p.code)
         self.backend, self.algo = cfg.backend, cfg.algorithm
-        self.distributed = dist.is_available() and dist.is_initialized()
+        self.distributed = dist.is_available() and dist.is_initialized() and (world_size > 1 or self.shard_single_rank)
         if world_size > 1 and not self.distributed:
             raise RuntimeError(f"world_size={world_size} needs an initialised torch.distributed process group")
         self._groups(dp_group)
@@ -232,8 +238,8 @@ class FsdpTrainEngine(TrainEngine):
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.text_only = not trains_vision(cfg.model, cfg.data)
         self.pack = packs(self.backend.remove_padding, self.device, layout.sp)
-        if self.pack:
-            enable_packing()
+        if self.pack or self.device.type == "cuda":
+            enable_packing()  # on CUDA with fla, also every GDN convolution on fla's kernel (packed or padded)
         log.info("%s batches (backend.remove_padding=%s)", "packed" if self.pack else "padded",
                  str(self.backend.remove_padding).lower())
         self.skipped_steps = 0
@@ -256,6 +262,10 @@ class FsdpTrainEngine(TrainEngine):
             use_packed_attention(lm)
         if self.backend.gradient_checkpointing and not reference:
             enable_activation_checkpointing(lm)
+        if self.compile_regions:
+            from qwen35rl.engines.compile_regions import compile_layer_parts
+
+            compile_layer_parts(decoder_layers(lm))
         self.lm = lm
         self.module: nn.Module = PolicyWithLogProbs(lm, self.backend.logprob_chunk_size, self.backend.use_torch_compile)
         if self.distributed:

@@ -1,8 +1,14 @@
 """Log-probs and entropy of the vocab projection without materialising [tokens, vocab] fp32 logits.
 
 With Qwen3.5's 248k vocabulary, fp32 logits of 16k tokens take 16 GB (and again for the softmax and the gradient).
-Here tokens go through lm_head a chunk at a time; the backward recomputes each chunk's logits instead of keeping
-them, so peak extra memory is one chunk's [chunk_size, V] fp32 in both passes.
+Here tokens go through lm_head a chunk at a time. The forward keeps two numbers per token for the backward (the
+log-sum-exp and the entropy); the backward recomputes each chunk's logits and turns them into the logit gradient in
+one pass, so peak extra memory is one chunk's [chunk_size, V] logits plus its gradient.
+
+Per chunk, the math over the [chunk, V] logits is two functions: the statistics (log-sum-exp, label log-prob,
+entropy) and the logit gradient. With `compiled` (backend.use_torch_compile) they go through torch.compile, which
+fuses the fp32 upcast, the temperature and the reductions into kernels that read the bf16 logits instead of writing
+fp32 copies of them (1024 tokens x 248k vocabulary: 1 GB of fp32 per op).
 """
 from __future__ import annotations
 
@@ -13,88 +19,97 @@ import torch
 from torch import Tensor
 
 
-def _chunk_stats(h: Tensor, weight: Tensor, labels: Tensor, temperature: float):
-    logits = (h @ weight.t()).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_probs = torch.log_softmax(logits, dim=-1)
-    token_logp = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return log_probs, token_logp
+def _stats(z: Tensor, labels: Tensor, inv_t: float, with_entropy: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """log-sum-exp, label log-prob and (optionally) entropy of softmax(z * inv_t) per row, in fp32."""
+    zs = z.float() * inv_t
+    lse = torch.logsumexp(zs, dim=-1)
+    logp = zs.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return lse, logp, None
+    log_p = zs - lse.unsqueeze(-1)
+    return lse, logp, -(torch.exp(log_p) * log_p).sum(-1)
 
 
-def _chunk_token_logp(h: Tensor, weight: Tensor, labels: Tensor, temperature: float) -> Tensor:
-    logits = (h @ weight.t()).float()
-    if temperature != 1.0:
-        logits.div_(temperature)
-    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+def _logit_grad(z: Tensor, labels: Tensor, lse: Tensor, grad_logp: Tensor, inv_t: float,
+                entropy: Optional[Tensor] = None, grad_ent: Optional[Tensor] = None) -> Tensor:
+    """dL/dz for L = sum(grad_logp * logp) + sum(grad_ent * H), in z's dtype (the matmuls' input dtype).
+    d logp_y / dzs = onehot(y) - p;  dH/dzs = -p (log p + H);  dzs/dz = inv_t."""
+    zs = z.float() * inv_t
+    log_p = zs - lse.unsqueeze(-1)
+    p = torch.exp(log_p)
+    coef = grad_logp.float().unsqueeze(-1)
+    if grad_ent is not None:
+        coef = coef + grad_ent.float().unsqueeze(-1) * (log_p + entropy.unsqueeze(-1))
+    onehot = torch.arange(z.shape[-1], device=z.device) == labels.unsqueeze(-1)
+    g = torch.where(onehot, grad_logp.float().unsqueeze(-1), 0.0) - p * coef
+    return (g * inv_t).to(z.dtype)
 
 
 @functools.lru_cache(maxsize=None)
 def _chunk_fns(compiled: bool) -> Tuple[Callable, Callable]:
-    """(token log-prob, log-softmax stats) per chunk; `compiled`: through torch.compile (backend.use_torch_compile),
-    which fuses the fp32 upcast, the temperature and the reductions over the [chunk, V] logits into a few kernels
-    instead of a pass over 1 GB of fp32 per op (1024 tokens x 248k vocabulary). Shapes are dynamic: the last chunk is
-    shorter."""
+    """(statistics, logit gradient) per chunk, eager or through torch.compile. Shapes are dynamic: the last chunk
+    is shorter."""
     if not compiled:
-        return _chunk_token_logp, _chunk_stats
-    return torch.compile(_chunk_token_logp, dynamic=True), torch.compile(_chunk_stats, dynamic=True)
+        return _stats, _logit_grad
+    return torch.compile(_stats, dynamic=True), torch.compile(_logit_grad, dynamic=True)
+
+
+def _accumulate_weight_grad(acc: Tensor, g: Tensor, h: Tensor) -> None:
+    """acc += g^T @ h in fp32, without rounding each chunk's product to g's dtype first (rounding every chunk's
+    bf16 product before the sum biases the head's gradient). CUDA has a bf16 matmul with fp32 output."""
+    if acc.device.type == "cuda" and g.dtype in (torch.bfloat16, torch.float16) and h.dtype == g.dtype:
+        torch.addmm(acc, g.t(), h, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(g.t().float(), h.float())
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size, temperature, with_entropy, compiled):
-        token_logp_fn, stats_fn = _chunk_fns(compiled)
+        stats_fn = _chunk_fns(compiled)[0]
+        inv_t = 1.0 / temperature
         n = hidden.shape[0]
-        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        logp = torch.empty_like(lse)
+        ent = torch.empty_like(lse) if with_entropy else None
         for s in range(0, n, chunk_size):
-            h, y = hidden[s:s + chunk_size], labels[s:s + chunk_size]
-            if not with_entropy:  # logit of the label minus logsumexp: no [chunk, V] log-softmax written
-                logp[s:s + chunk_size] = token_logp_fn(h, weight, y, temperature)
-                continue
-            log_probs, token_logp = stats_fn(h, weight, y, temperature)
-            logp[s:s + chunk_size] = token_logp
-            ent[s:s + chunk_size] = -(log_probs.exp() * log_probs).sum(-1)
-            del log_probs
-        ctx.save_for_backward(hidden, weight, labels)
-        ctx.chunk_size, ctx.temperature, ctx.with_entropy, ctx.compiled = chunk_size, temperature, with_entropy, compiled
+            part = slice(s, s + chunk_size)
+            z = hidden[part] @ weight.t()
+            lse[part], logp[part], e = stats_fn(z, labels[part], inv_t, with_entropy)
+            if with_entropy:
+                ent[part] = e
+            del z
+        ctx.save_for_backward(hidden, weight, labels, lse, *((ent,) if with_entropy else ()))
+        ctx.chunk_size, ctx.inv_t, ctx.compiled = chunk_size, inv_t, compiled
         ctx.mark_non_differentiable(labels)
         ctx.set_materialize_grads(False)  # an unused output (entropy with coef 0) costs no backward work
         return (logp, ent) if with_entropy else (logp,)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent=None):
-        hidden, weight, labels = ctx.saved_tensors
+        hidden, weight, labels, lse, *saved_ent = ctx.saved_tensors
         if grad_logp is None and grad_ent is None:
             return None, None, None, None, None, None, None
-        chunk, temp = ctx.chunk_size, ctx.temperature
-        stats_fn = _chunk_fns(ctx.compiled)[1]
+        entropy = saved_ent[0] if saved_ent else None
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
+        if entropy is None:
+            grad_ent = None
+        chunk, grad_fn = ctx.chunk_size, _chunk_fns(ctx.compiled)[1]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for s in range(0, hidden.shape[0], chunk):
-            h, y = hidden[s:s + chunk], labels[s:s + chunk]
-            log_probs, _ = stats_fn(h, weight, y, temp)
-            probs = log_probs.exp()
-            # d logp_y / dz = onehot(y) - p;  H = -sum p log p, dH/dz = -p * (log p + H)
-            coef = -grad_logp[s:s + chunk, None].float() if grad_logp is not None else 0.0
-            if ctx.with_entropy and grad_ent is not None:
-                entropy = -(probs * log_probs).sum(-1, keepdim=True)
-                g_ent = grad_ent[s:s + chunk, None].float()
-                g = probs.mul_(log_probs.add_(entropy).mul_(-g_ent).add_(coef))
-            else:
-                g = probs.mul_(coef)
-            del log_probs
-            if grad_logp is not None:
-                g.scatter_add_(-1, y.unsqueeze(-1), grad_logp[s:s + chunk, None].float())
-            if temp != 1.0:
-                g.div_(temp)  # z = logits / T
-            # matmuls in the weight's dtype (bf16 tensor cores), accumulation of grad_w across chunks in fp32
-            g = g.to(weight.dtype)
+            part = slice(s, s + chunk)
+            h = hidden[part]
+            z = h @ weight.t()
+            g = grad_fn(z, labels[part], lse[part], grad_logp[part], ctx.inv_t,
+                        *((entropy[part], grad_ent[part]) if grad_ent is not None else ()))
+            del z
             if need_h:
-                grad_h[s:s + chunk] = (g @ weight).to(hidden.dtype)
+                grad_h[part] = (g @ weight).to(hidden.dtype)
             if need_w:
-                grad_w += (g.t() @ h.to(weight.dtype)).float()
+                _accumulate_weight_grad(grad_w, g, h.to(g.dtype))
             del g
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
 

@@ -6,7 +6,8 @@ transformers' GDN layer keeps packed documents apart only through its kernels: t
 `causal-conv1d` (a CUDA extension that does not build everywhere) the convolution falls back to a plain
 depthwise `F.conv1d`, so the first kernel-width - 1 tokens of each document see the previous document's tail
 (transformers 5.24 refuses the packed call instead); without fla the torch recurrence carries its state from
-one document into the next. `enable_packing` swaps the modeling modules' `causal_conv1d_fn` (always) and
+one document into the next. On CUDA with fla, the convolution goes to fla's Triton kernel instead, which takes the
+boundaries itself (`fla_conv1d`, for padded calls too). `enable_packing` swaps the modeling modules' `causal_conv1d_fn` (always) and
 `torch_chunk_gated_delta_rule` (only where it is the torch fallback) for versions that honour the boundaries:
 an exact torch convolution, and a per-document torch recurrence where fla is missing. The GDN forward looks these
 module globals up at call time, so the swap reaches models that are already built. The full-attention layers
@@ -167,10 +168,42 @@ def packed_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = 
 
 
 # ------------------------------------------------------------------------------------------ patching
+FLA_CONV = True
+"""Route the convolutions of CUDA tensors to flash-linear-attention's Triton kernel where fla imports (packed and
+padded calls alike); False keeps the torch convolutions (what the CPU tests pin, and a benchmark's baseline)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_causal_conv1d() -> Optional[Callable]:
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+    except Exception:  # noqa: BLE001 - no fla, or an fla without the module: the torch convolution
+        return None
+    return causal_conv1d
+
+
+def fla_conv_applies(x: torch.Tensor) -> bool:
+    return FLA_CONV and x.is_cuda and _fla_causal_conv1d() is not None
+
+
+def fla_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               activation: Optional[str] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """transformers' `causal_conv1d_fn` contract (x [B, D, T], weight [D, W]) on fla's Triton kernel, which takes
+    [B, T, D] (the GDN layer's projection before transformers transposes it: no copy) and the documents' boundaries
+    itself. The depthwise F.conv1d it replaces runs a slow cuDNN kernel per direction."""
+    xt = x.transpose(1, 2)
+    if not xt.is_contiguous():  # a prefill after a cached conv state hands over [B, D, T] itself
+        xt = xt.contiguous()
+    y, _ = _fla_causal_conv1d()(xt, weight, bias, activation=activation, cu_seqlens=cu_seqlens)
+    return y.transpose(1, 2)
+
+
 def _packing_conv(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
         cu = packing_boundaries(kwargs)
+        if fla_conv_applies(hidden_states):
+            return fla_conv1d(hidden_states, weight, bias, activation, cu_seqlens=cu)
         if cu is None:  # padded batches, prefill with a cache
             return orig(hidden_states, weight, bias, activation=activation, **kwargs)
         return packed_causal_conv1d(hidden_states, weight, bias, activation, cu_seqlens=cu)

@@ -66,8 +66,8 @@ def test_autograd_keeps_no_logits():
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
         chunked_logprobs_entropy(hidden, weight, labels, 16, with_entropy=True)
-    # only the inputs are kept for backward: hidden, weight, labels (no [N, V] logits)
-    assert sum(saved) == hidden.numel() + weight.numel() + labels.numel()
+    # the inputs and two numbers per token (log-sum-exp, entropy) are kept for backward: no [N, V] logits
+    assert sum(saved) == hidden.numel() + weight.numel() + 3 * labels.numel()
 
 
 @pytest.mark.parametrize("use", ["logp", "entropy"])
@@ -122,3 +122,25 @@ def test_fsdp_engine_with_compiled_log_probs_trains_as_eager():
     torch.testing.assert_close(lp_compiled, lp_eager, rtol=1e-5, atol=1e-5)
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
         assert m_compiled[key] == pytest.approx(m_eager[key], rel=1e-4), key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 matmuls with fp32 accumulation on CUDA")
+def test_compiled_bf16_head_on_cuda_matches_fp32_reference():
+    """The GPU path the engine runs: bf16 hidden and lm_head (FSDP's compute dtype), a realistic vocabulary, the
+    compiled chunk math and the fp32-accumulated weight gradient, against fp32 math on the same bf16 numbers."""
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 3000, 256, 32000
+    hidden = (torch.randn(n, h, generator=g) * 0.5).to(torch.bfloat16).cuda().requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 0.05).to(torch.bfloat16).cuda().requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g).cuda()
+    a, b = torch.randn(n, generator=g).cuda(), torch.randn(n, generator=g).cuda()
+    logp, ent = chunked_logprobs_entropy(hidden, weight, labels, 1024, 0.8, with_entropy=True, compiled=True)
+    gh, gw = torch.autograd.grad((a * logp + b * ent).sum(), (hidden, weight))
+    hf, wf = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    ref_logp, ref_ent = _reference(hf, wf, labels, 0.8)
+    rh, rw = torch.autograd.grad((a * ref_logp + b * ref_ent).sum(), (hf, wf))
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=3e-2)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=3e-2)
+    for got, want in ((gh, rh), (gw, rw)):
+        err = (got.float() - want).norm() / want.norm()
+        assert err < 1e-2, err

@@ -111,6 +111,63 @@ def test_conv_builds_the_spread_index_once_per_boundaries_tensor(monkeypatch):
     assert len(built) == 4
 
 
+def test_conv_routing_keeps_cpu_tensors_on_torch_and_follows_the_switch(monkeypatch):
+    """Where fla's convolution imports, CUDA tensors go to it (packed or padded calls); CPU tensors, and every tensor
+    with FLA_CONV off, keep the torch convolutions the other tests pin."""
+    calls = []
+
+    def kernel(x, weight, bias=None, activation=None, cu_seqlens=None):
+        calls.append((tuple(x.shape), x.is_contiguous(), cu_seqlens))
+        return x, None
+
+    monkeypatch.setattr(packed_gdn, "_fla_causal_conv1d", lambda: kernel)
+    wrapped = packed_gdn._packing_conv(lambda h, w, b=None, activation=None, **kw: ("torch", h))
+    x, weight = torch.randn(1, 8, 9), torch.randn(8, W)
+    assert wrapped(x, weight)[0] == "torch" and not calls
+    assert not packed_gdn.fla_conv_applies(x)
+
+    class FakeCuda(torch.Tensor):
+        is_cuda = True
+
+    xt = torch.randn(1, 9, 8).transpose(1, 2).as_subclass(FakeCuda)  # the GDN layer's [B, D, T] view of [B, T, D]
+    assert packed_gdn.fla_conv_applies(xt)
+    cu = pm.cu([4, 5])
+    y = packed_gdn.fla_conv1d(xt, weight, cu_seqlens=cu)
+    assert calls[-1] == ((1, 9, 8), True, cu) and y.shape == xt.shape  # handed over as [B, T, D], no copy
+    packed_gdn.fla_conv1d(torch.randn(1, 8, 9), weight)  # [B, D, T] itself: made time-major first
+    assert calls[-1][:2] == ((1, 9, 8), True)
+    monkeypatch.setattr(packed_gdn, "FLA_CONV", False)
+    assert not packed_gdn.fla_conv_applies(xt)
+
+
+cuda_fla = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+                              reason="fla's convolution kernel runs on CUDA")
+
+
+@cuda_fla
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [[300], [7, 120, 1, 64], [2, 2, 2]], ids=str)
+def test_fla_conv_equals_the_torch_conv_on_cuda(lengths, dtype):
+    """fla's Triton convolution (packed with boundaries, and padded rows without) against the exact torch one."""
+    g = torch.Generator().manual_seed(len(lengths))
+    dim, length = 256, sum(lengths)
+    x = torch.randn(2, length, dim, generator=g).to(dtype).cuda().requires_grad_()
+    weight = torch.randn(dim, W, generator=g).to(dtype).cuda().requires_grad_()
+    dy = torch.randn(2, dim, length, generator=g).to(dtype).cuda()
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    for cu in (pm.cu(lengths).cuda(), None):
+        if cu is not None and x.shape[0] != 1:
+            xs, dys = x[:1], dy[:1]
+        else:
+            xs, dys = x, dy
+        got = packed_gdn.fla_conv1d(xs.transpose(1, 2), weight, None, "silu", cu_seqlens=cu)
+        want = packed_causal_conv1d(xs.transpose(1, 2), weight, None, "silu", cu_seqlens=cu)
+        torch.testing.assert_close(got, want, **tol)
+        for a, b in zip(torch.autograd.grad(got, (x, weight), dys), torch.autograd.grad(want, (x, weight), dys)):
+            scale = float(b.abs().max())  # the weight gradient sums over every token: bf16 rounds at its scale
+            torch.testing.assert_close(a, b, rtol=tol["rtol"], atol=tol["atol"] * max(1.0, scale))
+
+
 def test_cu_seqlens_from_seq_idx():
     seq_idx = torch.tensor([[0, 0, 0, 1, 2, 2, 3]], dtype=torch.int32)
     assert cu_seqlens_from_seq_idx(seq_idx).tolist() == [0, 3, 4, 6, 7]
