@@ -31,17 +31,25 @@ measured time:
 - memory headroom: score * (1 + 0.5 * (0.1 - headroom) / 0.1) when less than 10% of the device stays free.
 The training part depends on the training layout only and the rollout part on the rollout layout only, so the
 search computes each once per option.
+
+With `backend.micro_batch_size_per_device=auto` / `backend.gradient_checkpointing=auto` the search picks them per
+training option (`auto_batch.choose`, beside the rollout layout the training options are probed with: TP1, the
+largest rollout weights per device; each pairing's fit is checked again), before that option's memory and cost:
+a layout is ranked at its own best setting (recompute's extra compute, its micro batch count for the bubble and
+FSDP's gathers), which choosing after the search, for the winner only, would not see; and a layout that fits
+only with checkpointing or a small micro batch is not dropped. The layout rules check each option at the smallest
+setting (micro 1, checkpointing on): every micro batch a choice may take divides the batches as 1 does.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen35rl.config import capabilities
+from qwen35rl.config import auto_batch, capabilities
 from qwen35rl.config import memory as M
 from qwen35rl.config import params as P
 from qwen35rl.config import rules as R
@@ -78,12 +86,15 @@ class Candidate:
     """The cost model's components (seconds) and inputs."""
     settings: Dict[str, Any] = field(default_factory=dict)
     """The same as `overrides`, as dotted key -> value."""
+    batch: Optional[auto_batch.Choice] = None
+    """What the `auto` micro batch / checkpointing resolved to for this layout (None: neither is auto)."""
 
     def to_dict(self) -> Dict[str, Any]:
         return {"score": round(self.score, 4), "score_unit": SCORE_UNIT, "overrides": list(self.overrides),
                 "train": self.layout.train_dict(),
                 "rollout": self.layout.rollout_dict(), "memory_gib": self.memory.to_dict(),
-                "cost": {k: round(v, 4) for k, v in self.cost.items()}}
+                "cost": {k: round(v, 4) for k, v in self.cost.items()},
+                "auto_batch": None if self.batch is None else self.batch.to_dict()}
 
 
 # ------------------------------------------------------------------------------------------------- the space
@@ -142,23 +153,28 @@ def search(cfg: Any) -> List[Candidate]:
         return []
     capacity = M.capacity_gib(tree)
 
-    trains: List[Tuple[Dict[str, Any], Dict[str, float], Dict[str, float]]] = []
+    trains: List[Tuple[Dict[str, Any], Dict[str, Any], Optional[auto_batch.Choice], Dict[str, float],
+                       Dict[str, float]]] = []
     probe_rollout = {"tp": 1, "dp": world, "ep": 1}
+    leanest = auto_batch.smallest(tree)
     for opt in train_options(tree, world):
-        t = _with(tree, opt, probe_rollout)
+        t = _with(leanest, opt, probe_rollout)
         layout = derive_layout(t)
         if _layout_problems(t, layout, "train"):
             continue
+        choice = auto_batch.choose(_with(tree, opt, probe_rollout), layout) if leanest is not tree else None
+        own = auto_batch.chosen(tree, choice)  # this option's settings (the tree itself without auto)
+        t = _with(own, opt, probe_rollout)
         terms = M.train_terms(t, layout)
         if sum(v for k, v in terms.items() if k.startswith("train/")) > capacity:
             continue  # the engine can only add to it: train_memory_fits would reject every pairing
-        trains.append((opt, terms, train_cost(t, layout)))
+        trains.append((opt, own, choice, terms, train_cost(t, layout)))
     if not trains:
         return []
 
     rollouts: List[Tuple[Dict[str, int], Dict[str, float]]] = []
     for ropt in rollout_options(tree, world):
-        t = _with(tree, trains[0][0], ropt)
+        t = _with(trains[0][1], trains[0][0], ropt)
         layout = derive_layout(t)
         if _layout_problems(t, layout, "rollout"):
             continue
@@ -170,9 +186,9 @@ def search(cfg: Any) -> List[Candidate]:
 
     out = []
     rollout_costs: Dict[int, float] = {}
-    for opt, tterms, tcost in trains:
+    for opt, own, choice, tterms, tcost in trains:
         for i, (ropt, rterms) in enumerate(rollouts):
-            t = _with(tree, opt, ropt)
+            t = _with(own, opt, ropt)
             layout = derive_layout(t)
             est = M.assemble(t, tterms, rterms)
             if (R.train_memory_problems(t, est) or R.rollout_memory_problems(t, est)
@@ -181,9 +197,10 @@ def search(cfg: Any) -> List[Candidate]:
             if i not in rollout_costs:
                 rollout_costs[i] = rollout_seconds(t, layout, est)
             c = combine_cost(tcost, rollout_costs[i], est)
-            settings = _settings(tree, opt, ropt)
+            settings = {**_settings(tree, opt, ropt), **(choice.settings() if choice else {})}
+            batch = None if choice is None else replace(choice, train_peak_gib=est.train_peak_gib)  # this pairing's
             out.append(Candidate(layout=layout, score=c["score"], memory=est, cost=c, settings=settings,
-                                 overrides=[f"{k}={_fmt(v)}" for k, v in settings.items()]))
+                                 overrides=[f"{k}={_fmt(v)}" for k, v in settings.items()], batch=batch))
     out.sort(key=lambda c: (c.score, -c.memory.headroom))
     return out
 
@@ -196,18 +213,19 @@ def _settings(tree: Dict[str, Any], opt: Dict[str, Any], ropt: Dict[str, int]) -
 
 
 def _fmt(v: Any) -> str:
-    return "null" if v is None else str(v)
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def apply(cfg: Any, candidate: Candidate) -> DictConfig:
     """A copy of `cfg` with the candidate's layout set (parallelism.auto off, the name records the choice:
-    `auto/tp=2 pp=4 ...`)."""
+    `auto/tp=2 pp=4 ...`), and its `auto` micro batch / checkpointing resolved."""
     out = cfg.copy() if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
     for key, value in candidate.settings.items():
         OmegaConf.update(out, key, value, merge=False)
+    degrees = [o[len("parallelism."):] for o in candidate.overrides if o.startswith("parallelism.")]
     for key, value in (("parallelism.vpp", None), ("parallelism.pipeline_layout", None),
                        ("parallelism.auto", False),
-                       ("parallelism.name", "auto/" + " ".join(o[len("parallelism."):] for o in candidate.overrides))):
+                       ("parallelism.name", "auto/" + " ".join(degrees))):
         OmegaConf.update(out, key, value, merge=False)
     return out
 
@@ -436,6 +454,7 @@ def tested_rank(cfg: Any, candidates: List[Candidate]) -> Optional[Dict[str, Any
     OmegaConf.update(out, "parallelism.auto", False, merge=False)
     OmegaConf.update(out, "parallelism.name", name, merge=False)
     layout = derive_layout(out)
+    out, _ = auto_batch.resolve(out, layout)  # the tested layout at its own best micro batch / checkpointing
     keys = ("tp", "pp", "cp", "ep", "etp") if layout.backend == "megatron" else ("fsdp_size", "sp")
     shown = [*keys, *(k for k in ("vpp", "pipeline_layout") if preset[k] is not None), "rollout.tp", "rollout.dp",
              "rollout.ep"]

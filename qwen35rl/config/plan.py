@@ -3,11 +3,11 @@ and as readable text. Imports nothing heavy: cluster packages are only looked up
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen35rl.config import layout_search, memory, params, quirks, redact, rules
+from qwen35rl.config import auto_batch, layout_search, memory, params, quirks, redact, rules
 from qwen35rl.config.layout import derive_layout
 from qwen35rl.config.problems import ERROR, WARNING, Problem
 from qwen35rl.config.verl import exporter as verl_exporter
@@ -30,16 +30,36 @@ def environment_problems(cfg: DictConfig) -> List[Problem]:
     return out
 
 
+def resolve_auto(cfg: DictConfig) -> Tuple[DictConfig, List[Any], Optional[auto_batch.Choice], List[Problem]]:
+    """Everything `auto` resolved once, here, so that rules, estimate, engines, run identity and the verl export
+    only see concrete values: (the config, the ranked candidates of `parallelism=auto`, what an `auto` micro batch /
+    checkpointing resolved to, a problem when no layout is valid). `parallelism=auto` applies the best searched
+    layout, which carries its own micro batch / checkpointing choice (`layout_search.search` chooses per layout);
+    otherwise (or when no layout is valid) they are chosen for the config's own layout (`auto_batch`). A value out
+    of its range leaves the config as it is: the gate rules report it and nothing computes with it."""
+    if rules.gate_problems(memory.as_tree(cfg)):
+        return cfg, [], None, []
+    candidates: List[Any] = []
+    problems: List[Problem] = []
+    choice = None
+    if cfg.parallelism.auto:
+        candidates = layout_search.search(cfg)
+        if candidates:
+            cfg, choice = layout_search.apply(cfg, candidates[0]), candidates[0].batch
+        else:
+            problems.append(Problem("no_valid_layout", "parallelism", "no layout of this model fits this hardware "
+                                    "with this backend", "use more devices (hw.nodes), offload, or another backend"))
+    if auto_batch.auto_keys(cfg):
+        cfg, choice = auto_batch.resolve(cfg)
+    return cfg, candidates, choice, problems
+
+
 def select_layout(cfg: DictConfig) -> Tuple[DictConfig, List[Any], List[Problem]]:
-    """With `parallelism=auto`: the config with the best searched layout applied, the ranked candidates, and a
-    problem when none is valid. Otherwise the config unchanged."""
-    if not cfg.parallelism.auto:
-        return cfg, [], []
-    candidates = layout_search.search(cfg)
-    if not candidates:
-        return cfg, [], [Problem("no_valid_layout", "parallelism", "no layout of this model fits this hardware with "
-                                 "this backend", "use more devices (hw.nodes), offload, or another backend")]
-    return layout_search.apply(cfg, candidates[0]), candidates, []
+    """The config with its `auto` settings resolved (`resolve_auto`: the best searched layout with
+    `parallelism=auto`, the micro batch / checkpointing with `auto`), the ranked candidates, and a problem when no
+    layout is valid. A config without `auto` comes back unchanged."""
+    cfg, candidates, _, problems = resolve_auto(cfg)
+    return cfg, candidates, problems
 
 
 def build_plan(cfg: DictConfig) -> Dict[str, Any]:
@@ -48,7 +68,7 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
     if unsafe:  # a value out of its range: nothing below may divide by it or search over it
         return refused_plan(cfg, rules.check_all(cfg, derive_layout(cfg)) + environment_problems(cfg))
     searched_from = cfg
-    cfg, candidates, problems = select_layout(cfg)
+    cfg, candidates, choice, problems = resolve_auto(cfg)
     layout = derive_layout(cfg)
     problems += rules.check_all(cfg, layout) + environment_problems(cfg)
     count = params.count_params(cfg.model)
@@ -71,7 +91,7 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "memory_gib": mem.to_dict(),
         "offload": offload_settings(cfg, mem),
         "cost": {**layout_search.cost(cfg, layout, mem), "score_unit": layout_search.SCORE_UNIT},
-        "batch": batch_arithmetic(cfg, layout),
+        "batch": batch_arithmetic(cfg, layout, choice),
         "device": str(cfg.hw.device),
         "nodes": int(cfg.hw.nodes),
         "devices_per_node": int(cfg.hw.devices_per_node),
@@ -116,8 +136,8 @@ def refused_plan(cfg: DictConfig, problems: List[Problem]) -> Dict[str, Any]:
         "batch": {"prompts_per_step": None, "responses_per_prompt": None, "responses_per_step": None,
                   "optimizer_steps_per_rollout_batch": None,
                   "responses_per_mini_batch_per_dp_rank": None, "micro_batches_per_device": None,
-                  "micro_batch_size_per_device": None, "dynamic_batch_size": False, "max_tokens_per_device": None,
-                  "sequence_length": None},
+                  "micro_batch_size_per_device": None, "gradient_checkpointing": None, "dynamic_batch_size": False,
+                  "max_tokens_per_device": None, "sequence_length": None, "auto": None},
         "device": str(cfg.hw.device), "nodes": cfg.hw.nodes, "devices_per_node": cfg.hw.devices_per_node,
         "worker_env": {}, "vllm_quirks": [], "output_dir": f"{cfg.trainer.output_root}/{cfg.trainer.run_name}",
         "auto_candidates": [], "auto_candidate_count": 0, "auto_tested": None,
@@ -134,7 +154,9 @@ def vllm_quirks(cfg: DictConfig) -> List[Dict[str, Any]]:
             for q in quirks.applying_quirks(cfg)]
 
 
-def batch_arithmetic(cfg: DictConfig, layout) -> Dict[str, Any]:
+def batch_arithmetic(cfg: DictConfig, layout, choice: Optional[auto_batch.Choice] = None) -> Dict[str, Any]:
+    """The batch vocabulary's numbers; `auto`: what an `auto` micro batch / checkpointing resolved to and why
+    (`auto_batch.Choice.to_dict`), None when neither was auto."""
     n, prompts, mini = int(cfg.rollout.n), int(cfg.data.train_batch_size), int(cfg.algorithm.mini_batch_size)
     micro = int(cfg.backend.micro_batch_size_per_device)
     per_dp = (mini * n) // max(layout.dp, 1)
@@ -146,9 +168,11 @@ def batch_arithmetic(cfg: DictConfig, layout) -> Dict[str, Any]:
         "responses_per_mini_batch_per_dp_rank": per_dp,
         "micro_batches_per_device": None if cfg.backend.dynamic_batch_size else per_dp // max(micro, 1),
         "micro_batch_size_per_device": micro,
+        "gradient_checkpointing": bool(cfg.backend.gradient_checkpointing),
         "dynamic_batch_size": bool(cfg.backend.dynamic_batch_size),
         "max_tokens_per_device": int(cfg.backend.max_tokens_per_device),
         "sequence_length": int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length),
+        "auto": None if choice is None else {**choice.to_dict(), "text": choice.describe()},
     }
 
 
@@ -222,6 +246,7 @@ def render_text(plan: Dict[str, Any]) -> str:
         + (f" in {b['micro_batches_per_device']} micro batch(es) of {b['micro_batch_size_per_device']}"
            if b["micro_batches_per_device"] is not None
            else f" in micro batches of at most {b['max_tokens_per_device']} tokens"),
+        *([f"  auto       {b['auto']['text']}"] if b.get("auto") else []),
         f"  memory     train peak {_fmt_gib(m.get('train_peak'))}, rollout peak {_fmt_gib(m.get('rollout_peak'))},"
         f" usable {_fmt_gib(m.get('capacity'))} per device -> {'fits' if m.get('fits') else 'DOES NOT FIT'}"
         + (f" ({m['headroom']:.0%} free)" if m.get("headroom") is not None and m.get("fits") else ""),

@@ -656,12 +656,13 @@ def known_choice(cfg: Any, layout: Layout) -> List[Problem]:
     return out
 
 
-def declared_ranges() -> Dict[str, Tuple[Tuple[float, float, bool, bool], Tuple[Any, ...], bool, Any]]:
-    """key -> ((low, high, low open, high open), special values, nullable, default): the ranges the schema declares
-    beside its fields (`schema.at_least`, `positive`, `between`), over every group (both backends)."""
-    global _RANGES
-    if _RANGES is None:
-        _RANGES = {}
+def declared_fields() -> Dict[str, Any]:
+    """key -> metadata of every schema field that declares something about its values (a range: `schema.at_least`,
+    `positive`, `between`; `integer`, `choices`: `schema.int_or_auto`, `bool_or_auto`), over every group (both
+    backends)."""
+    global _FIELDS
+    if _FIELDS is None:
+        _FIELDS = {}
         todo = [(name, cls) for name, cls in typing.get_type_hints(schema.RunConfig).items()
                 if dataclasses.is_dataclass(cls)]
         todo += [("backend", cls) for cls in schema.BACKENDS.values()]
@@ -673,14 +674,24 @@ def declared_ranges() -> Dict[str, Tuple[Tuple[float, float, bool, bool], Tuple[
                 inner = [a for a in typing.get_args(kind) if dataclasses.is_dataclass(a)]
                 if dataclasses.is_dataclass(kind) or inner:
                     todo.append((f"{prefix}.{f.name}", kind if dataclasses.is_dataclass(kind) else inner[0]))
-                elif "range" in f.metadata:
+                elif f.metadata:
                     default = None if f.default is dataclasses.MISSING else f.default
-                    _RANGES[f"{prefix}.{f.name}"] = (f.metadata["range"], f.metadata["also"], f.metadata["nullable"],
-                                                     default)
+                    _FIELDS[f"{prefix}.{f.name}"] = {**f.metadata, "default": default}
+    return _FIELDS
+
+
+def declared_ranges() -> Dict[str, Tuple[Tuple[float, float, bool, bool], Tuple[Any, ...], bool, Any]]:
+    """key -> ((low, high, low open, high open), special values, nullable, default): the ranges the schema declares
+    beside its fields (`schema.at_least`, `positive`, `between`), over every group (both backends)."""
+    global _RANGES
+    if _RANGES is None:
+        _RANGES = {k: (m["range"], m["also"], m["nullable"], m["default"]) for k, m in declared_fields().items()
+                   if "range" in m}
     return _RANGES
 
 
 _RANGES: Optional[Dict[str, Any]] = None
+_FIELDS: Optional[Dict[str, Any]] = None
 
 
 def _in_span(v: float, span: Tuple[float, float, bool, bool]) -> bool:
@@ -719,11 +730,16 @@ def _range_problems(cfg: Any, code: str, keys: Iterable[str]) -> List[Problem]:
     for key in keys:
         span, also, nullable, default = declared_ranges()[key]
         v = _get(cfg, key)
-        if v is KeyError or isinstance(v, bool) or (v is None and nullable) or v in also:
+        integer = bool(declared_fields()[key].get("integer"))
+        if v is KeyError or (isinstance(v, bool) and not integer) or (v is None and nullable) or _among(v, also):
+            continue
+        allowed = _span_text(span, also, nullable)
+        if integer and (isinstance(v, bool) or not isinstance(v, int)):  # an `Any` field (int_or_auto): the type too
+            out += _err(code, key, f"{key}={_shown(v)} must be an integer {allowed}",
+                        _try(key, _valid_example(span, default, math.nan)))
             continue
         if isinstance(v, (int, float)) and _in_span(v, span):
             continue
-        allowed = _span_text(span, also, nullable)
         if isinstance(v, (int, float)) and v > span[1] and span[1] == schema.INT_MAX:
             allowed = f"at most {schema.INT_MAX}"
         shown = "null" if v is None else v
@@ -732,11 +748,35 @@ def _range_problems(cfg: Any, code: str, keys: Iterable[str]) -> List[Problem]:
     return out
 
 
+def _among(v: Any, allowed: Sequence[Any]) -> bool:
+    """v is one of `allowed` by type and value (True is not 1, "1" is not 1)."""
+    return any(type(v) is type(a) and v == a for a in allowed)
+
+
+def _shown(v: Any) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _choice_problems(cfg: Any, code: str) -> List[Problem]:
+    """Fields typed `Any` that take a few values (`schema.bool_or_auto`): one of them, by type."""
+    out = []
+    for key, meta in declared_fields().items():
+        v = _get(cfg, key)
+        if "choices" not in meta or v is KeyError or _among(v, meta["choices"]):
+            continue
+        names = [_shown(c) for c in meta["choices"]]
+        out += _err(code, key, f"{key}={_shown(v)} must be {', '.join(names[:-1])} or {names[-1]}",
+                    _try(key, _shown(meta["default"])))
+    return out
+
+
 @rule("config")
 def value_in_range(cfg: Any, layout: Layout) -> List[Problem]:
     """Counts, sizes, rates and coefficients within the range their field declares in qwen35rl/config/schema.py
-    (e.g. 0 < rollout.gpu_memory_utilization <= 1, algorithm.clip_ratio_c > 1)."""
-    return _range_problems(cfg, "value_in_range", [k for k in declared_ranges() if k not in DEGREES])
+    (e.g. 0 < rollout.gpu_memory_utilization <= 1, algorithm.clip_ratio_c > 1); the `Any` fields that also take
+    `auto` of their type (an integer, or true / false)."""
+    return (_range_problems(cfg, "value_in_range", [k for k in declared_ranges() if k not in DEGREES])
+            + _choice_problems(cfg, "value_in_range"))
 
 
 # =========================================================================================== pass-through dicts

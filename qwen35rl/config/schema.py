@@ -51,6 +51,22 @@ def optional(spec: Any) -> Any:
 INF = float("inf")
 """No upper bound (non-finite values are still refused)."""
 
+AUTO = "auto"
+"""The value that lets the plan choose a setting from the memory estimate (`qwen35rl/config/auto_batch.py`)."""
+
+
+def int_or_auto(low: int, default: Any) -> Any:
+    """An integer >= low, or `auto`. Typed `Any` (OmegaConf's structured configs cannot type Union[int, str]), so
+    `rules.value_in_range` checks the type: a string other than `auto`, a float or a bool is refused naming the key."""
+    spec = at_least(low, default, also=(AUTO,))
+    spec.metadata = {**spec.metadata, "integer": True}  # type: ignore[attr-defined]
+    return spec
+
+
+def bool_or_auto(default: bool) -> Any:
+    """true, false or `auto` (typed `Any` like `int_or_auto`; `rules.value_in_range` checks the value)."""
+    return field(default=default, metadata={"choices": (True, False, AUTO)})
+
 
 # --------------------------------------------------------------------------------------------------------- model
 @dataclass
@@ -165,8 +181,11 @@ class BackendConfig:
     """Settings common to every training backend."""
 
     name: str = MISSING
-    micro_batch_size_per_device: int = at_least(1, 1)
-    """Responses per forward/backward on one device (the gradient-accumulation unit)."""
+    micro_batch_size_per_device: Any = int_or_auto(1, 1)
+    """Responses per forward/backward on one device (the gradient-accumulation unit). `auto`: the plan picks the
+    largest that divides a DP rank's share of a mini batch and fits the memory estimate, preferring no
+    gradient checkpointing when `gradient_checkpointing` is `auto` too (`qwen35rl/config/auto_batch.py`); with
+    `dynamic_batch_size` the count is unused and `auto` resolves to 1."""
     max_tokens_per_device: int = at_least(1, 16384)
     """Token budget of one micro batch when `dynamic_batch_size` is on."""
     dynamic_batch_size: bool = False
@@ -177,7 +196,9 @@ class BackendConfig:
     GDN recurrence then runs once per document: slower than padding), false pads, null (the default) packs where it
     pays: CUDA with flash-linear-attention's GDN kernels, or Ulysses SP (which splits packed rows). The Megatron
     engine trains padded batches (true is a plan warning)."""
-    gradient_checkpointing: bool = True
+    gradient_checkpointing: Any = bool_or_auto(True)
+    """Recompute each decoder layer in the backward instead of keeping its activations (FSDP; Megatron: with
+    `recompute_granularity`). `auto`: off when the memory estimate fits without it, else on (`auto_batch.py`)."""
     param_offload: bool = False
     optimizer_offload: bool = False
     grad_offload: bool = False

@@ -1,0 +1,208 @@
+"""`backend.micro_batch_size_per_device=auto` / `backend.gradient_checkpointing=auto`: resolved once in the config
+layer from the memory estimate (the largest micro batch that fits, without checkpointing when any does), so that
+rules, estimate, the verl export and the runtime only see an int and a bool. Expectations are derived from
+`memory.estimate` itself, by trying every divisor, not typed in."""
+import json
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+
+from qwen35rl.cli.plan import main
+from qwen35rl.config import auto_batch, layout_search, rules, schema
+from qwen35rl.config.compose import compose
+from qwen35rl.config.layout import derive_layout
+from qwen35rl.config.memory import as_tree, estimate
+from qwen35rl.config.plan import build_plan, resolve_auto
+from qwen35rl.config.problems import errors
+
+MICRO, CKPT = "backend.micro_batch_size_per_device", "backend.gradient_checkpointing"
+AUTO = [f"{MICRO}=auto", f"{CKPT}=auto"]
+SMALL = ["model=qwen3_5_0_8b", "hw=gpu_1x"]
+# the issue's 4B workload on one H200: random init, KL on, transformers rollout, 256 + 512 tokens, 16 x 8
+H200_4B = ["model=qwen3_5_4b", "model.init=random", "hw=gpu_1x", "hw.memory_gb=141", "rollout=hf",
+           "algorithm.use_kl_loss=true", "data.max_prompt_length=256", "data.max_response_length=512",
+           "data.train_batch_size=16", "rollout.n=8", "algorithm.mini_batch_size=16"]
+
+
+def _share(tree, layout):
+    return int(tree["algorithm"]["mini_batch_size"]) * int(tree["rollout"]["n"]) // layout.dp
+
+
+def _fits(tree, layout, micro, ckpt):
+    t = auto_batch.with_settings(tree, micro, ckpt)
+    est = estimate(t, layout)
+    return est.train_peak_gib <= est.capacity_gib, est
+
+
+def _brute_force(overrides, ckpts=(False, True)):
+    """(micro, checkpointing) by the policy, over every divisor of the rank's share: the largest that fits without
+    checkpointing, else with it, else (1, the last tried)."""
+    tree = as_tree(compose(list(overrides)))
+    layout = derive_layout(tree)
+    share = _share(tree, layout)
+    for ckpt in ckpts:
+        fitting = [d for d in range(1, share + 1) if share % d == 0 and _fits(tree, layout, d, ckpt)[0]]
+        if fitting:
+            return max(fitting), ckpt
+    return 1, ckpts[-1]
+
+
+def _resolved(overrides):
+    cfg, _, choice, problems = resolve_auto(compose(list(overrides)))
+    assert not problems
+    return cfg, choice
+
+
+@pytest.mark.parametrize("overrides", [SMALL, H200_4B, [*H200_4B, "backend=megatron"]],
+                         ids=["0.8b-gpu_1x", "4b-h200", "4b-h200-megatron"])
+def test_auto_is_the_largest_micro_batch_that_fits(overrides):
+    cfg, choice = _resolved([*overrides, *AUTO])
+    tree, layout = as_tree(cfg), derive_layout(cfg)
+    assert (choice.micro, choice.checkpointing) == _brute_force([*overrides, *AUTO])
+    micro, ckpt = tree["backend"]["micro_batch_size_per_device"], tree["backend"]["gradient_checkpointing"]
+    assert type(micro) is int and type(ckpt) is bool and (micro, ckpt) == (choice.micro, choice.checkpointing)
+    assert _share(tree, layout) % micro == 0
+    ok, est = _fits(tree, layout, micro, ckpt)
+    assert ok and choice.train_peak_gib == pytest.approx(est.train_peak_gib)
+    # the next larger micro batch does not fit (per the estimate), and the choice says so
+    share = _share(tree, layout)
+    larger = [d for d in range(micro + 1, share + 1) if share % d == 0]
+    if larger:
+        assert not _fits(tree, layout, larger[0], ckpt)[0]
+        assert choice.larger["micro"] == larger[0]
+    assert not [p for p in rules.check_all(cfg, layout) if p.code == "train_memory_fits"]
+
+
+def test_4b_on_h200_fits_without_checkpointing_only_at_small_micro_batches():
+    """The issue's numbers: with KL on and no checkpointing the plan fits the 4B on one H200 at micro <= 4."""
+    _, choice = _resolved([*H200_4B, *AUTO])
+    assert not choice.checkpointing and 1 < choice.micro <= 4
+    assert choice.why == "largest that fits without checkpointing"
+
+
+def test_nothing_fits_keeps_the_smallest_and_the_memory_rule_reports_it():
+    base = ["model=qwen3_5_4b", "model.init=random", "hw=gpu_1x", "rollout=hf"]  # 80 GB, 1024 + 2048 tokens
+    tree = as_tree(compose(base))
+    layout = derive_layout(tree)
+    assert not _fits(tree, layout, 1, True)[0]
+    plan = build_plan(compose([*base, *AUTO]))
+    auto = plan["batch"]["auto"]
+    assert (auto["micro_batch_size_per_device"], auto["gradient_checkpointing"]) == (1, True)
+    assert auto["why"].startswith("nothing fits")
+    fit = [p for p in plan["problems"] if p["code"] == "train_memory_fits"]
+    assert not plan["valid"] and fit and fit[0]["hint"]
+
+
+def test_only_the_auto_key_is_searched():
+    # checkpointing fixed on: the micro batch alone, the largest that fits with checkpointing
+    cfg, choice = _resolved([*SMALL, f"{MICRO}=auto", f"{CKPT}=true"])
+    assert choice.keys == (MICRO,) and cfg.backend.gradient_checkpointing is True
+    assert (choice.micro, True) == _brute_force([*SMALL, f"{CKPT}=true"], ckpts=(True,))
+    # the micro batch fixed: checkpointing off when that fits, else on (both per the estimate)
+    tree = as_tree(compose(SMALL))
+    layout = derive_layout(tree)
+    for micro in (1, 8, 16):
+        expected = not _fits(tree, layout, micro, False)[0]
+        cfg, choice = _resolved([*SMALL, f"{MICRO}={micro}", f"{CKPT}=auto"])
+        assert choice.keys == (CKPT,) and cfg.backend.micro_batch_size_per_device == micro
+        assert cfg.backend.gradient_checkpointing is expected, micro
+    assert not _fits(tree, layout, 16, False)[0]  # so the loop saw both outcomes
+    assert _fits(tree, layout, 1, False)[0]
+
+
+def test_dynamic_batch_size_resolves_the_count_to_1_and_checkpointing_for_the_budget():
+    over = [*SMALL, "backend.dynamic_batch_size=true"]
+    cfg, choice = _resolved([*over, *AUTO])
+    assert cfg.backend.micro_batch_size_per_device == 1 and "dynamic_batch_size" in choice.why
+    tree = as_tree(compose(over))
+    assert cfg.backend.gradient_checkpointing is (not _fits(tree, derive_layout(tree), 1, False)[0])
+    for budget in (4096, 65536):  # a budget that fits without checkpointing, one that does not
+        t = as_tree(compose([*over, f"backend.max_tokens_per_device={budget}"]))
+        cfg, _ = _resolved([*over, f"backend.max_tokens_per_device={budget}", *AUTO])
+        assert cfg.backend.gradient_checkpointing is (not _fits(t, derive_layout(t), 1, False)[0]), budget
+
+
+def test_megatron_pipeline_keeps_at_least_pp_micro_batches():
+    over = ["model=qwen3_5_0_8b", "hw=gpu_1node", "backend=megatron", "parallelism.tp=1", "parallelism.pp=2",
+            "data.max_prompt_length=256", "data.max_response_length=512"]
+    cfg, choice = _resolved([*over, *AUTO])
+    layout = derive_layout(cfg)
+    share = _share(as_tree(cfg), layout)
+    assert layout.pp == 2 and share // choice.micro >= 2
+    sizes = auto_batch.micro_sizes(as_tree(cfg), layout)
+    assert max(sizes) == share // 2 and all(share % d == 0 for d in sizes)
+    assert not [p for p in rules.check_all(cfg, layout) if p.severity == "error" and p.code != "model_path_missing"]
+
+
+def test_with_parallelism_auto_each_layout_carries_its_own_choice():
+    cfg = compose(["model=qwen3_5_27b", "hw=gpu_1node", "backend=megatron", "parallelism=auto", *AUTO])
+    cands = layout_search.search(cfg)
+    assert cands
+    for c in cands[:20]:
+        assert c.batch is not None and c.memory.fits
+        assert c.settings[MICRO] == c.batch.micro and c.settings[CKPT] == c.batch.checkpointing
+        applied = layout_search.apply(cfg, c)
+        layout = derive_layout(applied)
+        assert layout == c.layout and _share(as_tree(applied), layout) % c.batch.micro == 0
+        assert applied.backend.micro_batch_size_per_device == c.batch.micro
+        assert "backend" not in str(applied.parallelism.name)
+        assert not errors(rules.check_all(applied, layout))
+    plan = build_plan(cfg)
+    assert plan["valid"] and plan["batch"]["auto"]["micro_batch_size_per_device"] == cands[0].batch.micro
+    assert plan["batch"]["auto"]["train_peak_gib"] == pytest.approx(plan["memory_gib"]["train_peak"], abs=1e-3)
+    assert plan["auto_candidates"][0]["auto_batch"]["micro_batch_size_per_device"] == cands[0].batch.micro
+
+
+@pytest.mark.parametrize("override,message", [
+    (f"{MICRO}=fast", "must be an integer >= 1 (or auto)"), (f"{MICRO}=2.5", "must be an integer"),
+    (f"{MICRO}=true", "must be an integer"), (f"{MICRO}=0", "must be >= 1 (or auto)"),
+    (f"{CKPT}=fast", "must be true, false or auto"), (f"{CKPT}=1", "must be true, false or auto"),
+])
+def test_bad_values_are_refused_naming_the_key(override, message, capsys):
+    key = override.split("=")[0]
+    found = rules.gate_problems(as_tree(compose([*SMALL, override])))
+    assert [(p.code, p.key) for p in found] == [("value_in_range", key)] and message in found[0].message
+    assert main([*SMALL, override]) == 2
+    out, err = capsys.readouterr()
+    assert f"[value_in_range] {key}" in out + err and "Traceback" not in out + err
+
+
+def test_defaults_are_unchanged_and_need_no_resolution():
+    assert schema.FsdpConfig.__dataclass_fields__["micro_batch_size_per_device"].default == 1
+    assert schema.FsdpConfig.__dataclass_fields__["gradient_checkpointing"].default is True
+    cfg = compose(SMALL)
+    same, candidates, choice, problems = resolve_auto(cfg)
+    assert same is cfg and choice is None and not candidates and not problems
+    assert build_plan(cfg)["batch"]["auto"] is None
+
+
+def test_cli_prints_the_choice_and_verl_gets_an_int(capsys):
+    _, choice = _resolved([*SMALL, f"{MICRO}=auto"])
+    main([*SMALL, f"{MICRO}=auto"])
+    out = capsys.readouterr().out
+    assert f"  auto       micro batch {choice.micro} (auto: largest that fits" in out
+    assert f"in {80 // choice.micro} micro batch(es) of {choice.micro}" in out
+    main([*SMALL, f"{MICRO}=auto", "format=json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["batch"]["micro_batch_size_per_device"] == choice.micro
+    assert plan["batch"]["auto"]["keys"] == [MICRO] and plan["batch"]["auto"]["why"]
+    main([*SMALL, *AUTO, "format=verl"])
+    out = capsys.readouterr().out
+    _, both = _resolved([*SMALL, *AUTO])
+    assert f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={both.micro} " in out
+    assert f"actor_rollout_ref.model.enable_gradient_checkpointing={both.checkpointing} " in out
+    assert "micro_batch_size_per_gpu=auto" not in out and "checkpointing=auto" not in out
+
+
+def test_resolution_imports_nothing_heavy():
+    code = ("import sys; from qwen35rl.config.compose import compose; from qwen35rl.config.plan import build_plan;"
+            "build_plan(compose(['model=qwen3_5_27b','hw=gpu_1node','backend=megatron','parallelism=auto',"
+            f"'{MICRO}=auto','{CKPT}=auto']));"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch','ray','transformers','vllm'}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"
