@@ -99,7 +99,12 @@ def cmd_qwen35rl(args) -> None:
                          kl=not args.no_kl, backend=args.backend, prompts=args.prompts, steps=args.steps, peak_tflops=args.peak_tflops,
                          prompt_len=args.prompt_len, response_len=args.response_len,
                          memory_gb=None if args.hw == "cpu" else 141, data=args.data)
-    cmd = [sys.executable, "-m", args.entry, f"hydra.run.dir={args.run_dir}", *overrides, *args.extra]
+    entry = args.entry
+    if args.lengths == "realistic":  # the CLI with the hf rollout's responses cut to the drawn lengths
+        if "trainer.launcher=local" not in args.extra or entry != "qwen35rl.cli.train":
+            sys.exit("--lengths realistic runs bench.gpu.shaped_train: needs trainer.launcher=local and the CLI entry")
+        entry = "bench.gpu.shaped_train"
+    cmd = [sys.executable, "-m", entry, f"hydra.run.dir={args.run_dir}", *overrides, *args.extra]
     print("command:", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=str(ROOT))
@@ -230,7 +235,18 @@ def cmd_trl(args) -> None:
             return "ref"
         return "old_log_prob" if not torch.is_grad_enabled() else "update_forward"
 
-    trainer._generate_single_turn = timer.wrap("gen", trainer._generate_single_turn)
+    generate = trainer._generate_single_turn
+    if args.lengths == "realistic":  # the same drawn lengths by row as qwen35rl's (prompt-major rows there too)
+        from bench.gpu.lengths import response_lengths, shape
+
+        plain_generate, calls = generate, [0]
+
+        def generate(*a, **k):
+            completion_ids, logprobs = plain_generate(*a, **k)
+            lengths = response_lengths(len(completion_ids), args.response_len, calls[0])
+            calls[0] += 1
+            return shape(completion_ids, lengths, trainer.eos_token_ids[0]), logprobs
+    trainer._generate_single_turn = timer.wrap("gen", generate)
     trainer._get_per_token_logps_and_entropies = timer.wrap("", trainer._get_per_token_logps_and_entropies, logp_phase)
     trainer._generate_and_score_completions = timer.wrap("gen_score_logps", trainer._generate_and_score_completions)
     steps: List[Dict[str, Any]] = []
@@ -534,6 +550,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         s.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
         s.add_argument("--response-len", type=int, default=RESPONSE_LEN)
         s.add_argument("--steps", type=int, default=4)
+    for name in ("qwen35rl", "trl"):
+        sub.choices[name].add_argument("--lengths", default="cap", choices=("cap", "realistic"),
+                                       help="responses as sampled (all at the cap from a random init) or cut to "
+                                            "the drawn lengths of bench/gpu/lengths.py")
     sub.choices["qwen35rl"].add_argument("--devices", type=int, default=1)
     sub.choices["qwen35rl"].add_argument("--backend", default="fsdp", choices=("fsdp", "megatron"))
     sub.choices["qwen35rl"].add_argument("--data", default="synthetic", help="data config (geo3k: images)")

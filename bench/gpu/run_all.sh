@@ -23,6 +23,12 @@
 #   bash bench/gpu/run_all.sh phases          (carry .whl-gdn .whl-x .kcache; ~9.5 min; one GPU)
 #       fla + TileLang: bench/gpu/train_phases.py (the FSDP engine's reference pass and update, kernel change by
 #       kernel change, all-at-cap and realistic lengths, kernel profiles), then the decode benchmark
+#   bash bench/gpu/run_all.sh compare         (carry .whl-gdn .whl-x .kcache; ~9.5 min; one GPU)
+#       fla + TileLang: qwen35rl through its CLI (no Ray, micro batches filled by tokens) then TRL's GRPOTrainer, 3
+#       steps each, on the all-at-cap workload and on the realistic response lengths (bench/gpu/lengths.py)
+#   bash bench/gpu/run_all.sh decode          (right after compare, while the machine is warm; ~4 min)
+#       the decode benchmark (eager, CUDA graph, compiled + graph, transformers generate) and the final kernels'
+#       training phases on the all-at-cap rows
 #   bash bench/gpu/run_all.sh moe-numerics    (carry .whl .whl-x; ~8 min)
 #       the MoE model's log-probs against transformers at EP2 and TP1, with the whole call's time
 #   bash bench/gpu/run_all.sh scale     (carry .whl .whl-x; ~5 min; ran 2026-11-30 with the Megatron jobs)
@@ -48,7 +54,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
+stage=${1:?usage: run_all.sh compare|decode|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -283,6 +289,42 @@ phases)  # where the FSDP engine's training phases spend their time, kernel chan
     --decode-tokens 32 > "$LOGS/phases.log" 2>&1
   elapsed "training phases (exit $?)"
   grep "^phases\|^decode bench [a-z]" "$LOGS/phases.log"
+  ;;
+compare)  # qwen35rl (CLI, no Ray) then TRL on one GPU: all-at-cap, then the realistic response lengths (fla + TileLang)
+  install_gdn
+  env_info > "$OUT/env-compare.txt" 2>&1
+  elapsed "installed: $(tail -2 "$OUT/env-compare.txt" | tr '\n' ' ')"
+  peaks
+  export PYTHONFAULTHANDLER=1
+  # qwen35rl's micro batches filled by tokens (32 rows of 768 at the cap, more of the shorter realistic rows)
+  QOPTS=(trainer.launcher=local backend.dynamic_batch_size=true backend.max_tokens_per_device=24576)
+  for wl in cap realistic; do
+    mkdir -p "$OUT/$wl" && cp "$OUT/peak.json" "$OUT/$wl/"
+    # budget: what is left of the call, halved per workload, qwen35rl a bit more than TRL (its first step compiles)
+    share=$(( ($(left 590) - 10) / ([ "$wl" = cap ] && echo 2 || echo 1) ))
+    PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 $G qwen35rl --lengths "$wl" --out "$OUT/$wl/q1.json" \
+      --run-dir "$RUNS/q1-$wl" --steps 3 --peak-tflops "$PEAK" --timeout $(( share * 52 / 100 )) -- "${QOPTS[@]}" \
+      > "$LOGS/q1-$wl.log" 2>&1
+    elapsed "qwen35rl ($wl): $(grep -c '\[qwen35rl\] step' "$LOGS/q1-$wl.log") steps"
+    rm -rf "$RUNS/q1-$wl"
+    PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(( $(left 590) / ([ "$wl" = cap ] && echo 3 || echo 1) ))" \
+      $G trl --lengths "$wl" --out "$OUT/$wl/trl.json" --work-dir "/tmp/trl-$wl" --steps 3 > "$LOGS/trl-$wl.log" 2>&1
+    elapsed "TRL ($wl): $(grep -c 'trl step' "$LOGS/trl-$wl.log") steps"
+    PYTHONPATH=$BASE python3 bench/gpu/grpo_h200.py report "$OUT/$wl" > "$OUT/$wl/report.md" 2>&1
+    grep -A20 "qwen35rl / TRL" "$OUT/$wl/report.md"
+  done
+  ;;
+decode)  # back to back after compare (the machine still warm: the installs are kept): the decode benchmark, and the
+  # training phases with the final kernels on the all-at-cap rows
+  [ -d /tmp/site-gdn/fla ] || install_gdn
+  peaks
+  mkdir -p "$OUT/decode"
+  export PYTHONFAULTHANDLER=1
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 570)" python3 bench/gpu/train_phases.py \
+    --out "$OUT/decode/phases_decode.json" --peak-tflops "$PEAK" --variants head --workloads cap --reps 2 \
+    --decode-tokens 32 > "$LOGS/decode.log" 2>&1
+  elapsed "decode bench (exit $?)"
+  grep "^phases\|^decode bench [a-z]" "$LOGS/decode.log"
   ;;
 moe-numerics)  # the MoE model's log-probs against transformers at EP2 and TP1 (DP2), alone in a call
   install_base

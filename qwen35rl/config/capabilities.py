@@ -83,6 +83,12 @@ class Support:
     nothing is reported), False where it does not, None where that is unknown (nothing reported yet)."""
 
 
+def compiles_log_probs(setting: Optional[bool], device_type: str) -> bool:
+    """backend.use_torch_compile as the FSDP engine applies it: null compiles on CUDA (Inductor's Triton kernels),
+    runs eagerly on CPU and NPU."""
+    return device_type == "cuda" if setting is None else bool(setting)
+
+
 def _b(key: str) -> Predicate:
     return lambda cfg, layout: bool(cfg["backend"].get(key, False))
 

@@ -267,7 +267,9 @@ class FsdpTrainEngine(TrainEngine):
 
             compile_layer_parts(decoder_layers(lm))
         self.lm = lm
-        self.module: nn.Module = PolicyWithLogProbs(lm, self.backend.logprob_chunk_size, self.backend.use_torch_compile)
+        self.module: nn.Module = PolicyWithLogProbs(
+            lm, self.backend.logprob_chunk_size,
+            capabilities.compiles_log_probs(self.backend.use_torch_compile, self.device.type))
         if self.distributed:
             self._shard()
             self._materialise(param_dtype, seed)

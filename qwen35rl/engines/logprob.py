@@ -45,12 +45,39 @@ def _logit_grad(z: Tensor, labels: Tensor, lse: Tensor, grad_logp: Tensor, inv_t
     return (g * inv_t).to(z.dtype)
 
 
+def _stats_inplace(z: Tensor, labels: Tensor, inv_t: float, with_entropy: bool):
+    """`_stats` eagerly with in-place ops: two fp32 [chunk, V] buffers at a time instead of one per op."""
+    zs = z.float().mul_(inv_t) if z.dtype != torch.float32 else z * inv_t
+    lse = torch.logsumexp(zs, dim=-1)
+    logp = zs.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return lse, logp, None
+    log_p = zs.sub_(lse.unsqueeze(-1))
+    return lse, logp, -(torch.exp(log_p).mul_(log_p)).sum(-1)
+
+
+def _logit_grad_inplace(z: Tensor, labels: Tensor, lse: Tensor, grad_logp: Tensor, inv_t: float,
+                        entropy: Optional[Tensor] = None, grad_ent: Optional[Tensor] = None) -> Tensor:
+    """`_logit_grad` eagerly with in-place ops (two fp32 [chunk, V] buffers, like `_stats_inplace`)."""
+    g = z.float().mul_(inv_t) if z.dtype != torch.float32 else z * inv_t
+    g.sub_(lse.unsqueeze(-1))  # log p
+    gl = grad_logp.float().unsqueeze(-1)
+    if grad_ent is not None:
+        p = torch.exp(g)
+        g.add_(entropy.unsqueeze(-1)).mul_(grad_ent.float().unsqueeze(-1)).add_(gl).mul_(p).neg_()
+        del p
+    else:
+        g.exp_().mul_(-gl)
+    g.scatter_add_(-1, labels.unsqueeze(-1), gl)
+    return g.mul_(inv_t).to(z.dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def _chunk_fns(compiled: bool) -> Tuple[Callable, Callable]:
-    """(statistics, logit gradient) per chunk, eager or through torch.compile. Shapes are dynamic: the last chunk
-    is shorter."""
+    """(statistics, logit gradient) per chunk: the functional forms through torch.compile (Inductor fuses them into
+    reductions over the logits), or the in-place forms eagerly. Shapes are dynamic: the last chunk is shorter."""
     if not compiled:
-        return _stats, _logit_grad
+        return _stats_inplace, _logit_grad_inplace
     return torch.compile(_stats, dynamic=True), torch.compile(_logit_grad, dynamic=True)
 
 

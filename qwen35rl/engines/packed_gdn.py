@@ -168,9 +168,11 @@ def packed_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = 
 
 
 # ------------------------------------------------------------------------------------------ patching
-FLA_CONV = True
+FLA_CONV = False
 """Route the convolutions of CUDA tensors to flash-linear-attention's Triton kernel where fla imports (packed and
-padded calls alike); False keeps the torch convolutions (what the CPU tests pin, and a benchmark's baseline)."""
+padded calls alike). Off: measured on an H200 (bench/results/h200.md, 2026-12-02) it made the 0.8B update 16%
+slower on all-at-cap rows and 7% faster on the realistic lengths, and each new shape autotunes its backward for
+tens of seconds; the torch convolutions stay (what the CPU tests pin)."""
 
 
 @functools.lru_cache(maxsize=None)

@@ -103,6 +103,19 @@ def test_compiled_chunks_match_eager(with_entropy):
             torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
+def test_use_torch_compile_null_compiles_on_cuda_only():
+    from qwen35rl.config.capabilities import compiles_log_probs
+    from qwen35rl.config.compose import compose
+    from qwen35rl.engines.fsdp_engine import FsdpTrainEngine
+
+    assert compiles_log_probs(None, "cuda") and not compiles_log_probs(None, "cpu")
+    assert not compiles_log_probs(None, "npu") and compiles_log_probs(True, "cpu") and not compiles_log_probs(False, "cuda")
+    cfg = compose(["model=qwen3_5_tiny", "hw=cpu", "hw.devices_per_node=1", "algorithm.use_kl_loss=false"])
+    assert cfg.backend.use_torch_compile is None
+    engine = FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device="cpu")
+    assert engine.module.compiled is False
+
+
 def test_fsdp_engine_with_compiled_log_probs_trains_as_eager():
     """backend.use_torch_compile reaches the FSDP engine: its log-probs and an update's metrics equal eager ones."""
     from qwen35rl.config.compose import compose

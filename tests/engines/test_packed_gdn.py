@@ -121,6 +121,7 @@ def test_conv_routing_keeps_cpu_tensors_on_torch_and_follows_the_switch(monkeypa
         return x, None
 
     monkeypatch.setattr(packed_gdn, "_fla_causal_conv1d", lambda: kernel)
+    monkeypatch.setattr(packed_gdn, "FLA_CONV", True)
     wrapped = packed_gdn._packing_conv(lambda h, w, b=None, activation=None, **kw: ("torch", h))
     x, weight = torch.randn(1, 8, 9), torch.randn(8, W)
     assert wrapped(x, weight)[0] == "torch" and not calls
@@ -148,7 +149,8 @@ cuda_fla = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.fi
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lengths", [[300], [7, 120, 1, 64], [2, 2, 2]], ids=str)
 def test_fla_conv_equals_the_torch_conv_on_cuda(lengths, dtype):
-    """fla's Triton convolution (packed with boundaries, and padded rows without) against the exact torch one."""
+    """fla's Triton convolution (packed with boundaries, and padded rows without) against the exact torch one
+    (behind packed_gdn.FLA_CONV, off by default)."""
     g = torch.Generator().manual_seed(len(lengths))
     dim, length = 256, sum(lengths)
     x = torch.randn(2, length, dim, generator=g).to(dtype).cuda().requires_grad_()

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+from qwen35rl.config.capabilities import compiles_log_probs
+
 ACTOR = "actor_rollout_ref.actor"
 ROLLOUT = "actor_rollout_ref.rollout"
 REF = "actor_rollout_ref.ref"
@@ -309,7 +311,9 @@ KEYS: List[Key] = [
     Key(f"{OVERRIDE_OPT}.optimizer_offload_fraction", "backend.optimizer_offload_fraction", MEGATRON, plus=True),
     Key(f"{OVERRIDE_OPT}.overlap_cpu_optimizer_d2h_h2d", "backend.overlap_cpu_optimizer_d2h_h2d", MEGATRON, plus=True),
     Key("actor_rollout_ref.nccl_timeout", "backend.dist_timeout_s", verl_default=600),
-    Key(f"{ACTOR}.use_torch_compile", "backend.use_torch_compile"),  # an implementation detail: verl's default stays
+    # an implementation detail: verl's default stays on import; null is what the engine does on the composed device
+    Key(f"{ACTOR}.use_torch_compile", "backend.use_torch_compile",
+        effective=lambda c: compiles_log_probs(get(c, "backend.use_torch_compile"), get(c, "hw.device"))),
     # FSDP
     Key(f"{ACTOR}.fsdp_config.fsdp_size", "parallelism.fsdp_size", FSDP, verl_default=-1, canon=_fsdp_size),
     Key(f"{ACTOR}.ulysses_sequence_parallel_size", "parallelism.sp", FSDP, verl_default=1,
