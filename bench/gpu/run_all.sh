@@ -291,7 +291,7 @@ phases)  # where the FSDP engine's training phases spend their time, kernel chan
   grep "^phases\|^decode bench [a-z]" "$LOGS/phases.log"
   ;;
 compare)  # qwen35rl (CLI, no Ray) then TRL on one GPU: all-at-cap, then the realistic response lengths (fla + TileLang)
-  install_gdn
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
   env_info > "$OUT/env-compare.txt" 2>&1
   elapsed "installed: $(tail -2 "$OUT/env-compare.txt" | tr '\n' ' ')"
   peaks
@@ -301,18 +301,27 @@ compare)  # qwen35rl (CLI, no Ray) then TRL on one GPU: all-at-cap, then the rea
   for wl in cap realistic; do
     mkdir -p "$OUT/$wl" && cp "$OUT/peak.json" "$OUT/$wl/"
     # budget: what is left of the call, halved per workload, qwen35rl a bit more than TRL (its first step compiles)
-    share=$(( ($(left 590) - 10) / ([ "$wl" = cap ] && echo 2 || echo 1) ))
+    parts=1; [ "$wl" = cap ] && parts=2
+    share=$(( ($(left 590) - 10) / parts ))
     PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 $G qwen35rl --lengths "$wl" --out "$OUT/$wl/q1.json" \
       --run-dir "$RUNS/q1-$wl" --steps 3 --peak-tflops "$PEAK" --timeout $(( share * 52 / 100 )) -- "${QOPTS[@]}" \
       > "$LOGS/q1-$wl.log" 2>&1
     elapsed "qwen35rl ($wl): $(grep -c '\[qwen35rl\] step' "$LOGS/q1-$wl.log") steps"
     rm -rf "$RUNS/q1-$wl"
-    PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(( $(left 590) / ([ "$wl" = cap ] && echo 3 || echo 1) ))" \
+    PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(( $(left 590) / (parts + parts / 2) ))" \
       $G trl --lengths "$wl" --out "$OUT/$wl/trl.json" --work-dir "/tmp/trl-$wl" --steps 3 > "$LOGS/trl-$wl.log" 2>&1
     elapsed "TRL ($wl): $(grep -c 'trl step' "$LOGS/trl-$wl.log") steps"
     PYTHONPATH=$BASE python3 bench/gpu/grpo_h200.py report "$OUT/$wl" > "$OUT/$wl/report.md" 2>&1
     grep -A20 "qwen35rl / TRL" "$OUT/$wl/report.md"
   done
+  ;;
+decode-only)  # the decode benchmark alone (eager, CUDA graph, transformers generate, compiled + graph last)
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
+  mkdir -p "$OUT/decode"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 150)" python3 bench/gpu/train_phases.py \
+    --out "$OUT/decode/decode.json" --variants "" --decode-tokens 32 > "$OUT/decode/decode.log" 2>&1
+  elapsed "decode bench (exit $?)"
+  grep "^decode bench [a-z]" "$OUT/decode/decode.log"
   ;;
 decode)  # back to back after compare (the machine still warm: the installs are kept): the decode benchmark, and the
   # training phases with the final kernels on the all-at-cap rows

@@ -206,9 +206,9 @@ class BackendConfig:
     """Tokens per chunk of the vocab projection when computing log-probs and entropy (the vocab is 248k)."""
     use_torch_compile: Optional[bool] = None
     """The FSDP engine's per-chunk log-prob and entropy math through torch.compile (fused upcast and reductions over
-    the [chunk, vocab] logits: on an H200 the update of the 0.8B architecture 12% faster and 10 GiB smaller,
-    bench/results/h200.md); null (the default) compiles on CUDA and runs eagerly elsewhere (on a CPU the first
-    compilation costs more than it saves). The Megatron engine does not apply it."""
+    the [chunk, vocab] logits; on an H200 a faster update with a smaller peak, bench/results/h200.md); null (the
+    default) compiles on CUDA and runs eagerly elsewhere (on a CPU the first compilation costs more than it saves).
+    The Megatron engine does not apply it."""
     lr: float = positive(1e-6, high=1.0)
     lr_warmup_steps: int = at_least(0, 0)
     lr_scheduler: str = "constant"
