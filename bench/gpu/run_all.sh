@@ -26,9 +26,8 @@
 #   bash bench/gpu/run_all.sh compare         (carry .whl-gdn .whl-x .kcache; ~9.5 min; one GPU)
 #       fla + TileLang: qwen35rl through its CLI (no Ray, micro batches filled by tokens) then TRL's GRPOTrainer, 3
 #       steps each, on the all-at-cap workload and on the realistic response lengths (bench/gpu/lengths.py)
-#   bash bench/gpu/run_all.sh decode          (right after compare, while the machine is warm; ~4 min)
-#       the decode benchmark (eager, CUDA graph, compiled + graph, transformers generate) and the final kernels'
-#       training phases on the all-at-cap rows
+#   bash bench/gpu/run_all.sh decode-only     (carry .whl-gdn .whl-x; ~2.5 min; ran 2026-12-02b)
+#       the decode benchmark alone: eager, CUDA graph, transformers generate, compiled + graph last
 #   bash bench/gpu/run_all.sh moe-numerics    (carry .whl .whl-x; ~8 min)
 #       the MoE model's log-probs against transformers at EP2 and TP1, with the whole call's time
 #   bash bench/gpu/run_all.sh scale     (carry .whl .whl-x; ~5 min; ran 2026-11-30 with the Megatron jobs)
@@ -54,7 +53,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh compare|decode|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
+stage=${1:?usage: run_all.sh compare|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -322,18 +321,6 @@ decode-only)  # the decode benchmark alone (eager, CUDA graph, transformers gene
     --out "$OUT/decode/decode.json" --variants "" --decode-tokens 32 > "$OUT/decode/decode.log" 2>&1
   elapsed "decode bench (exit $?)"
   grep "^decode bench [a-z]" "$OUT/decode/decode.log"
-  ;;
-decode)  # back to back after compare (the machine still warm: the installs are kept): the decode benchmark, and the
-  # training phases with the final kernels on the all-at-cap rows
-  [ -d /tmp/site-gdn/fla ] || install_gdn
-  peaks
-  mkdir -p "$OUT/decode"
-  export PYTHONFAULTHANDLER=1
-  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 570)" python3 bench/gpu/train_phases.py \
-    --out "$OUT/decode/phases_decode.json" --peak-tflops "$PEAK" --variants head --workloads cap --reps 2 \
-    --decode-tokens 32 > "$LOGS/decode.log" 2>&1
-  elapsed "decode bench (exit $?)"
-  grep "^phases\|^decode bench [a-z]" "$LOGS/decode.log"
   ;;
 moe-numerics)  # the MoE model's log-probs against transformers at EP2 and TP1 (DP2), alone in a call
   install_base

@@ -23,7 +23,6 @@ bisection over the divisors."""
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -31,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from qwen35rl.config import memory as M
 from qwen35rl.config.layout import Layout, derive_layout
+from qwen35rl.config.rules import _divisors as divisors
 from qwen35rl.config.schema import AUTO
 
 MICRO, CHECKPOINTING = "backend.micro_batch_size_per_device", "backend.gradient_checkpointing"
@@ -99,8 +99,7 @@ def micro_sizes(cfg: Any, layout: Layout) -> List[int]:
     share = responses // dp
     if share < 1:
         return [1]
-    small = [d for d in range(1, math.isqrt(share) + 1) if share % d == 0]
-    sizes = sorted(set(small + [share // d for d in small]))
+    sizes = divisors(share)
     if layout.backend == "megatron" and layout.pp > 1:
         sizes = [d for d in sizes if share // d >= layout.pp] or [1]
     return sizes

@@ -29,6 +29,7 @@ from qwen35rl.config.layout import Layout
 from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
 from qwen35rl.engines.logprob import chunked_logprobs_entropy
 from qwen35rl.engines.packed_attention import use_packed_attention
+from qwen35rl.engines import packed_gdn
 from qwen35rl.engines.packed_gdn import enable_packing
 from qwen35rl.engines.ulysses import SpGroup, gather_tokens, sequence_parallel, use_ulysses
 from qwen35rl.models.build import (build_model, enable_activation_checkpointing, init_rotary_buffers, torch_dtype,
@@ -238,8 +239,8 @@ class FsdpTrainEngine(TrainEngine):
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.text_only = not trains_vision(cfg.model, cfg.data)
         self.pack = packs(self.backend.remove_padding, self.device, layout.sp)
-        if self.pack or self.device.type == "cuda":
-            enable_packing()  # on CUDA with fla, also every GDN convolution on fla's kernel (packed or padded)
+        if self.pack or (packed_gdn.FLA_CONV and self.device.type == "cuda"):
+            enable_packing()  # with packed_gdn.FLA_CONV, also every CUDA convolution on fla's kernel (padded too)
         log.info("%s batches (backend.remove_padding=%s)", "packed" if self.pack else "padded",
                  str(self.backend.remove_padding).lower())
         self.skipped_steps = 0

@@ -395,3 +395,57 @@ def test_the_engine_refuses_what_the_plan_refuses_with_the_plans_problem():
     with pytest.raises(capabilities.Unsupported) as e:
         FsdpTrainEngine(cfg, layout=layout, rank=0, world_size=2, device="cpu")
     assert planned and [p.to_dict() for p in e.value.problems] == [p.to_dict() for p in planned]
+
+
+def test_single_rank_without_fsdp_computes_what_the_unsharded_engine_does(monkeypatch):
+    """FsdpTrainEngine.shard_single_rank=False: in an initialised world of one rank the model stays a plain module
+    (no DTensor parameters) and gives the log-probs and update of the engine built without a process group; with
+    the default the same world shards it."""
+    from torch.distributed.tensor import DTensor
+
+    cfg = _cfg()
+    seqs = _sequences()
+    batch = build_batch(seqs, PAD)
+    plain = FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device="cpu")
+    want = (plain.compute_log_probs(batch)[0], plain.train_mini_batch([batch], {})["actor/grad_norm"])
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=0, world_size=1)
+        try:
+            sharded = FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device="cpu")
+            assert sharded.distributed and any(isinstance(p, DTensor) for p in sharded.module.parameters())
+            monkeypatch.setattr(FsdpTrainEngine, "shard_single_rank", False)
+            single = FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device="cpu")
+            assert not single.distributed
+            assert not any(isinstance(p, DTensor) for p in single.module.parameters())
+            got = (single.compute_log_probs(batch)[0], single.train_mini_batch([batch], {})["actor/grad_norm"])
+        finally:
+            dist.destroy_process_group()
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    assert got[1] == pytest.approx(want[1], rel=1e-6)
+
+
+def test_compiled_layer_parts_compute_what_eager_ones_do():
+    """compile_regions: the norms and dense MLPs of every layer compiled in place (each layer's four or five parts)
+    give the eager forward and gradients."""
+    import copy
+
+    from qwen35rl.engines.compile_regions import compile_layer_parts, layer_parts
+    from qwen35rl.engines.fsdp_engine import decoder_layers
+    from qwen35rl.models.build import build_model
+
+    cfg = _cfg()
+    eager = build_model(cfg.model, dtype=torch.float32, seed=0, text_only=True)
+    compiled = copy.deepcopy(eager)
+    layers = decoder_layers(compiled)
+    assert compile_layer_parts(layers) == sum(len(layer_parts(layer)) for layer in layers) >= 4 * len(layers)
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for model in (eager, compiled):
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        outs.append((hidden, torch.autograd.grad(hidden.square().mean(), list(model.parameters()), allow_unused=True)))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(outs[1][1], outs[0][1]):
+        if b is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
