@@ -26,6 +26,11 @@
 #   bash bench/gpu/run_all.sh compare         (carry .whl-gdn .whl-x .kcache; ~9.5 min; one GPU)
 #       fla + TileLang: qwen35rl through its CLI (no Ray, micro batches filled by tokens) then TRL's GRPOTrainer, 3
 #       steps each, on the all-at-cap workload and on the realistic response lengths (bench/gpu/lengths.py)
+#   bash bench/gpu/run_all.sh compare-cap       (carry .whl-gdn .whl-x; ~9.5 min; one GPU)
+#   bash bench/gpu/run_all.sh compare-realistic (the same carry, back to back with compare-cap: its caches are warm)
+#       one workload per call: qwen35rl through its CLI (no Ray, fixed micro batches of 16 as TRL's) then TRL's
+#       GRPOTrainer, 3 steps each, the call's time split between them; compare-realistic then measures the 4B
+#       architecture's training phases (bench/gpu/train_phases.py, micro 4, the default engine) in what is left
 #   bash bench/gpu/run_all.sh decode-only     (carry .whl-gdn .whl-x; ~2.5 min; ran 2026-12-02b)
 #       the decode benchmark alone: eager, CUDA graph, transformers generate, compiled + graph last
 #   bash bench/gpu/run_all.sh moe-numerics    (carry .whl .whl-x; ~8 min)
@@ -53,14 +58,17 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh compare|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
+stage=${1:?usage: run_all.sh compare-cap|compare-realistic|compare|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
 OUT=${OUT:-/tmp/out}
 LOGS=/tmp/logs/$stage
 mkdir -p "$OUT" "$LOGS" /tmp/kcache
-[ -f .kcache/triton-autotune.tar.gz ] && mkdir -p "$TRITON_CACHE_DIR" && tar xzf .kcache/triton-autotune.tar.gz -C "$TRITON_CACHE_DIR"
+# Triton's autotuning results of earlier calls: the committed ones (bench/gpu/kcache/), then a newer local copy
+for cache in bench/gpu/kcache/triton-autotune.tar.gz .kcache/triton-autotune.tar.gz; do
+  [ -f "$cache" ] && mkdir -p "$TRITON_CACHE_DIR" && tar xzf "$cache" -C "$TRITON_CACHE_DIR"
+done
 BASE=/tmp/site:$PWD
 TORCH_PATH=$BASE                                   # transformers' torch GDN fallback
 FLA_PATH=/tmp/site-gdn:$BASE                       # fla + TileLang
@@ -155,6 +163,25 @@ o = json.load(open('$OUT/megatron-vl/grpo_vl.json'))['overrides']
 sys.exit(subprocess.run([sys.executable, '-m', 'qwen35rl.cli.plan', *o, 'format=json']).returncode)" \
     > "$OUT/megatron-vl/plan_vl.json" 2> "$LOGS/plan_vl.log"
   elapsed "plan of the CLI run (exit $?)"
+}
+# one workload ($1: cap | realistic) of the comparison: qwen35rl (CLI, no Ray) then TRL on GPU 0, with the same fixed
+# micro batches; the time left of the call is split $2 percent to qwen35rl (its first step compiles more), the rest
+# to TRL, leaving $3 seconds for what follows
+compare_one() {
+  local wl=$1 q_share=$2 after=$3
+  mkdir -p "$OUT/$wl" && cp "$OUT/peak.json" "$OUT/$wl/"
+  local budget=$(( $(left 590) - after ))
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 $G qwen35rl --lengths "$wl" --out "$OUT/$wl/q1.json" \
+    --run-dir "$RUNS/q1-$wl" --steps 3 --peak-tflops "$PEAK" --timeout $(( budget * q_share / 100 )) -- \
+    trainer.launcher=local > "$LOGS/q1-$wl.log" 2>&1
+  elapsed "qwen35rl ($wl): $(grep -c '\[qwen35rl\] step' "$LOGS/q1-$wl.log") steps"
+  cp "$RUNS/q1-$wl/metrics.jsonl" "$OUT/$wl/q1-metrics.jsonl" 2>/dev/null
+  rm -rf "$RUNS/q1-$wl"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(( $(left 590) - after ))" \
+    $G trl --lengths "$wl" --out "$OUT/$wl/trl.json" --work-dir "/tmp/trl-$wl" --steps 3 > "$LOGS/trl-$wl.log" 2>&1
+  elapsed "TRL ($wl): $(grep -c 'trl step' "$LOGS/trl-$wl.log") steps"
+  PYTHONPATH=$BASE python3 bench/gpu/grpo_h200.py report "$OUT/$wl" > "$OUT/$wl/report.md" 2>&1
+  grep -A20 "qwen35rl / TRL" "$OUT/$wl/report.md"
 }
 # $1: target directory, the rest: wheel directories (the log in $LOGS/install.log, shown when it fails)
 install_into() {
@@ -313,6 +340,27 @@ compare)  # qwen35rl (CLI, no Ray) then TRL on one GPU: all-at-cap, then the rea
     PYTHONPATH=$BASE python3 bench/gpu/grpo_h200.py report "$OUT/$wl" > "$OUT/$wl/report.md" 2>&1
     grep -A20 "qwen35rl / TRL" "$OUT/$wl/report.md"
   done
+  ;;
+compare-cap)  # the all-at-cap workload, both sides, one call
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
+  env_info > "$OUT/env-compare.txt" 2>&1
+  elapsed "installed: $(tail -2 "$OUT/env-compare.txt" | tr '\n' ' ')"
+  peaks
+  export PYTHONFAULTHANDLER=1
+  compare_one cap 58 0
+  ;;
+compare-realistic)  # the realistic lengths, both sides, one call; then the 4B architecture's training phases
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
+  env_info > "$OUT/env-compare.txt" 2>&1
+  peaks
+  export PYTHONFAULTHANDLER=1
+  compare_one realistic 50 250
+  mkdir -p "$OUT/phases"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 585)" python3 bench/gpu/train_phases.py \
+    --out "$OUT/phases/phases_4b.json" --model qwen3_5_4b --micro 4 --variants head --reps 3 \
+    --peak-tflops "$PEAK" > "$LOGS/phases-4b.log" 2>&1
+  elapsed "4B training phases (exit $?)"
+  grep "^phases" "$LOGS/phases-4b.log"
   ;;
 decode-only)  # the decode benchmark alone (eager, CUDA graph, transformers generate, compiled + graph last)
   [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
