@@ -1,14 +1,14 @@
 """Plain-python responses <-> padded `Batch` tensors, and splitting work over data-parallel ranks.
 
-Between the driver and the workers everything travels as lists (token ids, per-token floats, one advantage per
-response); each worker pads its own share. Layout of a padded row: the prompt left-padded to the longest prompt of
-the micro batch, then the response right-padded to the longest response, so every response starts at the same
-column. The token predicted at column t is input_ids[:, t]; per-token values sit in the same column.
+Between the driver and the workers everything travels as lists (token ids, per-token floats, advantages per
+response or per token); each worker pads its own share. Layout of a padded row: the prompt left-padded to the
+longest prompt of the micro batch, then the response right-padded to the longest response, so every response starts
+at the same column. The token predicted at column t is input_ids[:, t]; per-token values sit in the same column.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -24,8 +24,9 @@ class Sequences:
     response_ids: List[List[int]]
     old_log_probs: Optional[List[List[float]]] = None
     ref_log_probs: Optional[List[List[float]]] = None
-    advantages: Optional[List[float]] = None
-    """One advantage per response, broadcast over its tokens."""
+    advantages: Optional[List[Union[float, List[float]]]] = None
+    """Per response, one advantage broadcast over its tokens, or a list with one per response token (e.g. the
+    off-policy correction's weights folded in, `algo.rollout_correction.fold`)."""
     images: Optional[List[Optional[List[Any]]]] = None
     """Per response, the PIL images of its prompt (image data; the prompt ids hold their image tokens)."""
     extra: Dict[str, Any] = field(default_factory=dict)
@@ -78,7 +79,7 @@ def build_batch(seqs: Sequences, pad_token_id: int, device: Any = "cpu", image_p
     attention = torch.zeros((n, width), dtype=torch.long)
     response_mask = torch.zeros((n, width), dtype=torch.long)
     per_token = {name: torch.zeros((n, width), dtype=torch.float32)
-                 for name in ("old_log_probs", "ref_log_probs") if getattr(seqs, name) is not None}
+                 for name in ("old_log_probs", "ref_log_probs", "advantages") if getattr(seqs, name) is not None}
     for i, (prompt, response) in enumerate(zip(seqs.prompt_ids, seqs.response_ids)):
         p0 = p_len - len(prompt)
         input_ids[i, p0:p_len] = torch.tensor(prompt, dtype=torch.long)
@@ -87,13 +88,12 @@ def build_batch(seqs: Sequences, pad_token_id: int, device: Any = "cpu", image_p
         response_mask[i, p_len:p_len + len(response)] = 1
         for name, t in per_token.items():
             values = getattr(seqs, name)[i]
+            if name == "advantages" and not isinstance(values, (list, tuple)):
+                values = [values] * len(response)
             if len(values) != len(response):
                 raise ValueError(f"{name}[{i}] has {len(values)} values for {len(response)} response tokens")
             t[i, p_len:p_len + len(response)] = torch.tensor(values, dtype=torch.float32)
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
-    advantages = None
-    if seqs.advantages is not None:
-        advantages = torch.tensor(seqs.advantages, dtype=torch.float32)[:, None] * response_mask.float()
     return Batch(
         input_ids=input_ids.to(device),
         attention_mask=attention.to(device),
@@ -101,7 +101,7 @@ def build_batch(seqs: Sequences, pad_token_id: int, device: Any = "cpu", image_p
         position_ids=position_ids.to(device),
         old_log_probs=per_token["old_log_probs"].to(device) if "old_log_probs" in per_token else None,
         ref_log_probs=per_token["ref_log_probs"].to(device) if "ref_log_probs" in per_token else None,
-        advantages=advantages.to(device) if advantages is not None else None,
+        advantages=per_token["advantages"].to(device) if "advantages" in per_token else None,
         multimodal=_vision_inputs(seqs, image_processor),
     )
 

@@ -51,3 +51,27 @@ def test_rollout_groups_and_metrics():
     assert m["response_length/mean"] == pytest.approx(11 / 4)
     assert m["response_length/clip_ratio"] == pytest.approx(0.5)
     assert m["critic/advantages/mean"] == pytest.approx((4 * 1.0 - 1 * 1.0) / 11)   # token-weighted
+
+
+def test_build_batch_per_token_advantages():
+    prompts, responses = [[1, 2, 3], [4]], [[5], [6, 7, 8]]
+    per_response = build_batch(Sequences(prompts, responses, advantages=[1.5, -2.0]), pad_token_id=0)
+    constant = build_batch(Sequences(prompts, responses, advantages=[[1.5], [-2.0, -2.0, -2.0]]), pad_token_id=0)
+    assert torch.equal(constant.advantages, per_response.advantages)
+    varying = build_batch(Sequences(prompts, responses, advantages=[[0.5], [1.0, -2.0, 3.0]]), pad_token_id=0)
+    assert varying.advantages.tolist() == [[0, 0, 0, 0.5, 0, 0], [0, 0, 0, 1.0, -2.0, 3.0]]
+    mixed = build_batch(Sequences(prompts, responses, advantages=[0.5, [1.0, -2.0, 3.0]]), pad_token_id=0)
+    assert torch.equal(mixed.advantages, varying.advantages)
+    with pytest.raises(ValueError, match=r"advantages\[1\] has 2 values for 3 response tokens"):
+        build_batch(Sequences(prompts, responses, advantages=[[0.5], [1.0, 2.0]]), pad_token_id=0)
+
+
+def test_per_token_advantages_survive_splitting():
+    seqs = Sequences([[i] for i in range(4)], [[10 + i] * (i + 1) for i in range(4)],
+                     advantages=[[float(i)] * (i + 1) for i in range(4)])
+    assert seqs.take([3, 0]).advantages == [[3.0] * 4, [0.0]]
+    assert seqs.select(1, 3).advantages == [[1.0] * 2, [2.0] * 3]
+    assert [s.advantages for s in split_sequences(seqs, 2)] == [[[0.0], [1.0] * 2], [[2.0] * 3, [3.0] * 4]]
+    assert [c.advantages for c in chunk(seqs, 3)][1] == [[3.0] * 4]
+    b = build_batch(seqs.take([2]), pad_token_id=0)
+    assert response_values(b.advantages, b) == [[2.0] * 3]
