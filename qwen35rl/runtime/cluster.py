@@ -17,7 +17,7 @@ import re
 import socket
 import sys
 import traceback
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import OmegaConf
 
@@ -333,40 +333,61 @@ class WorkerGroup:
         """Place one `worker_cls(cfg, rank=, world_size=, local_rank=, **worker_kwargs)` actor per device (Ray must
         be connected) and join them in torch.distributed. `on_started()` is called once every worker answered,
         before they join (and build their engines)."""
+        return cls.create_pools(cfg, platform, [(worker_cls, world, worker_kwargs)], on_started=on_started)[0]
+
+    @classmethod
+    def create_pools(cls, cfg: Any, platform: Platform, pools: Sequence[Tuple[type, int, Dict[str, Any]]], *,
+                     on_started: Optional[Any] = None) -> List["WorkerGroup"]:
+        """One worker group per (worker class, world, keyword arguments) of `pools`, which take the devices in rank
+        order (node-major: the first pool the first devices of node 0). Every worker is placed in the per-node
+        placement groups before any pool joins; each pool then joins its own torch.distributed world (rank 0 of the
+        pool hosts the rendezvous) and builds its engines, all pools at once."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         nodes, per_node = cfg.hw.nodes, cfg.hw.devices_per_node
-        if nodes * per_node != world:
-            raise ClusterError(f"layout world {world} != hw.nodes {nodes} x hw.devices_per_node {per_node}")
+        total = sum(world for _, world, _ in pools)
+        if nodes * per_node != total:
+            raise ClusterError(f"worker pools of {[w for _, w, _ in pools]} devices != hw.nodes {nodes} x "
+                               f"hw.devices_per_node {per_node}")
         groups = placement_groups(platform, nodes, per_node, cfg.trainer.placement_timeout_s)
         plain_cfg = OmegaConf.to_container(cfg, resolve=True)
         resources = {k: v for k, v in platform.bundle().items() if k not in ("CPU", "GPU")}
-        remote_cls = ray.remote(worker_cls)
-        actors = []
-        for node, group in enumerate(groups):
-            for local_rank in range(per_node):
-                rank = node * per_node + local_rank
+        made: List["WorkerGroup"] = []
+        offset = 0
+        for index, (worker_cls, world, worker_kwargs) in enumerate(pools):
+            remote_cls = ray.remote(worker_cls)
+            prefix = "worker" if index == 0 else f"pool{index}-worker"
+            actors = []
+            for rank in range(world):
+                node, local_rank = divmod(offset + rank, per_node)
                 actors.append(remote_cls.options(
                     num_cpus=1,
                     num_gpus=platform.bundle().get("GPU", 0),
                     resources=resources,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=group, placement_group_bundle_index=local_rank),
+                        placement_group=groups[node], placement_group_bundle_index=local_rank),
                     runtime_env={"env_vars": platform.worker_env},
-                    name=f"qwen35rl-worker-{rank}-{os.getpid()}",
+                    name=f"qwen35rl-{prefix}-{rank}-{os.getpid()}",
                 ).remote(plain_cfg, rank=rank, world_size=world, local_rank=local_rank, **worker_kwargs))
-        wg = cls(actors, groups)
+            made.append(cls(actors, groups))
+            offset += world
         try:
-            wg.where = wg._gather([a.__ray_call__.remote(_whereabouts) for a in actors], "start-up")
+            for wg in made:
+                wg.where = wg._gather([a.__ray_call__.remote(_whereabouts) for a in wg.actors], "start-up")
             if on_started is not None:
                 on_started()
-            master_addr, master_port = wg.call_rank(0, "rendezvous_address")
-            wg.run("init_distributed", master_addr, master_port)
+            joins = []
+            for wg in made:
+                master_addr, master_port = wg.call_rank(0, "rendezvous_address")
+                joins.append(wg.start("init_distributed", master_addr, master_port))
+            for wg, refs in zip(made, joins):
+                wg.wait(refs, "init_distributed")
         except BaseException:
-            wg.shutdown()
+            for wg in made:
+                wg.shutdown()
             raise
-        return wg
+        return made
 
     # ------------------------------------------------------------------------------------------------- calls
     def run(self, method: str, *args: Any, **kwargs: Any) -> List[Any]:
@@ -382,6 +403,19 @@ class WorkerGroup:
     def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         ref = getattr(self.actors[rank], method).remote(*args, **kwargs)
         return self._gather([ref], method, ranks=[rank])[0]
+
+    def start(self, method: str, *args: Any, per_rank: Optional[Sequence[Sequence[Any]]] = None,
+              **kwargs: Any) -> List[Any]:
+        """The call on every worker without waiting (the same arguments, or `per_rank[r]` for worker r); `wait`
+        takes the results. Lets the driver keep two pools busy at once (split placement)."""
+        if per_rank is None:
+            return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+        _check_shares(method, per_rank, self.world)
+        return [getattr(a, method).remote(*share, **kwargs) for a, share in zip(self.actors, per_rank)]
+
+    def wait(self, refs: List[Any], method: str) -> List[Any]:
+        """Results of `start`, in rank order (a failed worker raises WorkerFailure, as `run` does)."""
+        return self._gather(refs, method)
 
     def _gather(self, refs: List[Any], method: str, ranks: Optional[List[int]] = None) -> List[Any]:
         """Results in order, failing at the first worker that fails. Waiting for all of them instead would hang:
@@ -491,6 +525,24 @@ class LocalWorkerGroup:
             getattr(self.worker, "shutdown", lambda: None)()
         except Exception as e:  # noqa: BLE001
             log.warning("worker shutdown: %s", raised_cause(e))
+
+
+def wait_pools(calls: Sequence[Tuple[Any, List[Any], str]]) -> List[List[Any]]:
+    """Results of calls started on several worker groups at once ((group, refs of `start`, method) each), failing at
+    the first worker that fails in any of them: the other side of a cross-pool collective (a weight sync) would
+    otherwise wait for it until its timeout."""
+    import ray
+
+    owner = {ref: (i, j) for i, (_, refs, _) in enumerate(calls) for j, ref in enumerate(refs)}
+    results: List[List[Any]] = [[None] * len(refs) for _, refs, _ in calls]
+    pending = list(owner)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        for ref in ready:
+            i, j = owner[ref]
+            group, _, method = calls[i]
+            results[i][j] = group._gather([ref], method, ranks=[j])[0]
+    return results
 
 
 def _check_shares(method: str, per_rank: Sequence[Any], world: int) -> None:

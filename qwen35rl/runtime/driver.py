@@ -2,6 +2,10 @@
 
     generate -> score -> old / ref log-probs -> advantages -> mini-batch updates -> weight sync -> log -> checkpoint
 
+With `placement=split` generation runs on its own worker pool, and with `algorithm.max_staleness` >= 1 the next
+step's batch is generated while this one trains (`prefetch`); off-policy samples are corrected by truncated
+importance weights folded into the advantages (`algo.rollout_correction`).
+
 The driver owns the data (prompts, responses, scores) and the bookkeeping; the workers own the model. Work is split
 by data-parallel rank (contiguous shares, rank order) and gathered back in the same order, so a response's row
 never changes meaning. All math lives in `qwen35rl.algo`; the engines stay behind their interfaces.
@@ -23,6 +27,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from qwen35rl.algo import rollout_correction
 from qwen35rl.algo.core import grpo_advantages, kl_penalty
 from qwen35rl.algo.dapo import group_filter_mask, overlong_penalty
 from qwen35rl.config import capabilities
@@ -34,9 +39,10 @@ from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.runtime.batching import Sequences, split_even, split_sequences
 from qwen35rl.runtime import provenance, quiet, report
 from qwen35rl.runtime.cluster import (EXIT_WORKER_FAILURE, ClusterError, LocalWorkerGroup, WorkerFailure, WorkerGroup,
-                                     ray_session)
+                                     ray_session, wait_pools)
 from qwen35rl.runtime.flops import mfu, train_flops
 from qwen35rl.runtime.platform import Platform, require_stack, resolve_platform
+from qwen35rl.runtime.prefetch import Prefetcher, Rollouts
 from qwen35rl.runtime.preflight import EXIT_PREFLIGHT, PreflightError, run_local_preflight, run_preflight
 from qwen35rl.runtime.run_identity import PROVENANCE_KEY
 from qwen35rl.runtime.rollouts import RolloutBatch, data_metrics, logprob_diff_metrics
@@ -250,7 +256,8 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) 
     trainer = None
     try:
         phases.begin("Ray up" if cfg.trainer.launcher == "ray" else "preflight")
-        with launcher(cfg, platform, layout.world, phases) as (preflight, group_cls), StopRequest() as stop:
+        devices = layout.world + (layout.rollout_world if layout.split else 0)
+        with launcher(cfg, platform, devices, phases) as (preflight, group_cls), StopRequest() as stop:
             phases.begin("preflight")
             provenance.record_cluster(start_dir, preflight())
             phases.mark("preflight")  # the preflight says its own line
@@ -259,15 +266,16 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) 
             phases.begin("workers up")
 
             def started() -> None:
-                phases.done("workers up", f"{layout.world} worker process(es) on {cfg.hw.nodes} node(s)")
+                pools = f" ({layout.world} training, {layout.rollout_world} rollout)" if layout.split else ""
+                phases.done("workers up", f"{devices} worker process(es){pools} on {cfg.hw.nodes} node(s)")
                 phases.begin("engines built")
 
-            workers = group_cls.create(cfg, platform, PolicyWorker, layout.world, layout=layout, on_started=started,
-                                       run_dir=str(run_dir), optimizer_steps=optimizer_steps)
+            workers, rollout_workers = start_workers(cfg, platform, group_cls, layout, started, run_dir=str(run_dir),
+                                                     optimizer_steps=optimizer_steps)
             try:
                 phases.done("engines built", _describe_engines(cfg))
                 trainer = GRPOTrainer(cfg, layout, workers, tokenizer, loader, val_set, reward_fn,
-                                      tracking, checkpoints, stop, total_steps, run_dir)
+                                      tracking, checkpoints, stop, total_steps, run_dir, rollout_workers=rollout_workers)
                 trainer.phases, trainer.provenance_start = phases, start_dir.name
                 where.trainer = trainer
                 if resume_from:
@@ -278,7 +286,10 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) 
                 code = trainer.fit()
                 return code
             finally:
-                workers.shutdown()
+                if trainer is not None:
+                    trainer.prefetch.close()
+                for group in {id(g): g for g in (workers, rollout_workers)}.values():
+                    group.shutdown()
     except KeyboardInterrupt:
         log.warning("interrupted; the last finished checkpoint is intact")
         code = EXIT_INTERRUPTED
@@ -310,10 +321,37 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) 
 
 
 def _describe_engines(cfg: DictConfig) -> str:
-    parts = [f"{cfg.backend.name} train engine", f"{cfg.rollout.engine} rollout engine"]
-    if needs_reference(cfg):
-        parts.insert(1, "reference policy")
-    return ", ".join(parts) + " on each worker"
+    train = [f"{cfg.backend.name} train engine"] + (["reference policy"] if needs_reference(cfg) else [])
+    if cfg.placement.mode == "split":
+        return (f"{', '.join(train)} on each training worker; {cfg.rollout.engine} rollout engine on each rollout "
+                f"worker")
+    return ", ".join(train + [f"{cfg.rollout.engine} rollout engine"]) + " on each worker"
+
+
+def start_workers(cfg: DictConfig, platform: Platform, group_cls: type, layout: Layout, on_started: Callable[[], None],
+                  **worker_kwargs: Any) -> Tuple[Any, Any]:
+    """(training workers, rollout workers): one colocated group twice, or with `placement=split` the training pool on
+    the first devices and the rollout pool on the last, joined by a weight-sync communicator of their own (training
+    rank 0 hosts it and sends; see `weight_sync`)."""
+    if not layout.split:
+        workers = group_cls.create(cfg, platform, PolicyWorker, layout.world, layout=layout, on_started=on_started,
+                                   **worker_kwargs)
+        return workers, workers
+    from qwen35rl.runtime.rollout_worker import RolloutWorker
+
+    workers, rollout_workers = group_cls.create_pools(cfg, platform, [
+        (PolicyWorker, layout.world, dict(layout=layout, **worker_kwargs)),
+        (RolloutWorker, layout.rollout_world, dict(layout=layout))], on_started=on_started)
+    try:
+        host, port = workers.call_rank(0, "rendezvous_address")
+        size = 1 + layout.rollout_world
+        wait_pools([(workers, workers.start("join_weight_sync", host, port, size), "join_weight_sync"),
+                    (rollout_workers, rollout_workers.start("join_weight_sync", host, port, size), "join_weight_sync")])
+    except BaseException:
+        workers.shutdown()
+        rollout_workers.shutdown()
+        raise
+    return workers, rollout_workers
 
 
 def _say_summary(trainer: "GRPOTrainer", run_dir: Path, code: int, phases: report.Phases) -> None:
@@ -407,8 +445,10 @@ class RewardFailure(RuntimeError):
 class GRPOTrainer:
     def __init__(self, cfg: DictConfig, layout: Layout, workers: WorkerGroup, tokenizer: Any, loader: Any,
                  val_set: Sequence[Any], reward_fn: Any, tracking: Tracking, checkpoints: ckpt.CheckpointManager,
-                 stop: StopRequest, total_steps: int, run_dir: Path):
+                 stop: StopRequest, total_steps: int, run_dir: Path, rollout_workers: Any = None):
         self.cfg, self.layout, self.workers, self.tokenizer = cfg, layout, workers, tokenizer
+        self.rollout_workers = rollout_workers if rollout_workers is not None else workers
+        """The workers that generate: the training workers themselves unless placement=split."""
         self.loader, self.val_set, self.reward_fn = loader, list(val_set), reward_fn
         self.tracking, self.checkpoints, self.stop = tracking, checkpoints, stop
         self.total_steps, self.run_dir = total_steps, run_dir
@@ -416,16 +456,26 @@ class GRPOTrainer:
         self.n = cfg.rollout.n
         shards = workers.run("data_shards")
         self.train_group = [s["train_dp_rank"] for s in shards]
-        self.rollout_group = [s["rollout_group"] for s in shards]
+        rollout_shards = shards if self.rollout_workers is workers else self.rollout_workers.run("data_shards")
+        self.rollout_group = [s["rollout_group"] for s in rollout_shards]
         self.dp = shards[0]["train_dp_size"]
         if self.dp != layout.dp or sorted(set(self.train_group)) != list(range(self.dp)):
             raise RuntimeError(f"train engines report data-parallel ranks {self.train_group}; the layout has dp={layout.dp}")
         self.use_ref = needs_reference(cfg)
-        # One optimizer step per batch on the policy that generated it: the old log-probs are the current ones, so
-        # the update takes them from its own forward (detached) instead of a separate pass giving the same numbers.
+        self.is_mode = capabilities.rollout_is_mode(cfg)
+        """Importance weights of the proximal over the behaviour policy: token | sequence | off."""
+        # One optimizer step per batch: the old (proximal) log-probs are the current policy's, so the update takes
+        # them from its own forward (detached) instead of a separate pass giving the same numbers, unless the
+        # importance weights need them first.
         self.single_on_policy_update = (self.algo.ppo_epochs == 1
                                         and self.algo.mini_batch_size >= self.data.train_batch_size
-                                        and not self.algo.use_kl_in_reward)
+                                        and not self.algo.use_kl_in_reward and self.is_mode == "off")
+        self.staleness = int(self.algo.max_staleness)
+        self.version = 0
+        """The policy version the rollout engines hold: the training steps whose update they have."""
+        self.prefetch = Prefetcher(self.collect)
+        self.timeline: List[Dict[str, Any]] = []
+        """Split placement: when each pool was busy ({step, pool, what, start, end}), written to timeline.jsonl."""
         self.step = 0
         self.saved_step = -1
         self.graph_error_logged = False
@@ -448,7 +498,7 @@ class GRPOTrainer:
     def fit(self) -> int:
         self.first_step = self.step
         self.activity = "the first weight sync"
-        self.workers.run("sync_weights")  # the rollout engines start from the policy (fresh or restored)
+        self.sync_weights()  # the rollout engines start from the policy (fresh or restored)
         if self.cfg.trainer.val_before_train and self.step == 0 and self.val_set:
             self.activity = "validation before training"
             self.tracking.log(0, self.validate())
@@ -466,6 +516,7 @@ class GRPOTrainer:
                                                "per step follows")
             if self.step % max(self.cfg.trainer.log_every, 1) == 0 or self.step == self.total_steps:
                 self.tracking.log(self.step, metrics)
+            self.write_timeline()
             self.check_reward_failures()
             # after logging: a step with a checkpoint always has its metrics row (resume keeps rows up to it)
             if self._due(self.cfg.trainer.save_freq) or self.stop.requested:
@@ -502,42 +553,103 @@ class GRPOTrainer:
                 f"First errors:\n" + "\n".join(f"           {e}" for e in first))
 
     def train_step(self) -> Dict[str, float]:
-        self.step_reward, self.step_errors = [0, 0], []
         timer = Timer()
         with timer("step"):
-            batch, metrics = self.collect_rollouts(timer)                                  # generate + score
+            with timer("wait_rollout" if self.staleness else "rollout"):
+                rollouts = self.prefetch.take(self.step, self.version)                     # generate + score
+            if self.staleness and self.step < self.total_steps and not self.stop.requested:
+                self.prefetch.start(self.step + 1, self.version)            # the next batch, during this update
+            batch, metrics = rollouts.batch, dict(rollouts.metrics)
+            self.step_reward, self.step_errors = rollouts.reward_tally[:2], list(rollouts.reward_tally[2])
             seqs = batch.sequences()
-            with timer("old_log_prob"):
+            with self.busy(timer, "old_log_prob"):
                 if self.cfg.backend.use_rollout_log_probs:
                     seqs.old_log_probs = batch.rollout_log_probs
                 elif not self.single_on_policy_update:
                     seqs.old_log_probs = self.log_probs(seqs)
                     metrics.update(logprob_diff_metrics(batch.rollout_log_probs, seqs.old_log_probs))
             if self.use_ref:
-                with timer("ref"):
+                with self.busy(timer, "ref"):
                     seqs.ref_log_probs = self.log_probs(seqs, reference=True)
             with timer("adv"):
                 rewards = self.final_rewards(batch, seqs, metrics)
                 advantages = grpo_advantages(rewards, batch.group_index, self.algo.norm_adv_by_std)
                 seqs.advantages = advantages.tolist()
-            with timer("update_actor"):
+                if self.is_mode != "off":  # truncated IS of the proximal over the behaviour policy, per token
+                    weights, is_metrics = rollout_correction.is_weights(
+                        seqs.old_log_probs, batch.rollout_log_probs, self.is_mode, self.algo.rollout_is_threshold)
+                    seqs.advantages = rollout_correction.fold(seqs.advantages, weights)
+                    metrics.update(is_metrics)
+            with self.busy(timer, "update_actor"):
                 metrics.update(self.update_actor(seqs))
+            with timer("wait_rollout"):
+                self.prefetch.finish()             # generation must end before the rollout engines' weights change
             with timer("sync_weights"):
-                self.workers.run("sync_weights")
+                self.sync_weights()
+        if self.staleness:
+            metrics.update({"staleness/mean": float(rollouts.staleness()), "staleness/max": float(rollouts.staleness())})
         metrics.update(data_metrics(batch, rewards, advantages, self.data.max_response_length))
-        metrics.update(self.decode_metrics())
+        metrics.update(self.decode_metrics(rollouts.decode))
+        metrics.update({f"timing_s/{k}": v for k, v in rollouts.seconds.items()})
         metrics.update(timer.metrics())
         metrics.update(self.perf_metrics(batch, timer))
         return metrics
 
+    def collect(self, step: int, version: int) -> Rollouts:
+        """The scored batch of training step `step`, generated by the rollout engines' policy `version` (in the
+        prefetch thread with max_staleness >= 1)."""
+        timer, tally = Timer(), [0, 0, []]
+        t0 = time.time()
+        batch, metrics = self.collect_rollouts(step, timer, tally)
+        self.mark("rollout", f"generate step {step}", t0)
+        return Rollouts(step=step, version=version, batch=batch, metrics=metrics, seconds=dict(timer.seconds),
+                        reward_tally=tally, decode=list(self.last_decode))
+
+    def sync_weights(self) -> None:
+        """The rollout engines take the policy: colocated, each worker from its own train engine; split, training
+        rank 0 sends to the rollout pool (which is idle: `train_step` waited for its generation)."""
+        t0 = time.time()
+        if self.rollout_workers is self.workers:
+            self.workers.run("sync_weights")
+        else:
+            wait_pools([(self.workers, self.workers.start("send_weights"), "send_weights"),
+                        (self.rollout_workers, self.rollout_workers.start("receive_weights", self.step),
+                         "receive_weights")])
+        self.version = self.step
+        self.mark("both", "sync_weights", t0)
+
+    @contextmanager
+    def busy(self, timer: Timer, name: str) -> Iterator[None]:
+        """A training-pool phase: timed, and on the timeline with split placement."""
+        t0 = time.time()
+        with timer(name):
+            yield
+        self.mark("train", name, t0)
+
+    def mark(self, pool: str, what: str, t0: float) -> None:
+        """`pool` (train | rollout | both) was busy with `what` from t0 until now, during training step self.step."""
+        if self.layout.split:
+            self.timeline.append({"step": self.step, "pool": pool, "what": what, "start": t0, "end": time.time()})
+
+    def write_timeline(self) -> None:
+        """Append the busy intervals so far to timeline.jsonl (split placement; a thread may still add one)."""
+        if not self.timeline:
+            return
+        import json
+
+        rows, self.timeline = self.timeline, []
+        with open(self.run_dir / "timeline.jsonl", "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
     # ========================================================================================= generate + score
-    def collect_rollouts(self, timer: Timer):
+    def collect_rollouts(self, step: int, timer: Timer, tally: List[Any]):
         """A full batch of prompt groups, generated and scored. With DAPO dynamic sampling, groups whose scores
         are all equal carry no signal and are dropped; more prompts are drawn (at most `max_rounds` extra rounds)
         until `train_batch_size` groups remain. If the rounds run out, dropped groups fill the rest (their
         advantage is 0, so they only dilute the update)."""
         dyn = self.algo.dynamic_sampling
         want = self.data.train_batch_size
+        # `tally`: [failed, scored, first errors] of the training scores
         rounds = 1 + (dyn.max_rounds if dyn.enable else 0)
         kept: List[RolloutBatch] = []
         dropped: List[RolloutBatch] = []
@@ -549,9 +661,9 @@ class GRPOTrainer:
             with timer("gen"):
                 batch = self.generate(examples, n=self.n, temperature=self.rollout_cfg.temperature,
                                       top_p=self.rollout_cfg.top_p, top_k=self.rollout_cfg.top_k,
-                                      seed=step_seed(self.cfg.trainer.seed, self.step, round_))
+                                      seed=step_seed(self.cfg.trainer.seed, step, round_))
             with timer("reward"):
-                for k, v in self.score(batch).items():
+                for k, v in self.score(batch, tally=tally).items():
                     stats[k] += v
             if not dyn.enable:
                 return batch, dict(stats)
@@ -580,7 +692,7 @@ class GRPOTrainer:
                       max_new_tokens=self.data.max_response_length)
         results = self.scatter("generate", self.rollout_group, [
             ([ex.prompt_ids for ex in share], dict(params, seed=step_seed(seed, group), **_images_of(share)))
-            for group, share in enumerate(shares)])
+            for group, share in enumerate(shares)], workers=self.rollout_workers)
         self.last_decode = [result.decode for result in results]
         batch = RolloutBatch(n=n, examples=list(examples), prompt_ids=[], response_ids=[], rollout_log_probs=[],
                              finish_reasons=[])
@@ -591,10 +703,10 @@ class GRPOTrainer:
             batch.finish_reasons.extend(result.finish_reasons)
         return batch
 
-    def decode_metrics(self) -> Dict[str, float]:
-        """`rollout/cuda_graph`: share of the rollout groups whose latest generation decoded as a captured CUDA graph
-        (hf engine only: `rollout.cuda_graph`). The first failed capture's error is logged as a warning."""
-        decoded = [s for s in self.last_decode if s.get("rows")]
+    def decode_metrics(self, decode: Sequence[Dict[str, Any]]) -> Dict[str, float]:
+        """`rollout/cuda_graph`: share of the rollout groups whose generation of the batch decoded as a captured CUDA
+        graph (hf engine only: `rollout.cuda_graph`). The first failed capture's error is logged as a warning."""
+        decoded = [s for s in decode if s.get("rows")]
         if not decoded:
             return {}
         error = next((s["graph_error"] for s in decoded if s["graph_error"]), "")
@@ -604,9 +716,9 @@ class GRPOTrainer:
                         "(rollout/cuda_graph < 1; rollout.cuda_graph=false skips the attempt): %s", error)
         return {"rollout/cuda_graph": sum(float(s["cuda_graph"]) for s in decoded) / len(decoded)}
 
-    def score(self, batch: RolloutBatch, training: bool = True) -> Dict[str, float]:
+    def score(self, batch: RolloutBatch, tally: Optional[List[Any]] = None) -> Dict[str, float]:
         """Reward function per response (in worker processes with a time limit), then overlong shaping. Training
-        scores count towards data.max_reward_failure_rate."""
+        scores count into `tally` ([failed, scored, first errors]) towards data.max_reward_failure_rate."""
         from qwen35rl.rewards import score_responses
 
         texts = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
@@ -614,10 +726,10 @@ class GRPOTrainer:
         errors: List[str] = []
         scores, stats = score_responses(self.reward_fn, texts, [ex.answer for ex in examples], examples,
                                         self.data.reward_timeout_s, errors=errors)
-        if training:
-            self.step_reward[0] += int(stats.get("reward/failed", 0) + stats.get("reward/timeout", 0))
-            self.step_reward[1] += len(texts)
-            self.step_errors = (self.step_errors + errors)[:3]
+        if tally is not None:
+            tally[0] += int(stats.get("reward/failed", 0) + stats.get("reward/timeout", 0))
+            tally[1] += len(texts)
+            tally[2] = (tally[2] + errors)[:3]
         batch.scores = list(scores)
         rewards = torch.tensor(batch.scores, dtype=torch.float32)
         shaping = self.algo.overlong_shaping
@@ -646,10 +758,11 @@ class GRPOTrainer:
             metrics["critic/kl_in_reward/mean"] = float(kl.mean())
         return rewards
 
-    def scatter(self, method: str, group_of: Sequence[int], shares: Sequence[tuple], **kwargs: Any) -> List[Any]:
-        """Worker r gets shares[group_of[r]] (the ranks of one model-parallel group take the same share); one
-        result per share, from the first worker of its group."""
-        results = self.workers.run_each(method, [shares[g] for g in group_of], **kwargs)
+    def scatter(self, method: str, group_of: Sequence[int], shares: Sequence[tuple], workers: Any = None,
+                **kwargs: Any) -> List[Any]:
+        """Worker r (of `workers`, the training workers by default) gets shares[group_of[r]] (the ranks of one
+        model-parallel group take the same share); one result per share, from the first worker of its group."""
+        results = (workers or self.workers).run_each(method, [shares[g] for g in group_of], **kwargs)
         first: Dict[int, Any] = {}
         for g, result in zip(group_of, results):
             first.setdefault(g, result)
@@ -693,7 +806,7 @@ class GRPOTrainer:
         for i in range(0, len(self.val_set), size):
             batch = self.generate(self.val_set[i:i + size], n=1, temperature=self.rollout_cfg.val_temperature,
                                   top_p=1.0, top_k=-1, seed=step_seed(self.cfg.trainer.seed, 0, i))
-            stats = self.score(batch, training=False)
+            stats = self.score(batch)
             failed += stats.get("reward/failed", 0) + stats.get("reward/timeout", 0)
             scores.extend(batch.scores)
             lengths.extend(len(r) for r in batch.response_ids)
@@ -711,12 +824,14 @@ class GRPOTrainer:
         seq_lens = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         step_s = timer.seconds["step"]
         update_flops = train_flops(self.cfg.model, seq_lens) * self.algo.ppo_epochs
+        pools = {id(g): g for g in (self.workers, self.rollout_workers)}.values()
+        devices = sum(g.world for g in pools)  # throughput per device of the run, both pools
         return {
             "perf/total_num_tokens": float(sum(seq_lens)),
-            "perf/throughput": sum(seq_lens) / step_s / self.workers.world if step_s > 0 else 0.0,
+            "perf/throughput": sum(seq_lens) / step_s / devices if step_s > 0 else 0.0,
             "perf/mfu/actor": mfu(update_flops, timer.seconds["update_actor"], self.workers.world,
                                   self.cfg.hw.peak_tflops),
-            "perf/max_memory_allocated_gb": max(self.workers.run("max_memory_allocated_gb")),
+            "perf/max_memory_allocated_gb": max(m for g in pools for m in g.run("max_memory_allocated_gb")),
         }
 
     def save_checkpoint(self) -> Path:
@@ -724,10 +839,16 @@ class GRPOTrainer:
         tmp = self.checkpoints.begin(self.step)
         try:
             self.workers.run("save_checkpoint", str(tmp))
+            # the prefetched batch (max_staleness >= 1) was drawn from the loader already: it is part of the state
+            in_flight = self.prefetch.state_dict()
             ckpt.save_trainer_state(tmp, {"step": self.step, "loader": self.loader.state_dict(),
-                                          "rng": ckpt.rng_state()})
+                                          "rng": ckpt.rng_state(), "in_flight": in_flight})
             final = self.checkpoints.commit(tmp, self.step, {
                 "world": self.workers.world, "layout": self.layout.to_dict(), "total_steps": self.total_steps,
+                "placement": self.cfg.placement.mode, "max_staleness": self.staleness,
+                "in_flight": [] if in_flight is None else [{"step": in_flight["step"],
+                                                            "policy_version": in_flight["version"],
+                                                            "responses": len(in_flight["batch"])}],
                 "checkpoint_layout": capabilities.checkpoint_layout(self.cfg, self.layout),
                 PROVENANCE_KEY: self.provenance_start})
         except Exception as e:
@@ -749,6 +870,8 @@ class GRPOTrainer:
                                        f"trainer.resume=<dir>") from e
         self.step = self.saved_step = int(state["step"])
         self.loader.load_state_dict(state["loader"])
+        self.prefetch.load_state_dict(state.get("in_flight"))
+        self.version = self.step  # the first sync of fit() gives the rollout engines the restored policy
         ckpt.set_rng_state(state["rng"])
         if not all(restored):
             log.warning("checkpoint %s was saved with another world size: worker RNG states start fresh", path)

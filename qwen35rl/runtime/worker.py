@@ -1,5 +1,7 @@
-"""The colocated worker (hybrid engine): one process per device holding this rank's shard of the policy (train
-engine), a rollout engine with the full policy for generation and, when KL is on, the reference policy.
+"""The training worker: one process per device holding this rank's shard of the policy (train engine) and, when KL
+is on, the reference policy. Colocated (`placement=colocated`, the hybrid engine) it also holds a rollout engine with
+the full policy for generation; with `placement=split` generation lives on its own pool (`rollout_worker`), and
+training rank 0 sends the weights there over a communicator of their own (`weight_sync`).
 
 The driver calls every worker at once (see `cluster.WorkerGroup`); collective methods (log-probs, updates, weight
 sync, checkpoints, export) must be called on all ranks together. Arguments and results are plain python
@@ -38,6 +40,14 @@ def needs_reference(cfg: Any) -> bool:
     return bool(cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
+def accelerator_ids(platform: Any) -> List[str]:
+    """The devices Ray gave this worker; outside Ray (trainer.launcher=local, tests, benchmarks) none: device 0."""
+    ray = connected_ray()
+    if ray is None:
+        return []
+    return list(ray.get_runtime_context().get_accelerator_ids().get(platform.ray_resource, []))
+
+
 class PolicyWorker:
     def __init__(self, cfg: Dict[str, Any], *, layout: Layout, rank: int, world_size: int, local_rank: int,
                  run_dir: str, optimizer_steps: Optional[int] = None):
@@ -53,7 +63,7 @@ class PolicyWorker:
         self.platform = resolve_platform(self.cfg)
         quiet_known_warnings(self.platform.device_type)  # e.g. the GPU-kernel fallback warnings of a CPU run
         require_stack(self.platform, self.cfg.rollout.engine)
-        self.device = self.platform.torch_device(self.platform.local_device_index(self._accelerator_ids()))
+        self.device = self.platform.torch_device(self.platform.local_device_index(accelerator_ids(self.platform)))
         self.actor: Optional[TrainEngine] = None
         self.ref: Optional[TrainEngine] = None
         self.rollout: Optional[RolloutEngine] = None
@@ -61,12 +71,6 @@ class PolicyWorker:
         self.text_only = not trains_vision(self.cfg.model, self.cfg.data)
         self.processor = None
         """The model's processor when the policy sees images (its image processor builds the vision inputs)."""
-
-    def _accelerator_ids(self) -> List[str]:
-        ray = connected_ray()  # outside Ray (trainer.launcher=local, tests, benchmarks): no ids, device 0
-        if ray is None:
-            return []
-        return list(ray.get_runtime_context().get_accelerator_ids().get(self.platform.ray_resource, []))
 
     # ---------------------------------------------------------------------------------------------- bring-up
     def rendezvous_address(self) -> Tuple[str, int]:
@@ -104,7 +108,8 @@ class PolicyWorker:
             self.actor = self._train_engine(reference=False)
             if needs_reference(cfg):
                 self.ref = self._train_engine(reference=True)
-            self.rollout = self._rollout_engine()
+            if not self.layout.split:  # split: the rollout pool generates (rollout_worker.RolloutWorker)
+                self.rollout = self._rollout_engine()
         finally:
             torch.set_num_threads(threads)
 
@@ -133,23 +138,7 @@ class PolicyWorker:
         resumed), so with a random init the hf engine's model is only allocated, not initialised."""
         engine = self.cfg.rollout.engine
         if engine == "hf":
-            from qwen35rl.engines.hf_rollout import HfRolloutEngine
-            from qwen35rl.models.build import build_model, generation_config, init_rotary_buffers
-
-            if self.cfg.model.init == "random":  # a second random init would be overwritten by the first sync
-                model = build_model(self.cfg.model, dtype=self.cfg.model.dtype, device="meta", text_only=self.text_only)
-                model.to_empty(device=self.device)
-                model.tie_weights()
-                init_rotary_buffers(model)
-                eos = generation_config(self.cfg.model).eos_token_id
-            else:
-                model = build_model(self.cfg.model, dtype=self.cfg.model.dtype, device=self.device,
-                                    seed=self.cfg.trainer.seed, text_only=self.text_only)
-                eos = model.generation_config.eos_token_id
-            return HfRolloutEngine(model, self.tokenizer, device=self.device, pad_token_id=self.pad_token_id,
-                                   eos_token_id=eos, processor=self.processor,
-                                   cuda_graphs=self.cfg.rollout.cuda_graph,
-                                   compile_decode=self.cfg.rollout.compile_decode)
+            return hf_rollout_engine(self.cfg, self.device, self.tokenizer, self.processor, self.text_only)
         if engine == "vllm":
             from qwen35rl.engines.vllm_rollout import VllmRolloutEngine
 
@@ -164,6 +153,29 @@ class PolicyWorker:
     @property
     def pad_token_id(self) -> int:
         return int(self.tokenizer.pad_token_id)
+
+    # ------------------------------------------------------------------------------- weight sync (split)
+    def join_weight_sync(self, host: str, port: int, world_size: int) -> None:
+        """Split placement: training rank 0 joins the sync communicator as its rank 0 (the sender, the TCP store's
+        host); the other training ranks take part in the export only."""
+        from qwen35rl.runtime.weight_sync import WeightSyncGroup, collective_backend
+
+        self.sync_group = None
+        if self.rank == 0:
+            self.sync_group = WeightSyncGroup(host, port, 0, world_size, collective_backend(self.platform.device_type),
+                                              self.device, self.cfg.backend.dist_timeout_s)
+
+    def send_weights(self) -> Dict[str, float]:
+        """Collective on the training pool, with `RolloutWorker.receive_weights` on the rollout pool at the same time:
+        the export gathers each bucket of full tensors on every rank (FSDP all-gathers, Megatron gathers TP/PP/EP
+        shards into the Hugging Face layout), and rank 0 broadcasts it to the rollout workers."""
+        self._trainers_on_device()
+        buckets = self.actor.export_weights(self.cfg.rollout.weight_sync_bucket_mb, device=self.device)
+        if self.rank != 0:
+            for _ in buckets:  # the gather needs every rank; only rank 0 sends
+                pass
+            return {}
+        return self.sync_group.send(buckets).as_dict()
 
     # ----------------------------------------------------------------------------------------------- rollout
     def generate(self, prompt_ids: List[List[int]], params: Dict[str, Any]) -> RolloutResult:
@@ -308,5 +320,27 @@ class PolicyWorker:
         return self.platform.max_memory_allocated_gb()
 
     def shutdown(self) -> None:
+        if getattr(self, "sync_group", None) is not None:
+            self.sync_group.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def hf_rollout_engine(cfg: Any, device: Any, tokenizer: Any, processor: Any, text_only: bool) -> RolloutEngine:
+    """The transformers rollout engine. The driver syncs the policy's weights into it before every generation, so with
+    a random init its model is only allocated, not initialised (a second random init would be overwritten)."""
+    from qwen35rl.engines.hf_rollout import HfRolloutEngine
+    from qwen35rl.models.build import build_model, generation_config, init_rotary_buffers
+
+    if cfg.model.init == "random":
+        model = build_model(cfg.model, dtype=cfg.model.dtype, device="meta", text_only=text_only)
+        model.to_empty(device=device)
+        model.tie_weights()
+        init_rotary_buffers(model)
+        eos = generation_config(cfg.model).eos_token_id
+    else:
+        model = build_model(cfg.model, dtype=cfg.model.dtype, device=device, seed=cfg.trainer.seed, text_only=text_only)
+        eos = model.generation_config.eos_token_id
+    return HfRolloutEngine(model, tokenizer, device=device, pad_token_id=int(tokenizer.pad_token_id), eos_token_id=eos,
+                           processor=processor, cuda_graphs=cfg.rollout.cuda_graph,
+                           compile_decode=cfg.rollout.compile_decode)

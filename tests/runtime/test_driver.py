@@ -159,7 +159,7 @@ def test_dynamic_sampling_keeps_only_groups_with_signal(tmp_path):
     trainer, _ = make_trainer(tmp_path, ["algorithm=dapo", "algorithm.overlong_shaping.buffer_len=4",
                                          "data.train_batch_size=8", "rollout.n=4", "algorithm.mini_batch_size=8"])
     trainer.step = 1
-    batch, stats = trainer.collect_rollouts(Timer())
+    batch, stats = trainer.collect_rollouts(trainer.step, Timer(), [0, 0, []])
     assert batch.num_groups == 8 and len(batch) == 32
     odd = [(int(ex.answer) % 2 == 1) for ex in batch.examples]
     assert all(odd), "groups whose samples all score the same must be dropped"
@@ -172,7 +172,7 @@ def test_dynamic_sampling_fills_when_rounds_run_out(tmp_path):
                                          "algorithm.dynamic_sampling.max_rounds=0", "data.train_batch_size=8",
                                          "rollout.n=4", "algorithm.mini_batch_size=8"])
     trainer.step = 1
-    batch, stats = trainer.collect_rollouts(Timer())
+    batch, stats = trainer.collect_rollouts(trainer.step, Timer(), [0, 0, []])
     even = sum(int(ex.answer) % 2 == 0 for ex in batch.examples)
     assert batch.num_groups == 8 and stats["dynamic_sampling/rounds"] == 1
     assert stats["dynamic_sampling/groups_filled"] == even == stats["dynamic_sampling/groups_dropped"]
@@ -255,7 +255,7 @@ def test_hanging_reward_is_cut_off_and_the_step_goes_on(tmp_path):
                                          "data.reward_timeout_s=0.5"])
     trainer.step = 1
     t0 = time.monotonic()
-    batch, stats = trainer.collect_rollouts(Timer())
+    batch, stats = trainer.collect_rollouts(trainer.step, Timer(), [0, 0, []])
     assert time.monotonic() - t0 < 60
     odd = sum(int(ex.answer) % 2 for ex in batch.examples)
     assert odd >= 1 and stats == {"reward/failed": 0, "reward/timeout": odd}

@@ -1,0 +1,101 @@
+"""The rollout worker of `placement=split`: one process per device of the rollout pool, holding a rollout engine with
+the full policy and nothing of the trainer. It generates its share of prompts and takes new weights from training
+rank 0 over the weight-sync communicator (`weight_sync`), never through the training pool's torch.distributed group.
+
+Generation and weight loading never overlap: the driver waits for a generation to finish before it starts a sync
+(the engine would otherwise sample from half-loaded weights).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Dict, List, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from qwen35rl.config.layout import Layout
+from qwen35rl.config.schema import typed
+from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult
+from qwen35rl.models.build import trains_vision
+from qwen35rl.runtime.platform import require_stack, resolve_platform
+from qwen35rl.runtime.quiet import quiet_known_warnings
+
+log = logging.getLogger(__name__)
+
+
+class RolloutWorker:
+    def __init__(self, cfg: Dict[str, Any], *, layout: Layout, rank: int, world_size: int, local_rank: int,
+                 run_dir: str = "", optimizer_steps: Optional[int] = None):
+        """`rank`: in the rollout pool (0 .. rollout_world - 1); the signature is the training worker's, so that both
+        pools are placed by the same code."""
+        self.cfg = cfg if OmegaConf.is_config(cfg) else typed(cfg)
+        self.layout, self.rank, self.world_size, self.local_rank = layout, rank, world_size, local_rank
+        self.platform = resolve_platform(self.cfg)
+        quiet_known_warnings(self.platform.device_type)
+        require_stack(self.platform, self.cfg.rollout.engine)
+        from qwen35rl.runtime.worker import accelerator_ids
+
+        self.device = self.platform.torch_device(self.platform.local_device_index(accelerator_ids(self.platform)))
+        self.text_only = not trains_vision(self.cfg.model, self.cfg.data)
+        self.rollout: Optional[RolloutEngine] = None
+        self.sync_group = None
+        self.version = -1
+        """The policy version of the loaded weights (the training step they come from)."""
+
+    def rendezvous_address(self):
+        from qwen35rl.runtime.cluster import free_port, node_ip
+
+        return node_ip(), free_port()
+
+    def init_distributed(self, master_addr: str, master_port: int) -> None:
+        """Build the engine; the rollout pool has no torch.distributed world of its own (each hf engine holds the whole
+        policy), so the address is unused."""
+        from qwen35rl.models.tokenizer import build_tokenizer
+        from qwen35rl.runtime.worker import hf_rollout_engine
+
+        torch.manual_seed(self.cfg.trainer.seed)
+        tokenizer = build_tokenizer(self.cfg.model)
+        processor = None
+        if not self.text_only:
+            from qwen35rl.models.processor import build_processor
+
+            processor = build_processor(self.cfg.model, tokenizer)
+        if self.cfg.rollout.engine != "hf":  # the plan refuses it (split_rollout_needs_hf); said here too
+            raise RuntimeError(f"placement=split runs rollout.engine=hf, not {self.cfg.rollout.engine}")
+        self.rollout = hf_rollout_engine(self.cfg, self.device, tokenizer, processor, self.text_only)
+
+    def data_shards(self) -> Dict[str, int]:
+        """One rollout group per worker (the hf engine has no tensor parallel)."""
+        return {"rollout_group": self.rank, "rollout_groups": self.world_size}
+
+    def join_weight_sync(self, host: str, port: int, world_size: int) -> None:
+        """Join the sync communicator as its rank 1 + this worker's rank (training rank 0 is its rank 0)."""
+        from qwen35rl.runtime.weight_sync import WeightSyncGroup, collective_backend
+
+        self.sync_group = WeightSyncGroup(host, port, 1 + self.rank, world_size,
+                                          collective_backend(self.platform.device_type), self.device,
+                                          self.cfg.backend.dist_timeout_s)
+
+    def receive_weights(self, version: int) -> Dict[str, float]:
+        """Take the policy of training step `version` bucket by bucket into the engine (called while training rank 0
+        sends; the driver has paused generation)."""
+        self.rollout.load_weights(self.sync_group.receive())
+        self.version = int(version)
+        return self.sync_group.last_stats.as_dict()
+
+    def generate(self, prompt_ids: List[List[int]], params: Dict[str, Any]) -> RolloutResult:
+        if not prompt_ids:
+            return RolloutResult(response_ids=[], log_probs=[], finish_reasons=[])
+        result = self.rollout.generate(RolloutRequest(prompt_ids=prompt_ids, **params))
+        stats = getattr(self.rollout, "stats", None)
+        if stats is not None:
+            result.decode = dataclasses.asdict(stats)
+        return result
+
+    def max_memory_allocated_gb(self) -> float:
+        return self.platform.max_memory_allocated_gb()
+
+    def shutdown(self) -> None:
+        if self.sync_group is not None:
+            self.sync_group.close()
