@@ -319,3 +319,33 @@ def test_a_reward_failing_now_and_then_does_not_stop_the_run(tmp_path):
                                          "data.reward_failure_window=1"])
     assert trainer.fit() == 0 and trainer.step == 3
     assert sum(w[0] for w in trainer.reward_window) >= 1  # it did fail, and was only counted
+
+
+def test_one_step_off_trains_the_same_prompts_with_dynamic_sampling(tmp_path):
+    """max_staleness=1: the batch of step t+1 is collected (DAPO's extra rounds included) while step t trains, by the
+    policy version before step t's update; the prompts and samples of every step are those of the on-policy run
+    (drawn in step order, seeded by their step), and the IS weights of the proximal over the behaviour policy
+    (-0.5 against the fake rollout's -1.0 per token: e^0.5, under the cap 2) are folded into the advantages."""
+    overrides = ["algorithm=dapo", "algorithm.overlong_shaping.buffer_len=4", "data.train_batch_size=8", "rollout.n=4",
+                 "algorithm.mini_batch_size=8", "trainer.total_steps=3"]
+    runs = {}
+    for k in (0, 1):
+        trainer, workers = make_trainer(tmp_path / f"k{k}", overrides + [f"algorithm.max_staleness={k}"])
+        rows = []
+        while trainer.step < trainer.total_steps:
+            trainer.step += 1
+            rows.append(trainer.train_step())
+            trainer.prefetch.finish()
+        trainer.prefetch.close()
+        runs[k] = (rows, workers)
+    (rows0, w0), (rows1, w1) = runs[0], runs[1]
+    gens = lambda w: [(n, p["seed"]) for _, n, p in w.log["generate"]]
+    assert gens(w0) == gens(w1)                                   # the same rounds, prompts and seeds, in order
+    trained = lambda w: [s.response_ids for r, s, _ in w.log["update"] if r == 0]
+    assert trained(w0) == trained(w1)
+    assert [r["staleness/max"] for r in rows1] == [0.0, 1.0, 1.0] and "staleness/max" not in rows0[0]
+    assert rows1[0]["rollout_corr/rollout_is_mean"] == pytest.approx(2.718281828 ** 0.5)
+    adv0 = [s.advantages for r, s, _ in w0.log["update"] if r == 0][0]
+    adv1 = [s.advantages for r, s, _ in w1.log["update"] if r == 0][0]
+    assert all(a1 == [pytest.approx(a0 * 2.718281828 ** 0.5)] * len(a1) for a0, a1 in zip(adv0, adv1))
+    assert all(r["dynamic_sampling/rounds"] >= 1 for r in rows1)
