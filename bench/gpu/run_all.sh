@@ -31,6 +31,10 @@
 #       one workload per call: qwen35rl through its CLI (no Ray, fixed micro batches of 16 as TRL's) then TRL's
 #       GRPOTrainer, 3 steps each, the call's time split between them; compare-realistic then measures the 4B
 #       architecture's training phases (bench/gpu/train_phases.py, micro 4, the default engine) in what is left
+#   bash bench/gpu/run_all.sh megatron-tp1      (carry .whl alone, and bench/gpu/kcache; one GPU; no Ray)
+#       GRPO with backend=megatron at TP1 on the comparison's all-at-cap workload (0.8B, all layers, fla, micro 16, no
+#       offload: everything stays on the GPU as with FSDP):
+#       the update MFU next to the FSDP engine's, and the plan's estimate of the same config
 #   bash bench/gpu/run_all.sh decode-only     (carry .whl-gdn .whl-x; ~2.5 min; ran 2026-12-02b)
 #       the decode benchmark alone: eager, CUDA graph, transformers generate, compiled + graph last
 #   bash bench/gpu/run_all.sh moe-numerics    (carry .whl .whl-x; ~8 min)
@@ -58,7 +62,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh compare-cap|compare-realistic|compare|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
+stage=${1:?usage: run_all.sh megatron-tp1|compare-cap|compare-realistic|compare|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -408,6 +412,23 @@ megatron-vl-cli)  # the CLI run of stage megatron-vl alone, three steps
   install_mcore
   peaks
   vl_cli qwen35rl.cli.train "$(left 540)" 3
+  ;;
+megatron-tp1)  # the Megatron engine at TP1 on the FSDP comparison's workload (all layers, fla + megatron-core)
+  install_mcore
+  peaks
+  mkdir -p "$OUT/megatron-tp1"
+  export PYTHONFAULTHANDLER=1
+  PYTHONPATH=$MCORE_PATH CUDA_VISIBLE_DEVICES=0 $G qwen35rl --out "$OUT/megatron-tp1/grpo.json" --run-dir "$RUNS/mtp1" \
+    --backend megatron --steps 3 --peak-tflops "$PEAK" --timeout "$(left 560)" -- backend.megatron_core_version=0.19.2 \
+    trainer.launcher=local backend.param_offload=false backend.grad_offload=false backend.optimizer_offload=false \
+    backend.optimizer_cpu_offload=false > "$LOGS/mtp1.log" 2>&1
+  elapsed "megatron TP1: $(grep -c '\[qwen35rl\] step' "$LOGS/mtp1.log") steps"
+  cp "$RUNS/mtp1/metrics.jsonl" "$OUT/megatron-tp1/" 2>/dev/null
+  rm -rf "$RUNS/mtp1"
+  PYTHONPATH=$BASE python3 -c "import json, subprocess, sys
+o = json.load(open('$OUT/megatron-tp1/grpo.json'))['overrides']
+sys.exit(subprocess.run([sys.executable, '-m', 'qwen35rl.cli.plan', *o, 'format=json']).returncode)" \
+    > "$OUT/megatron-tp1/plan.json" 2> "$LOGS/plan_mtp1.log"
   ;;
 megatron-nofla)  # GRPO through the CLI with megatron-core but no flash-linear-attention on the path, no overrides
   install_mcore
