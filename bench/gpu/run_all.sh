@@ -219,6 +219,9 @@ install_gdn() {
 }
 summary() {
   tar czf "$OUT/logs-$stage.tar.gz" -C /tmp/logs "$stage"
+  # a call brings back only a dozen files or so: the results travel as one archive (unpack it into the results dir)
+  (cd "$OUT" && find . -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.txt' -o -name '*.log' \) \
+    | tar czf "results-$stage.tar.gz" -T - --remove-files)
   # Triton's autotuning results (1 KB JSON files, no binaries): kept in .kcache/ and carried in, they spare the next
   # machine the autotuning of fla's kernels, most of a first step's compile time
   (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' | tar czf "$OUT/triton-autotune.tar.gz" -T -)
