@@ -277,6 +277,21 @@ FLA_FIX = ("install tilelang (and nvcc, for its JIT) or Triton >= 3.7.1 there, s
            "uninstall flash-linear-attention there (transformers then runs its torch GDN code: slower, more memory)")
 
 
+def _torch_gdn_fit(cfg: Any) -> Tuple[str, bool]:
+    """The memory estimate again with the torch GDN recurrence (what a node without fla's kernels runs): a phrase
+    for the problem and whether it fits. On an H200 the Megatron engine's torch recurrence measured 112.2 GiB where
+    this estimate says 94.4 (bench/results/h200.md, 2026-12-02c): a lower bound there."""
+    from qwen35rl.config.layout import derive_layout
+    from qwen35rl.config.memory import estimate
+
+    est = estimate(cfg, derive_layout(cfg), gdn="torch")
+    peak = max(est.train_peak_gib, est.rollout_peak_gib)
+    if est.fits:
+        return f"estimated {peak:.1f} GiB per device with that code, of {est.capacity_gib:.1f} GiB usable", True
+    return (f"estimated {peak:.1f} GiB per device with that code, more than the {est.capacity_gib:.1f} GiB usable: "
+            f"the run would run out of memory"), False
+
+
 def gdn_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
     """Nodes whose flash-linear-attention would refuse the GDN backward (fla issue #640)."""
     refused: Dict[Tuple[str, str, str], List[str]] = {}
@@ -291,18 +306,20 @@ def gdn_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
     if missing:
         runs = ("megatron-core's torch GDN recurrence" if cfg.backend.name == "megatron"
                 else "transformers' torch GDN code")
+        fit, fits = _torch_gdn_fit(cfg)
         out.append(Problem("fla_missing_on_node", "hw", f"flash-linear-attention is not installed on "
                            f"{', '.join(missing)}: the Gated DeltaNet layers run {runs} there (slower, and more "
-                           "activation memory than the plan's estimate, which assumes fla's kernels)",
+                           f"activation memory than the plan's estimate, which assumes fla's kernels; {fit})",
                            "pip install flash-linear-attention on the GPU nodes (Hopper: see the README's GPU notes)",
-                           WARNING))
+                           WARNING if fits else ERROR))
     for (fla, triton, device), hosts in refused.items():
         where = f"{', '.join(hosts)} ({device}, Triton {triton}, no usable TileLang)"
         if cfg.backend.name == "megatron":
+            fit, fits = _torch_gdn_fit(cfg)
             out.append(Problem("fla_gdn_backward_refused", "backend.transformer_overrides.deterministic_mode",
                                f"flash-linear-attention {fla} refuses its GDN backward on {where}: the Megatron "
                                "policy trains with megatron-core's torch GDN recurrence (slower, and more activation "
-                               "memory than the plan assumed)", FLA_FIX, WARNING))
+                               f"memory than the plan assumed; {fit})", FLA_FIX, WARNING if fits else ERROR))
         else:
             out.append(Problem("fla_gdn_backward_refused", "backend.name",
                                f"flash-linear-attention {fla} is installed on {where}, where its GDN backward "

@@ -106,3 +106,24 @@ def test_megatron_run_on_a_refusing_node_is_warned_about():
     found = preflight.gdn_problems(cfg, [_probe("n1", True)])
     assert [(p.code, p.severity) for p in found] == [("fla_gdn_backward_refused", WARNING)]
     assert "torch GDN recurrence" in found[0].message
+
+
+def test_megatron_on_a_refusing_node_is_checked_against_the_torch_recurrences_memory():
+    """The torch recurrence keeps several times fla's activations: the preflight re-estimates with it and refuses
+    the run when that no longer fits, where the plan (which assumes fla's kernels) said it did."""
+    from qwen35rl.config.layout import derive_layout
+    from qwen35rl.config.memory import estimate
+
+    base = ["model=qwen3_5_0_8b", "hw=gpu_1x", "backend=megatron", "rollout=hf", "data.max_response_length=512",
+            "backend.param_offload=false", "backend.grad_offload=false", "backend.optimizer_offload=false",
+            "backend.optimizer_cpu_offload=false"]
+    fits = compose(base + ["backend.micro_batch_size_per_device=4"])
+    (p,) = preflight.gdn_problems(fits, [_probe("n1", True)])
+    torch_est = estimate(fits, derive_layout(fits), gdn="torch")
+    torch_peak = max(torch_est.train_peak_gib, torch_est.rollout_peak_gib)
+    assert p.severity == WARNING and f"estimated {torch_peak:.1f} GiB per device" in p.message
+    tight = compose(base + ["backend.micro_batch_size_per_device=16", "hw.memory_gb=75"])
+    plan, torch_est = (estimate(tight, derive_layout(tight), gdn=g) for g in ("fla", "torch"))
+    assert plan.fits and not torch_est.fits                      # the plan alone would let it start
+    (p,) = preflight.gdn_problems(tight, [_probe("n1", True)])
+    assert p.severity == ERROR and "would run out of memory" in p.message
