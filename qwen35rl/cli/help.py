@@ -48,6 +48,8 @@ GROUPS_ABOUT = {
     "rollout": "generation engine (default: vLLM on accelerators, transformers on CPU)",
     "algorithm": "advantage, loss, KL",
     "data": "prompts, lengths, reward",
+    "placement": "colocated (generation and training take turns on every device) or split (the rollout on "
+                 "devices of its own, placement.rollout_devices)",
     "parallelism": "a tested layout is picked from backend/model@hw; auto searches every valid layout",
     "cluster": "a per-cluster overlay (paths, Ray address, network env)",
     "experiment": "an experiment overlay (e.g. written by qwen35rl-import verl); add it with +experiment=NAME",

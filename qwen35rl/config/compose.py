@@ -15,9 +15,9 @@ from qwen35rl.config.paths import config_dir, extra_config_dirs
 from qwen35rl.config.store import register
 
 # Config groups a user picks with `group=option` (recipe is picked automatically but may be forced).
-GROUPS = ("model", "hw", "backend", "rollout", "algorithm", "data", "parallelism", "cluster", "recipe")
+GROUPS = ("model", "hw", "backend", "rollout", "algorithm", "data", "placement", "parallelism", "cluster", "recipe")
 # Groups every run has (the defaults list of conf/config.yaml picks one): `~group` cannot delete them.
-REQUIRED_GROUPS = ("model", "hw", "backend", "rollout", "algorithm", "data")
+REQUIRED_GROUPS = ("model", "hw", "backend", "rollout", "algorithm", "data", "placement")
 # Helper trees that are included by other configs, never chosen on the command line.
 _INTERNAL_DIRS = {"model_base", "platform", "hydra", "schema"}
 

@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Dict, List, Optional, Tuple
+
+SPLIT = "split"
+"""`placement.mode` of a run whose rollout engines have devices of their own."""
 
 
 @dataclass(frozen=True)
 class Layout:
     world: int
+    """Devices of the training engines: every device when colocated, the training pool with placement=split."""
     tp: int
     pp: int
     cp: int
@@ -23,6 +27,27 @@ class Layout:
     rollout_dp: int
     rollout_ep: int
     backend: str
+    rollout_world: Optional[int] = None
+    """Devices of the rollout engines: `world` when colocated (None is filled in so), placement.rollout_devices
+    with placement=split. rollout_dp derives from it."""
+    split: bool = False
+    """placement=split: the rollout devices are not the training devices (the last rollout_world in rank order)."""
+
+    def __post_init__(self) -> None:
+        if self.rollout_world is None:
+            object.__setattr__(self, "rollout_world", self.world)
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "Layout":
+        """A layout from `to_dict` (checkpoint meta), also one written before a field existed (the defaults:
+        colocated); keys this version does not know are ignored."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @property
+    def devices(self) -> int:
+        """Every device of the run: the training pool plus, with split, the rollout pool."""
+        return self.world + self.rollout_world if self.split else self.world
 
     @property
     def edp(self) -> int:
@@ -47,11 +72,56 @@ class Layout:
         return asdict(self)
 
 
+def placement(cfg: Any) -> Dict[str, Any]:
+    """`cfg.placement` as {mode, rollout_devices}; a tree composed without the group (an older saved config) is
+    colocated."""
+    try:
+        p = cfg["placement"]
+    except (KeyError, AttributeError):
+        p = None
+    if p is None:
+        return {"mode": "colocated", "rollout_devices": None}
+    return {"mode": str(p["mode"]), "rollout_devices": p["rollout_devices"]}
+
+
+def is_split(cfg: Any) -> bool:
+    return placement(cfg)["mode"] == SPLIT
+
+
+def pool_sizes(cfg: Any) -> Tuple[int, int]:
+    """(training devices, rollout devices) of `cfg`. Colocated: (all, all). Split: the devices less
+    placement.rollout_devices, and rollout_devices; a value the rules refuse (null, < 1, >= the device count) is
+    clamped into [0, devices] so that everything derived stays computable."""
+    hw = cfg["hw"]
+    devices = int(hw["nodes"]) * int(hw["devices_per_node"])
+    if not is_split(cfg):
+        return devices, devices
+    rollout = placement(cfg)["rollout_devices"]
+    rollout = min(max(int(rollout) if isinstance(rollout, int) and not isinstance(rollout, bool) else 0, 0), devices)
+    return devices - rollout, rollout
+
+
+def pools_per_node(cfg: Any) -> List[Dict[str, int]]:
+    """{training, rollout} devices of each node, in node order. Split: the rollout pool is the last
+    rollout_devices devices in rank order (node-major), so it fills the last nodes first. Colocated: every device
+    is in both."""
+    per_node, nodes = int(cfg["hw"]["devices_per_node"]), int(cfg["hw"]["nodes"])
+    train, _ = pool_sizes(cfg)
+    if not is_split(cfg):
+        return [{"training": per_node, "rollout": per_node} for _ in range(nodes)]
+    out = []
+    for n in range(nodes):
+        t = min(max(train - n * per_node, 0), per_node)
+        out.append({"training": t, "rollout": per_node - t})
+    return out
+
+
 def derive_layout(cfg: Any) -> Layout:
     """Layout of `cfg` (a resolved DictConfig or plain dict tree). Non-dividing degrees floor to 0 or more; the
-    validation rules report them, this function never raises on a bad layout."""
-    hw, par = cfg["hw"], cfg["parallelism"]
-    world = int(hw["nodes"]) * int(hw["devices_per_node"])
+    validation rules report them, this function never raises on a bad layout. With placement=split the training
+    degrees divide the training pool and the rollout degrees the rollout pool (`pool_sizes`)."""
+    par = cfg["parallelism"]
+    world, rollout_world = pool_sizes(cfg)
     backend = str(cfg["backend"]["name"])
     if backend == "fsdp":
         # FSDP shards parameters, not layers: only Ulysses SP takes devices away from data parallel.
@@ -67,9 +137,10 @@ def derive_layout(cfg: Any) -> Layout:
         vpp = par["vpp"]
     rtp, rep = int(par["rollout"]["tp"]), int(par["rollout"]["ep"])
     rdp = par["rollout"]["dp"]
-    rdp = int(rdp) if rdp is not None else world // max(rtp, 1)
+    rdp = int(rdp) if rdp is not None else rollout_world // max(rtp, 1)
     return Layout(world=world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dp, vpp=vpp, fsdp_size=fsdp_size, sp=sp,
-                  rollout_tp=rtp, rollout_dp=rdp, rollout_ep=rep, backend=backend)
+                  rollout_tp=rtp, rollout_dp=rdp, rollout_ep=rep, backend=backend, rollout_world=rollout_world,
+                  split=is_split(cfg))
 
 
 # ------------------------------------------------------------------------------------------- pipeline stages

@@ -32,6 +32,14 @@ measured time:
 The training part depends on the training layout only and the rollout part on the rollout layout only, so the
 search computes each once per option.
 
+With `placement=split` the two pools have their own devices: training options are laid out on the training pool
+and rollout options on the rollout pool, and with `placement.rollout_devices` null the pool sizes are searched too
+(`pool_size_options`: every split of one node's devices; across nodes, whole nodes per pool), each size with its
+own training and rollout options, all ranked together. The training part's compute then runs on the training
+pool only and the rollout part's schedulers on the rollout pool only; with `algorithm.max_staleness` >= 1 the
+pools work at the same time, so a step takes the longer of the two parts instead of their sum (the weight sync
+between pools is not counted). `apply` sets the chosen `placement.rollout_devices`.
+
 With `backend.micro_batch_size_per_device=auto` / `backend.gradient_checkpointing=auto` the search picks them per
 training option (`auto_batch.choose`, beside the rollout layout the training options are probed with: TP1, the
 largest rollout weights per device; each pairing's fit is checked again), before that option's memory and cost:
@@ -53,7 +61,7 @@ from qwen35rl.config import auto_batch, capabilities
 from qwen35rl.config import memory as M
 from qwen35rl.config import params as P
 from qwen35rl.config import rules as R
-from qwen35rl.config.layout import Layout, derive_layout
+from qwen35rl.config.layout import Layout, derive_layout, is_split, placement, pool_sizes
 
 MFU = 0.35
 """Fraction of hw.peak_tflops the trainer reaches."""
@@ -90,11 +98,14 @@ class Candidate:
     """What the `auto` micro batch / checkpointing resolved to for this layout (None: neither is auto)."""
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"score": round(self.score, 4), "score_unit": SCORE_UNIT, "overrides": list(self.overrides),
-                "train": self.layout.train_dict(),
-                "rollout": self.layout.rollout_dict(), "memory_gib": self.memory.to_dict(),
-                "cost": {k: round(v, 4) for k, v in self.cost.items()},
-                "auto_batch": None if self.batch is None else self.batch.to_dict()}
+        out = {"score": round(self.score, 4), "score_unit": SCORE_UNIT, "overrides": list(self.overrides),
+               "train": self.layout.train_dict(),
+               "rollout": self.layout.rollout_dict(), "memory_gib": self.memory.to_dict(),
+               "cost": {k: round(v, 4) for k, v in self.cost.items()},
+               "auto_batch": None if self.batch is None else self.batch.to_dict()}
+        if self.layout.split:
+            out["pools"] = {"training": self.layout.world, "rollout": self.layout.rollout_world}
+        return out
 
 
 # ------------------------------------------------------------------------------------------------- the space
@@ -136,6 +147,25 @@ def _with(tree: Dict[str, Any], train: Dict[str, Any], rollout: Dict[str, int]) 
     return {**tree, "parallelism": par}
 
 
+def pool_size_options(cfg: Any) -> List[int]:
+    """Rollout-pool sizes to try with placement=split: the one placement.rollout_devices sets (none when it is
+    outside 1 .. devices - 1: `split_pool_sizes` reports it), else every size from 1 to devices - 1 on one node and
+    whole nodes (1 .. nodes - 1 of them) across nodes."""
+    nodes, per_node = int(cfg["hw"]["nodes"]), int(cfg["hw"]["devices_per_node"])
+    devices = nodes * per_node
+    fixed = placement(cfg)["rollout_devices"]
+    if fixed is not None:
+        ok = isinstance(fixed, int) and not isinstance(fixed, bool) and 1 <= fixed <= devices - 1
+        return [int(fixed)] if ok else []
+    if nodes == 1:
+        return list(range(1, devices))
+    return [k * per_node for k in range(1, nodes)]
+
+
+def _with_pool(tree: Dict[str, Any], rollout_devices: int) -> Dict[str, Any]:
+    return {**tree, "placement": {**tree["placement"], "rollout_devices": rollout_devices}}
+
+
 _MEMORY_RULES = (R.train_memory_fits, R.rollout_memory_fits)
 
 
@@ -146,16 +176,29 @@ def _layout_problems(tree: Dict[str, Any], layout: Layout, scope: str) -> bool:
 
 # ------------------------------------------------------------------------------------------------ the search
 def search(cfg: Any) -> List[Candidate]:
-    """Every valid, fitting layout of `cfg`'s model x hw x backend, best (lowest score) first."""
+    """Every valid, fitting layout of `cfg`'s model x hw x backend (with placement=split: on each rollout-pool
+    size of `pool_size_options`), best (lowest score) first."""
     tree = M.as_tree(cfg)
-    world = int(tree["hw"]["nodes"]) * int(tree["hw"]["devices_per_node"])
-    if world < 1:
+    if not is_split(tree):
+        out = _search_pools(tree, {})
+    else:
+        searched = placement(tree)["rollout_devices"] is None
+        out = [c for rd in pool_size_options(tree)
+               for c in _search_pools(_with_pool(tree, rd), {"placement.rollout_devices": rd} if searched else {})]
+    out.sort(key=lambda c: (c.score, -c.memory.headroom))
+    return out
+
+
+def _search_pools(tree: Dict[str, Any], pool: Dict[str, Any]) -> List[Candidate]:
+    """The candidates on the pools of `tree` (`pool`: the searched placement settings to add to each)."""
+    world, rollout_world = pool_sizes(tree)
+    if world < 1 or rollout_world < 1:
         return []
     capacity = M.capacity_gib(tree)
 
     trains: List[Tuple[Dict[str, Any], Dict[str, Any], Optional[auto_batch.Choice], Dict[str, float],
                        Dict[str, float]]] = []
-    probe_rollout = {"tp": 1, "dp": world, "ep": 1}
+    probe_rollout = {"tp": 1, "dp": rollout_world, "ep": 1}
     leanest = auto_batch.smallest(tree)
     for opt in train_options(tree, world):
         t = _with(leanest, opt, probe_rollout)
@@ -173,7 +216,7 @@ def search(cfg: Any) -> List[Candidate]:
         return []
 
     rollouts: List[Tuple[Dict[str, int], Dict[str, float]]] = []
-    for ropt in rollout_options(tree, world):
+    for ropt in rollout_options(tree, rollout_world):
         t = _with(trains[0][1], trains[0][0], ropt)
         layout = derive_layout(t)
         if _layout_problems(t, layout, "rollout"):
@@ -196,12 +239,11 @@ def search(cfg: Any) -> List[Candidate]:
                 continue
             if i not in rollout_costs:
                 rollout_costs[i] = rollout_seconds(t, layout, est)
-            c = combine_cost(tcost, rollout_costs[i], est)
-            settings = {**_settings(tree, opt, ropt), **(choice.settings() if choice else {})}
+            c = combine_cost(tcost, rollout_costs[i], est, overlaps(t))
+            settings = {**_settings(tree, opt, ropt), **pool, **(choice.settings() if choice else {})}
             batch = None if choice is None else replace(choice, train_peak_gib=est.train_peak_gib)  # this pairing's
             out.append(Candidate(layout=layout, score=c["score"], memory=est, cost=c, settings=settings,
                                  overrides=[f"{k}={_fmt(v)}" for k, v in settings.items()], batch=batch))
-    out.sort(key=lambda c: (c.score, -c.memory.headroom))
     return out
 
 
@@ -218,7 +260,8 @@ def _fmt(v: Any) -> str:
 
 def apply(cfg: Any, candidate: Candidate) -> DictConfig:
     """A copy of `cfg` with the candidate's layout set (parallelism.auto off, the name records the choice:
-    `auto/tp=2 pp=4 ...`), and its `auto` micro batch / checkpointing resolved."""
+    `auto/tp=2 pp=4 ...`), its searched placement.rollout_devices, and its `auto` micro batch / checkpointing
+    resolved."""
     out = cfg.copy() if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
     for key, value in candidate.settings.items():
         OmegaConf.update(out, key, value, merge=False)
@@ -327,7 +370,7 @@ def rollout_seconds(cfg: Any, layout: Layout, est: M.MemoryEstimate) -> float:
     """Decode-bound generation time of one step (see the module docstring)."""
     m, r, per_node = cfg["model"], cfg["rollout"], int(cfg["hw"]["devices_per_node"])
     sequences = int(cfg["data"]["train_batch_size"]) * int(r["n"])
-    schedulers = max(layout.world // max(layout.rollout_tp, 1), 1)
+    schedulers = max(layout.rollout_world // max(layout.rollout_tp, 1), 1)
     room = est.rollout_sequences if est.rollout_sequences is not None else M.hf_engine_sequences(cfg, layout)
     concurrent = max(1, min(int(r["max_num_seqs"]), room))
     steps = math.ceil(sequences / schedulers / concurrent) * int(cfg["data"]["max_response_length"])
@@ -340,18 +383,29 @@ def rollout_seconds(cfg: Any, layout: Layout, est: M.MemoryEstimate) -> float:
     return steps * (weight_read + collectives)
 
 
-def combine_cost(train: Dict[str, float], rollout_s: float, est: M.MemoryEstimate) -> Dict[str, float]:
-    """Training + rollout seconds, times the headroom penalty: the score."""
+def overlaps(cfg: Any) -> bool:
+    """The two parts of a step run at the same time: placement=split with algorithm.max_staleness >= 1."""
+    return is_split(cfg) and int(cfg["algorithm"]["max_staleness"]) >= 1
+
+
+def combine_cost(train: Dict[str, float], rollout_s: float, est: M.MemoryEstimate,
+                 overlapped: bool = False) -> Dict[str, float]:
+    """Training + rollout seconds (the longer of the two when they overlap), times the headroom penalty: the
+    score."""
     penalty = 1 + HEADROOM_PENALTY * max(0.0, MIN_HEADROOM - est.headroom) / MIN_HEADROOM
-    total = sum(v for k, v in train.items() if k.endswith("_s")) + rollout_s
-    return {**train, "rollout_s": rollout_s, "headroom": est.headroom, "headroom_penalty": penalty,
-            "score": total * penalty}
+    train_s = sum(v for k, v in train.items() if k.endswith("_s"))
+    total = max(train_s, rollout_s) if overlapped else train_s + rollout_s
+    out = {**train, "rollout_s": rollout_s, "headroom": est.headroom, "headroom_penalty": penalty,
+           "score": total * penalty}
+    if overlapped:
+        out["overlapped"] = 1.0
+    return out
 
 
 def cost(cfg: Any, layout: Layout, est: M.MemoryEstimate) -> Dict[str, float]:
     """The cost model's components for `layout` (seconds per RL step) and the final score."""
     tree = M.as_tree(cfg)
-    return combine_cost(train_cost(tree, layout), rollout_seconds(tree, layout, est), est)
+    return combine_cost(train_cost(tree, layout), rollout_seconds(tree, layout, est), est, overlaps(tree))
 
 
 # ------------------------------------------------------------------------------------------ the tested layouts
@@ -453,6 +507,9 @@ def tested_rank(cfg: Any, candidates: List[Candidate]) -> Optional[Dict[str, Any
         OmegaConf.update(out, f"parallelism.{key}", value, merge=False)
     OmegaConf.update(out, "parallelism.auto", False, merge=False)
     OmegaConf.update(out, "parallelism.name", name, merge=False)
+    if is_split(out) and placement(out)["rollout_devices"] is None and candidates:  # the searched pools
+        OmegaConf.update(out, "placement.rollout_devices",
+                         candidates[0].settings.get("placement.rollout_devices"), merge=False)
     layout = derive_layout(out)
     out, _ = auto_batch.resolve(out, layout)  # the tested layout at its own best micro batch / checkpointing
     keys = ("tp", "pp", "cp", "ep", "etp") if layout.backend == "megatron" else ("fsdp_size", "sp")

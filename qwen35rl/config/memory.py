@@ -1,4 +1,7 @@
-"""Per-device memory of a colocated run: the trainer and the rollout engine take turns on the same devices.
+"""Per-device memory of a run. Colocated: the trainer and the rollout engine take turns on the same devices.
+With placement=split each pool holds only its own phase (`Layout.split`): the training pool's peak has no
+rollout share (no sleeping engine), the rollout pool's is the engine alone (nothing kept by a trainer); each is
+checked against the device's usable memory on its own.
 
 Two phases peak separately:
 - training: the trainer's weights and optimizer states, the reference model and whatever the sleeping rollout engine
@@ -672,7 +675,10 @@ def hf_engine_sleeps(cfg: Any) -> bool:
 def sleeping_engine_gib(cfg: Any, layout: Layout) -> float:
     """vLLM with free_cache_engine sleeps during training (level 1 moves weights to the host, level 2 drops
     them; the KV cache is freed): nothing stays. Without it the whole pool stays. The hf engine keeps its copy of
-    its weights in the model dtype unless it sleeps (`hf_engine_sleeps`)."""
+    its weights in the model dtype unless it sleeps (`hf_engine_sleeps`). With placement=split no engine shares
+    the training devices."""
+    if layout.split:
+        return 0.0
     if cfg["rollout"]["engine"] == "hf":
         if hf_engine_sleeps(cfg):
             return 0.0
@@ -684,7 +690,10 @@ def sleeping_engine_gib(cfg: Any, layout: Layout) -> float:
 def train_state_during_rollout_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
     """What the trainer leaves on the device while the rollout runs: weights unless param_offload, optimizer
     states unless optimizer_offload, Megatron gradients unless grad_offload (FSDP frees them after the step),
-    and the reference model (see reference_model_gib)."""
+    and the reference model (see reference_model_gib). With placement=split the rollout runs on other devices:
+    nothing."""
+    if layout.split:
+        return 0.0
     b = cfg["backend"]
     kept = 0.0 if b["param_offload"] else train_weights_gib(cfg, layout, shard)
     kept += 0.0 if b["optimizer_offload"] else optimizer_states_gib(cfg, layout, shard)
@@ -760,8 +769,9 @@ def rollout_activations_gib(cfg: Any, layout: Layout) -> float:
 
 
 def hf_engine_sequences(cfg: Any, layout: Layout) -> int:
-    """Sequences the transformers-generate engine holds at once on a device: its share of the step's responses."""
-    return math.ceil(int(cfg["data"]["train_batch_size"]) * int(cfg["rollout"]["n"]) / max(layout.world, 1))
+    """Sequences the transformers-generate engine holds at once on a device: its share of the step's responses
+    (over the rollout devices: every device when colocated, the rollout pool with placement=split)."""
+    return math.ceil(int(cfg["data"]["train_batch_size"]) * int(cfg["rollout"]["n"]) / max(layout.rollout_world, 1))
 
 
 def hf_static_cache_gib(cfg: Any, layout: Layout) -> float:
@@ -879,10 +889,12 @@ def rollout_terms(cfg: Any, layout: Layout, gdn: Optional[str] = None) -> Dict[s
     engine; vLLM brings its own kernels)."""
     weights = gib(rollout_weights_params(cfg, layout) * dtype_bytes(cfg["model"]["dtype"]))
     terms = {"rollout/weights": weights, "train/sleeping_engine": sleeping_engine_gib(cfg, layout)}
-    if cfg["rollout"]["engine"] == "vllm" and cfg["rollout"]["free_cache_engine"] and int(cfg["rollout"]["sleep_level"]) == 1:
+    sleeps = not layout.split  # with placement=split the engine has its devices to itself: it never sleeps
+    if (sleeps and cfg["rollout"]["engine"] == "vllm" and cfg["rollout"]["free_cache_engine"]
+            and int(cfg["rollout"]["sleep_level"]) == 1):
         terms["host/sleeping_engine"] = weights  # sleep level 1 parks the weights in host memory
     if cfg["rollout"]["engine"] == "hf":
-        if hf_engine_sleeps(cfg):
+        if sleeps and hf_engine_sleeps(cfg):
             terms["host/sleeping_engine"] = weights
         terms["rollout/kv_cache"] = hf_static_cache_gib(cfg, layout)
         terms["rollout/activations"] = hf_rollout_activations_gib(cfg, layout, gdn)
@@ -915,7 +927,8 @@ def assemble(cfg: Any, train: Dict[str, float], rollout: Dict[str, float]) -> Me
 
 def estimate(cfg: Any, layout: Layout, gdn: Optional[str] = None) -> MemoryEstimate:
     """Per-device memory of both phases of `cfg` under `layout`; `gdn` ('fla' / 'torch') overrides the GDN kernels
-    the plan assumes (`gdn_kernels`)."""
+    the plan assumes (`gdn_kernels`). With placement=split `train_peak_gib` is a training-pool device's and
+    `rollout_peak_gib` a rollout-pool device's."""
     tree = as_tree(cfg)
     return assemble(tree, train_terms(tree, layout, gdn), rollout_terms(tree, layout, gdn))
 

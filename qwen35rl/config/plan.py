@@ -7,8 +7,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen35rl.config import auto_batch, layout_search, memory, params, quirks, redact, rules
-from qwen35rl.config.layout import derive_layout
+from qwen35rl.config import auto_batch, capabilities, layout_search, memory, params, quirks, redact, rules
+from qwen35rl.config.layout import Layout, derive_layout, pools_per_node
 from qwen35rl.config.problems import ERROR, WARNING, Problem
 from qwen35rl.config.verl import exporter as verl_exporter
 
@@ -92,6 +92,7 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "offload": offload_settings(cfg, mem),
         "cost": {**layout_search.cost(cfg, layout, mem), "score_unit": layout_search.SCORE_UNIT},
         "batch": batch_arithmetic(cfg, layout, choice),
+        "placement": placement_plan(cfg, layout, mem),
         "device": str(cfg.hw.device),
         "nodes": int(cfg.hw.nodes),
         "devices_per_node": int(cfg.hw.devices_per_node),
@@ -102,6 +103,31 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "auto_candidate_count": len(candidates),
         "auto_tested": layout_search.tested_rank(searched_from, candidates) if candidates else None,
         "verl": verl_export(cfg),
+    }
+
+
+def placement_plan(cfg: DictConfig, layout: Layout, mem: memory.MemoryEstimate) -> Dict[str, Any]:
+    """Where each phase runs and how far behind the policy its samples may be: the placement, max_staleness, the
+    resolved importance-sampling mode, and both pools (devices, where they start in node-major rank order, devices
+    per node, the Ray resources they take, their layout and per-device memory peak). Colocated: both pools are
+    every device."""
+    per_node, resource = pools_per_node(cfg), str(cfg.hw.ray_resource)
+    r = lambda x: round(float(x), 3)  # noqa: E731
+
+    def pool(name: str, devices: int, first: int, pool_layout: Dict[str, Any], peak: float) -> Dict[str, Any]:
+        return {"devices": devices, "first_device": first, "per_node": [n[name] for n in per_node],
+                "ray_resources": {resource: devices}, "layout": pool_layout, "peak_gib": r(peak),
+                "fits": peak <= mem.capacity_gib}
+
+    return {
+        "mode": "split" if layout.split else "colocated",
+        "max_staleness": int(cfg.algorithm.max_staleness),
+        "rollout_is": capabilities.rollout_is_mode(cfg),
+        "rollout_is_threshold": float(cfg.algorithm.rollout_is_threshold),
+        "pools": {"training": pool("training", layout.world, 0, layout.train_dict(), mem.train_peak_gib),
+                  "rollout": pool("rollout", layout.rollout_world, layout.world if layout.split else 0,
+                                  {"engine": str(cfg.rollout.engine), **layout.rollout_dict()}, mem.rollout_peak_gib)},
+        "capacity_gib": r(mem.capacity_gib),
     }
 
 
@@ -132,7 +158,7 @@ def refused_plan(cfg: DictConfig, problems: List[Problem]) -> Dict[str, Any]:
         "hw": str(cfg.hw.name), "backend": str(cfg.backend.name), "rollout_engine": str(cfg.rollout.engine),
         "world_size": None, "train": {}, "rollout": {"tp": None, "dp": None, "ep": None},
         "layout_name": str(cfg.parallelism.name), "layout_preset": None, "layout_overrides": [], "params": zero,
-        "memory_gib": {}, "offload": {}, "cost": {},
+        "memory_gib": {}, "offload": {}, "cost": {}, "placement": {},
         "batch": {"prompts_per_step": None, "responses_per_prompt": None, "responses_per_step": None,
                   "optimizer_steps_per_rollout_batch": None,
                   "responses_per_mini_batch_per_dp_rank": None, "micro_batches_per_device": None,
@@ -227,19 +253,67 @@ def _score(x: Any) -> str:
     return "n/a" if x is None else f"{x:.3g} s/step"
 
 
+def _degrees(d: Dict[str, Any], always: Tuple[str, ...]) -> str:
+    """The degrees of a pool's layout that say something: those in `always`, and the others above 1."""
+    return " ".join(f"{k.upper()}{v}" for k, v in d.items()
+                    if k != "engine" and v is not None and (k in always or v != 1))
+
+
+def _nodes(per_node: List[int]) -> str:
+    """Devices of a pool on each node, runs of equal nodes merged: "nodes 0-13: 16, node 14: 8"."""
+    runs: List[List[int]] = []
+    for i, n in enumerate(per_node):
+        if n and runs and runs[-1][1] == i - 1 and runs[-1][2] == n:
+            runs[-1][1] = i
+        elif n:
+            runs.append([i, i, n])
+    return ", ".join(f"node {a}: {n}" if a == b else f"nodes {a}-{b}: {n}" for a, b, n in runs)
+
+
+def _placement_lines(plan: Dict[str, Any]) -> List[str]:
+    """`pools` (placement=split: each pool's devices, Ray resources, layout and peak) and `staleness` (split, or
+    a colocated run that weighs by the behaviour policy)."""
+    pl = plan.get("placement") or {}
+    if not pl:
+        return []
+    lines = []
+    split = pl["mode"] == "split"
+    if split:
+        parts = []
+        for name, pool in pl["pools"].items():
+            (resource, count), = pool["ray_resources"].items()
+            engine = f"{pool['layout']['engine']} " if name == "rollout" else ""
+            always = ("dp",) if name == "training" else ("tp", "dp")
+            parts.append(f"{name} {count} {resource} ({engine}{_degrees(pool['layout'], always)}; peak "
+                         f"{_fmt_gib(pool['peak_gib'])} per device; {_nodes(pool['per_node'])})")
+        lines.append("  pools      " + ", ".join(parts))
+    if split or pl["rollout_is"] != "off":
+        k = pl["max_staleness"]
+        ahead = (f"{k}: the rollout pool generates up to {k} batch(es) ahead of training" if k else
+                 "0: on-policy (generate, train, sync weights, in turn)")
+        is_text = ("off" if pl["rollout_is"] == "off" else
+                   f"{pl['rollout_is']} (truncated at {pl['rollout_is_threshold']:g})")
+        lines.append(f"  staleness  max {ahead}; rollout IS {is_text}")
+    return lines
+
+
 def render_text(plan: Dict[str, Any]) -> str:
     t, r, b, m, p = plan["train"], plan["rollout"], plan["batch"], plan["memory_gib"], plan["params"]
     train = " ".join(f"{k.upper()}{v}" for k, v in t.items() if v is not None)
     n = b.get("responses_per_prompt")
+    pools = (plan.get("placement") or {}).get("pools") if (plan.get("placement") or {}).get("mode") == "split" else None
+    world = (f"{plan['nodes'] * plan['devices_per_node']} devices: training pool {pools['training']['devices']}, "
+             f"rollout pool {pools['rollout']['devices']}" if pools else f"world {plan['world_size']}")
+    peaks = ("training pool peak", "rollout pool peak") if pools else ("train peak", "rollout peak")
     lines = [
         f"qwen35rl plan: {plan['model']} on {plan['hw']} with {plan['backend']}"
         f" ({'VALID' if plan['valid'] else 'INVALID'})",
         f"  model      {_fmt_count(p['total'])} total, {_fmt_count(p['active'])} active"
         f" (text {_fmt_count(p['text'])}, vision {_fmt_count(p['vision'])}, MTP {_fmt_count(p['mtp'])})",
-        f"  hardware   {plan['nodes']} node(s) x {plan['devices_per_node']} {plan['device']}"
-        f" = world {plan['world_size']}",
+        f"  hardware   {plan['nodes']} node(s) x {plan['devices_per_node']} {plan['device']} = {world}",
         f"  train      {train}   [layout: {plan['layout_name']}]",
         f"  rollout    {plan['rollout_engine']} TP{r['tp']} DP{r['dp']} EP{r['ep']}",
+        *_placement_lines(plan),
         f"  batch      {b['prompts_per_step']} prompts x {n if n is not None else 'n'} -> {b['responses_per_step']}"
         f" responses/step; {b['optimizer_steps_per_rollout_batch']} optimizer step(s) per rollout batch;"
         f" {b['responses_per_mini_batch_per_dp_rank']} responses per DP rank per mini batch"
@@ -247,7 +321,7 @@ def render_text(plan: Dict[str, Any]) -> str:
            if b["micro_batches_per_device"] is not None
            else f" in micro batches of at most {b['max_tokens_per_device']} tokens"),
         *([f"  auto       {b['auto']['text']}"] if b.get("auto") else []),
-        f"  memory     train peak {_fmt_gib(m.get('train_peak'))}, rollout peak {_fmt_gib(m.get('rollout_peak'))},"
+        f"  memory     {peaks[0]} {_fmt_gib(m.get('train_peak'))}, {peaks[1]} {_fmt_gib(m.get('rollout_peak'))},"
         f" usable {_fmt_gib(m.get('capacity'))} per device -> {'fits' if m.get('fits') else 'DOES NOT FIT'}"
         + (f" ({m['headroom']:.0%} free)" if m.get("headroom") is not None and m.get("fits") else ""),
     ]
@@ -263,6 +337,7 @@ def render_text(plan: Dict[str, Any]) -> str:
         penalty = c.get("headroom_penalty", 1.0)
         lines.append(f"  cost       score {_score(c['score'])} (estimated seconds per RL step from nominal constants,"
                      f" for ranking layouts: {', '.join(parts)}"
+                     + ("; the pools overlap: the longer part counts" if c.get("overlapped") else "")
                      + (f"; x{penalty:.2f} for memory headroom under 10%" if penalty > 1.0 else "") + ")")
     lines.append(f"  output     {plan['output_dir']}")
     for q in plan.get("vllm_quirks", []):

@@ -21,7 +21,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 from qwen35rl.config import capabilities, known_keys, memory, quirks, schema
 from qwen35rl.config.compose import did_you_mean
-from qwen35rl.config.layout import Layout, even_pipeline_layout, format_pipeline_layout, parse_pipeline_layout
+from qwen35rl.config.layout import (Layout, even_pipeline_layout, format_pipeline_layout, is_split,
+                                    parse_pipeline_layout, placement)
 from qwen35rl.config.problems import ERROR, WARNING, Problem
 from qwen35rl.config.megatron_versions import EXPERT_GROUPS_WITHOUT_EP  # the version facts, stated once
 
@@ -136,21 +137,30 @@ def _suggest_tp(cfg: Any, layout: Layout) -> str:
     return _try("parallelism.tp", best) if best else "reduce parallelism.pp or parallelism.cp"
 
 
+def _world_text(cfg: Any, layout: Layout) -> str:
+    """Where the training world comes from: "the world of 8 devices (1 node(s) x 8 devices)", or with
+    placement=split "the training pool of 6 devices (1 node(s) x 8 devices less placement.rollout_devices=2)"."""
+    hw = f"{val(cfg, 'hw.nodes')} node(s) x {val(cfg, 'hw.devices_per_node')} devices"
+    if layout.split:
+        return (f"the training pool of {layout.world} devices ({hw} less placement.rollout_devices="
+                f"{layout.rollout_world})")
+    return f"the world of {layout.world} devices ({hw})"
+
+
 @rule("train")
 def world_size_matches_devices(cfg: Any, layout: Layout) -> List[Problem]:
-    """world = TP*PP*CP*DP (FSDP: SP*DP) = nodes x devices per node."""
-    hw = f"{val(cfg, 'hw.nodes')} node(s) x {val(cfg, 'hw.devices_per_node')} devices"
+    """world = TP*PP*CP*DP (FSDP: SP*DP) = nodes x devices per node (placement=split: the training pool)."""
     if not _megatron(layout):
         if layout.world % layout.sp:
             best = _nearest(layout.sp, [s for s in _divisors(layout.world) if _sp_ok(cfg, s)])
-            return _err("world_size_matches_devices", "parallelism.sp", f"SP{layout.sp} does not divide the world of "
-                        f"{layout.world} devices ({hw})", _try("parallelism.sp", best))
+            return _err("world_size_matches_devices", "parallelism.sp", f"SP{layout.sp} does not divide "
+                        f"{_world_text(cfg, layout)}", _try("parallelism.sp", best))
         return []
     model_par = layout.tp * layout.pp * layout.cp
     if layout.world % model_par == 0:
         return []
     return _err("world_size_matches_devices", "parallelism.tp", f"TP{layout.tp} x PP{layout.pp} x CP{layout.cp} = "
-                f"{model_par} does not divide the world of {layout.world} devices ({hw}): world = TP*PP*CP*DP",
+                f"{model_par} does not divide {_world_text(cfg, layout)}: world = TP*PP*CP*DP",
                 _suggest_world_fix(cfg, layout))
 
 
@@ -162,6 +172,8 @@ def _suggest_world_fix(cfg: Any, layout: Layout) -> str:
             degrees = {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp, key: v}
             if _train_ok(cfg, layout.world, degrees["tp"], degrees["pp"], degrees["cp"]):
                 return _try(f"parallelism.{key}", v)
+    if layout.split:
+        return "use a training pool that TP*PP*CP divides (placement.rollout_devices, hw.nodes)"
     return "use a device count that TP*PP*CP divides (hw.nodes)"
 
 
@@ -288,8 +300,9 @@ def fsdp_size_divides_world(cfg: Any, layout: Layout) -> List[Problem]:
     """FSDP shard groups (HSDP when smaller than the world) tile the world."""
     if _megatron(layout) or layout.world % layout.fsdp_size == 0:
         return []
+    where = "training pool" if layout.split else "world"
     return _err("fsdp_size_divides_world", "parallelism.fsdp_size", f"FSDP size {layout.fsdp_size} does not divide the "
-                f"world of {layout.world} devices", _try("parallelism.fsdp_size",
+                f"{where} of {layout.world} devices", _try("parallelism.fsdp_size",
                                                          _nearest(layout.fsdp_size, _divisors(layout.world))))
 
 
@@ -351,7 +364,7 @@ def rollout_tp_divides_heads(cfg: Any, layout: Layout) -> List[Problem]:
     if _rollout_tp_ok(cfg, layout.rollout_tp):
         return []
     m = val(cfg, "model")
-    best = _nearest(layout.rollout_tp, [t for t in _divisors(layout.world) if _rollout_tp_ok(cfg, t)])
+    best = _nearest(layout.rollout_tp, [t for t in _divisors(layout.rollout_world) if _rollout_tp_ok(cfg, t)])
     return _err("rollout_tp_divides_heads", "parallelism.rollout.tp", f"rollout TP{layout.rollout_tp} must divide "
                 f"the GDN key heads ({m['linear_num_key_heads']}), GDN value heads ({m['linear_num_value_heads']}) and "
                 f"attention heads ({m['num_attention_heads']})", _try("parallelism.rollout.tp", best))
@@ -385,21 +398,23 @@ def rollout_ep_divides_experts(cfg: Any, layout: Layout) -> List[Problem]:
 
 @rule("rollout")
 def rollout_replicas_cover_devices(cfg: Any, layout: Layout) -> List[Problem]:
-    """Colocated: every device runs the rollout. EP=1: DP replicas of TP devices, TP*DP = world; EP>1: engines of
-    TP*DP devices, and the world divides by that."""
-    replica, world = layout.rollout_replica_size, layout.world
+    """Every rollout device runs an engine (colocated: every device; placement=split: the rollout pool). EP=1: DP
+    replicas of TP devices, TP*DP = the rollout devices; EP>1: engines of TP*DP devices, and the rollout devices
+    divide by that."""
+    replica, world = layout.rollout_replica_size, layout.rollout_world
+    devices = f"{world} devices of the rollout pool" if layout.split else f"{world} devices"
     if layout.rollout_ep == 1 and layout.rollout_tp * layout.rollout_dp != world:
         if world % layout.rollout_tp:
             best = _nearest(layout.rollout_tp, [t for t in _divisors(world) if _rollout_tp_ok(cfg, t)])
             return _err("rollout_replicas_cover_devices", "parallelism.rollout.tp", f"rollout TP{layout.rollout_tp} "
-                        f"does not divide the {world} devices", _try("parallelism.rollout.tp", best))
+                        f"does not divide the {devices}", _try("parallelism.rollout.tp", best))
         return _err("rollout_replicas_cover_devices", "parallelism.rollout.dp", f"rollout DP{layout.rollout_dp} x "
                     f"TP{layout.rollout_tp} = {layout.rollout_dp * layout.rollout_tp} replicas' devices, but every one of "
-                    f"the {world} devices hosts the rollout", _try("parallelism.rollout.dp", world // layout.rollout_tp))
+                    f"the {devices} hosts the rollout", _try("parallelism.rollout.dp", world // layout.rollout_tp))
     if world % replica:
         return _err("rollout_replicas_cover_devices", "parallelism.rollout.dp", f"a rollout engine of TP"
-                    f"{layout.rollout_tp} x DP{layout.rollout_dp} = {replica} devices does not divide the {world} "
-                    "devices", _try("parallelism.rollout.dp", _nearest(layout.rollout_dp,
+                    f"{layout.rollout_tp} x DP{layout.rollout_dp} = {replica} devices does not divide the {devices}",
+                    _try("parallelism.rollout.dp", _nearest(layout.rollout_dp,
                                                                       _divisors(world // layout.rollout_tp)
                                                                       if world % layout.rollout_tp == 0 else [1])))
     return []
@@ -410,11 +425,20 @@ def rollout_tp_within_node(cfg: Any, layout: Layout) -> List[Problem]:
     """A rollout TP group stays inside one node (its all-reduces run every decode step), unless
     hw.multi_node_rollout_tp allows spanning nodes."""
     per_node, tp = int(val(cfg, "hw.devices_per_node")), layout.rollout_tp
-    if val(cfg, "hw.multi_node_rollout_tp") or (tp <= per_node and per_node % tp == 0):
+    if val(cfg, "hw.multi_node_rollout_tp"):
         return []
-    best = _nearest(tp, [t for t in _divisors(per_node) if _rollout_tp_ok(cfg, t)])
-    return _err("rollout_tp_within_node", "parallelism.rollout.tp", f"rollout TP{tp} does not fit the "
-                f"{per_node} devices of a node", f"{_try('parallelism.rollout.tp', best)} or hw.multi_node_rollout_tp=true")
+    if not (tp <= per_node and per_node % tp == 0):
+        best = _nearest(tp, [t for t in _divisors(per_node) if _rollout_tp_ok(cfg, t)])
+        return _err("rollout_tp_within_node", "parallelism.rollout.tp", f"rollout TP{tp} does not fit the "
+                    f"{per_node} devices of a node", f"{_try('parallelism.rollout.tp', best)} or "
+                    "hw.multi_node_rollout_tp=true")
+    starts = range(layout.world, layout.world + layout.rollout_world - tp + 1, tp) if layout.split else ()
+    if any(a // per_node != (a + tp - 1) // per_node for a in starts):  # the rollout pool starts after `world`
+        return _err("rollout_tp_within_node", "parallelism.rollout.tp", f"the rollout pool starts at device "
+                    f"{layout.world} of its node-major order, so groups of rollout TP{tp} from there cross nodes of "
+                    f"{per_node} devices", f"a placement.rollout_devices that leaves a multiple of {tp} training "
+                    "devices, or hw.multi_node_rollout_tp=true")
+    return []
 
 
 # ====================================================================================================== batches
@@ -603,8 +627,104 @@ def local_launcher_runs_one_device(cfg: Any, layout: Layout) -> List[Problem]:
                 "hw.nodes=1 hw.devices_per_node=1 for a single-device run")
 
 
+# ==================================================================================== placement and staleness
+def _placement(cfg: Any, code: str) -> List[Problem]:
+    """The problem `code` of the placement declaration (`capabilities.PLACEMENT`, which the runtime checks too)."""
+    return [p for p in capabilities.placement_problems(cfg) if p.code == code]
+
+
+@rule("config")
+def split_needs_ray(cfg: Any, layout: Layout) -> List[Problem]:
+    """placement=split places each pool's workers as Ray actors on their own devices: trainer.launcher=ray."""
+    return _placement(cfg, "split_needs_ray")
+
+
+@rule("config")
+def split_rollout_needs_hf(cfg: Any, layout: Layout) -> List[Problem]:
+    """placement=split loads weights sent across pools into the hf engine; vLLM would need a weight receiver on
+    that communicator inside its own workers, which is not built."""
+    return _placement(cfg, "split_rollout_needs_hf")
+
+
+@rule("config")
+def staleness_needs_split(cfg: Any, layout: Layout) -> List[Problem]:
+    """algorithm.max_staleness > 0 needs placement=split: colocated phases take turns, always on-policy."""
+    return _placement(cfg, "staleness_needs_split")
+
+
+@rule("config")
+def rollout_devices_needs_split(cfg: Any, layout: Layout) -> List[Problem]:
+    """Colocated runs the rollout on every device: placement.rollout_devices stays null."""
+    p = placement(cfg)
+    if p["mode"] == "split" or p["rollout_devices"] is None:
+        return []
+    return _err("rollout_devices_needs_split", "placement.rollout_devices", f"placement.rollout_devices="
+                f"{_shown(p['rollout_devices'])} gives the rollout engines devices of their own, but placement="
+                f"{p['mode']} runs them on every device", "remove placement.rollout_devices, or add placement=split")
+
+
+@rule("config")
+def split_pool_sizes(cfg: Any, layout: Layout) -> List[Problem]:
+    """placement=split: 1 <= placement.rollout_devices <= devices - 1 (each pool needs a device), set unless
+    parallelism=auto searches it."""
+    p = placement(cfg)
+    devices = int(val(cfg, "hw.nodes")) * int(val(cfg, "hw.devices_per_node"))
+    rd = p["rollout_devices"]
+    if p["mode"] != "split":
+        return []
+    if devices < 2:
+        return _err("split_pool_sizes", "placement.mode", f"placement=split needs a device for each pool; "
+                    f"hw.nodes x hw.devices_per_node = {devices}", "try placement=colocated, or more devices "
+                    "(hw.devices_per_node)")
+    suggestion = _try("placement.rollout_devices", max(1, devices // 2))
+    if rd is None:
+        if val(cfg, "parallelism.auto"):
+            return []  # the layout search picks it
+        return _err("split_pool_sizes", "placement.rollout_devices", f"placement=split needs "
+                    f"placement.rollout_devices: how many of the {devices} devices generate (the rest train)",
+                    f"{suggestion}, or parallelism=auto (searches it with the layout)")
+    if isinstance(rd, bool) or not isinstance(rd, int) or not 1 <= rd <= devices - 1:
+        return _err("split_pool_sizes", "placement.rollout_devices", f"placement.rollout_devices={_shown(rd)} must "
+                    f"be between 1 and {devices - 1}: the {devices} devices (hw.nodes x hw.devices_per_node) make "
+                    "both pools, and each needs one", suggestion)
+    return []
+
+
+@rule("config")
+def split_offload_pointless(cfg: Any, layout: Layout) -> List[Problem]:
+    """The Megatron engine's between-phase host offload (backend.param_offload / grad_offload /
+    optimizer_offload) makes room for the rollout engine on the training devices; with placement=split they never
+    generate, so it only costs copies. (FSDP's offload keys are FSDP2's CPUOffloadPolicy for the whole step, a
+    training-memory setting; megatron's optimizer_cpu_offload runs the optimizer on the host: both stay.)"""
+    if not layout.split or not _megatron(layout):
+        return []
+    on = [k for k in ("param_offload", "grad_offload", "optimizer_offload") if val(cfg, f"backend.{k}")]
+    if not on:
+        return []
+    keys = " ".join(f"backend.{k}=false" for k in on)
+    return _err("split_offload_pointless", f"backend.{on[0]}", f"{', '.join('backend.' + k for k in on)}: the "
+                "Megatron engine moves its state to the host between training and generation, but with "
+                "placement=split the training devices never generate: the copies only cost time",
+                f"try {keys} (backend.optimizer_cpu_offload=true offloads the optimizer for training memory)")
+
+
+@rule("config")
+def rollout_is_weights_are_one(cfg: Any, layout: Layout) -> List[Problem]:
+    """Importance sampling by the behaviour policy with backend.use_rollout_log_probs=true: the old log-probs are
+    the rollout engine's, so every weight is 1 and the correction does nothing."""
+    mode = capabilities.rollout_is_mode(cfg)
+    if mode not in ("token", "sequence") or not val(cfg, "backend.use_rollout_log_probs"):
+        return []
+    return [Problem("rollout_is_weights_are_one", "algorithm.rollout_is", f"algorithm.rollout_is={mode} weighs by "
+                    "old / behaviour probabilities, but backend.use_rollout_log_probs=true makes the old log-probs "
+                    "the behaviour ones: every weight is 1", "try backend.use_rollout_log_probs=false (the trainer "
+                    "computes the old log-probs), or algorithm.rollout_is=off", WARNING)]
+
+
 # ================================================================================================ enums, ranges
 CHOICES: Dict[str, Sequence[Any]] = {
+    "placement.mode": tuple(capabilities.PLACEMENT),
+    "algorithm.rollout_is": ("auto", "token", "sequence", "off"),
     "rollout.engine": ("vllm", "hf"),
     "algorithm.adv_estimator": ("grpo",),
     "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
@@ -879,8 +999,12 @@ def train_memory_problems(cfg: Any, est: memory.MemoryEstimate) -> List[Problem]
                 if not b.get("offload_policy") else "try backend=megatron or more devices (hw.nodes)")
     if big in ("train/activations", "train/vision_activations"):
         hint = "turn on recompute / backend.gradient_checkpointing or lower backend.micro_batch_size_per_device; " + hint
-    return _err("train_memory_fits", "parallelism", f"training needs {est.train_peak_gib:.1f} GiB per device (largest:"
-                f" {big.split('/')[1]} {est.terms[big]:.1f} GiB) but {est.capacity_gib:.1f} GiB are usable", hint)
+    split = is_split(cfg)
+    if split:
+        hint += ", or more training devices (a smaller placement.rollout_devices)"
+    return _err("train_memory_fits", "parallelism", f"training needs {est.train_peak_gib:.1f} GiB per "
+                f"{'training-pool ' if split else ''}device (largest: {big.split('/')[1]} {est.terms[big]:.1f} GiB) "
+                f"but {est.capacity_gib:.1f} GiB are usable", hint)
 
 
 def rollout_memory_problems(cfg: Any, est: memory.MemoryEstimate) -> List[Problem]:
@@ -892,7 +1016,12 @@ def rollout_memory_problems(cfg: Any, est: memory.MemoryEstimate) -> List[Proble
                     f"({est.terms['rollout/weights']:.1f} GiB), activations and one sequence of max_model_len "
                     f"({est.rollout_min_gib:.1f} GiB together)", "raise rollout.gpu_memory_utilization or "
                     "parallelism.rollout.tp (or rollout EP)")
-    if est.rollout_peak_gib > est.capacity_gib:
+    if est.rollout_peak_gib > est.capacity_gib and is_split(cfg):
+        out += _err("rollout_memory_fits", "placement.rollout_devices", f"a rollout-pool device needs "
+                    f"{est.rollout_peak_gib:.1f} GiB ({_engine_terms(est)}) > {est.capacity_gib:.1f} GiB usable",
+                    "more rollout devices (placement.rollout_devices: fewer sequences per device), or lower "
+                    "data.train_batch_size / data.max_response_length")
+    elif est.rollout_peak_gib > est.capacity_gib:
         kept = est.terms["rollout/kept_by_trainer"]
         out += _err("rollout_memory_fits", "rollout.gpu_memory_utilization", f"during rollout the trainer keeps "
                     f"{kept:.1f} GiB and the engine takes {est.rollout_peak_gib - kept:.1f} GiB: "
@@ -900,6 +1029,12 @@ def rollout_memory_problems(cfg: Any, est: memory.MemoryEstimate) -> List[Proble
                     "enable backend.param_offload / backend.optimizer_offload, or lower "
                     "rollout.gpu_memory_utilization")
     return out
+
+
+def _engine_terms(est: memory.MemoryEstimate) -> str:
+    names = {"rollout/weights": "weights", "rollout/kv_cache": "cache", "rollout/activations": "activations",
+             "rollout/pool": "vLLM's share"}
+    return ", ".join(f"{n} {est.terms[k]:.1f} GiB" for k, n in names.items() if est.terms.get(k))
 
 
 @rule("train")
@@ -930,6 +1065,8 @@ def run_rules(cfg: Any, layout: Layout, scopes: Iterable[str] = SCOPES, stop_at_
               skip: Sequence[Rule] = (), errors_only: bool = False) -> List[Problem]:
     """Problems of the rules in `scopes` (minus `skip`). The other rules are skipped while a value is out of range."""
     wanted = set(scopes)
+    if layout is not None and layout.split and min(layout.world, layout.rollout_world) < 1:
+        wanted &= {"config"}  # an empty pool: split_pool_sizes says so, no layout rule computes over it
     gates = [(scope, fn) for scope, fn in RULES if fn.__name__ in GATES]
     out: List[Problem] = []
     for scope, fn in gates + [r for r in RULES if r[1].__name__ not in GATES]:

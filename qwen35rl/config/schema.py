@@ -351,6 +351,19 @@ class AlgorithmConfig:
     shuffle: bool = False
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     overlong_shaping: OverlongShapingConfig = field(default_factory=OverlongShapingConfig)
+    max_staleness: int = at_least(0, 0, high=1000)
+    """Policy versions a training batch may lag behind the policy being trained. 0: on-policy (generate, train,
+    sync weights, in turn). k >= 1 (needs `placement=split`): the rollout pool generates batches t+1..t+k while
+    the training pool trains on batch t; no sample is trained on more than k versions after the one that
+    generated it. Off-policy samples are corrected by `rollout_is`."""
+    rollout_is: str = "auto"
+    """Truncated importance sampling of the loss by the policy that generated each sample (the rollout engine's
+    log-probs): weight min(exp(old - behaviour), `rollout_is_threshold`) per token (`token`), or one weight per
+    response from the summed log-probs (`sequence`), or none (`off`). `auto`: token when max_staleness > 0 and
+    backend.use_rollout_log_probs is false, else off (`capabilities.rollout_is_mode`). With
+    use_rollout_log_probs the old log-probs are the behaviour ones and every weight is 1."""
+    rollout_is_threshold: float = between(1.0, INF, 2.0, low_open=True)
+    """Cap of the importance weight (> 1; verl's rollout_correction.rollout_is_threshold)."""
 
 
 # --------------------------------------------------------------------------------------------------------- data
@@ -432,6 +445,22 @@ class ParallelismConfig:
     rollout: RolloutParallelism = field(default_factory=RolloutParallelism)
 
 
+# ---------------------------------------------------------------------------------------------------- placement
+@dataclass
+class PlacementConfig:
+    """Which devices generate and which train (`placement=colocated|split`)."""
+
+    mode: str = "colocated"
+    """colocated: every device holds a policy shard and a rollout engine; the two phases take turns. split: the
+    rollout engines get their own devices (`rollout_devices`), the rest train, and weights go from training rank 0
+    to the rollout pool after each update (`rollout.weight_sync_bucket_mb` buckets); with
+    `algorithm.max_staleness` >= 1 the pools work at the same time."""
+    rollout_devices: Optional[int] = None
+    """split: devices of the rollout pool, the last ones in rank order (node-major: the training pool keeps the
+    first hw.nodes x hw.devices_per_node - rollout_devices, so training rank 0 is on node 0); between 1 and the
+    device count - 1. null with parallelism=auto: searched with the layout. colocated: null."""
+
+
 # ------------------------------------------------------------------------------------------------------ trainer
 @dataclass
 class TrainerConfig:
@@ -485,6 +514,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = MISSING
     data: DataConfig = MISSING
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ray_address: Optional[str] = None
     """Join an existing Ray cluster (also RAY_ADDRESS); null: start a local one."""

@@ -12,7 +12,7 @@ import csv
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
@@ -49,12 +49,15 @@ def _errors(plan: Dict[str, Any]) -> List[str]:
             if p.get("severity") == "error"]
 
 
-def _layout_text(train: Dict[str, Any], rollout: Dict[str, Any]) -> str:
+def _layout_text(train: Dict[str, Any], rollout: Dict[str, Any], pools: Optional[Tuple[int, int]] = None) -> str:
+    """"TP2 PP1 ... | rollout TP1 DP2 EP1", and with placement=split " | pools 6+2" (training + rollout devices)."""
     if not train:
         return ""
     text = " ".join(f"{k.upper()}{v}" for k, v in train.items() if v is not None)
     if rollout and rollout.get("tp") is not None:
         text += f" | rollout TP{rollout['tp']} DP{rollout['dp']} EP{rollout['ep']}"
+    if pools:
+        text += f" | pools {pools[0]}+{pools[1]}"
     return text
 
 
@@ -62,7 +65,10 @@ def _layout(plan: Dict[str, Any], job_cfg: Any) -> str:
     """The job's layout from its plan, else from its config (a train job's return carries no layout; a searched
     layout is only known to the plan)."""
     if plan.get("train"):
-        return _layout_text(plan["train"], plan.get("rollout") or {})
+        placed = plan.get("placement") or {}
+        pools = ((placed["pools"]["training"]["devices"], placed["pools"]["rollout"]["devices"])
+                 if placed.get("mode") == "split" else None)
+        return _layout_text(plan["train"], plan.get("rollout") or {}, pools)
     if job_cfg is None:
         return ""
     try:
@@ -73,7 +79,8 @@ def _layout(plan: Dict[str, Any], job_cfg: Any) -> str:
         if tree["parallelism"]["auto"]:
             return "parallelism=auto"
         layout = derive_layout(tree)
-        return _layout_text(layout.train_dict(), layout.rollout_dict())
+        return _layout_text(layout.train_dict(), layout.rollout_dict(),
+                            (layout.world, layout.rollout_world) if layout.split else None)
     except Exception:  # the table is a summary: a config it cannot read leaves the cell empty
         return ""
 

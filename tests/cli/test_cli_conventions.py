@@ -201,8 +201,8 @@ def test_help_per_command_through_the_console_scripts(overlay):
         assert len([ln for ln in examples.splitlines() if ln.startswith(f"  {name}")]) == 3
         groups = text.split("Config groups")[1].split("Every key")[0]
         listed = re.findall(r"^  (\+?[\w/]+)=", groups, re.M)
-        assert listed == ["model", "hw", "backend", "rollout", "algorithm", "data", "parallelism", "cluster",
-                          "+experiment"]  # internal trees (model_base, platform, recipe, schema, hydra) hidden
+        assert listed == ["model", "hw", "backend", "rollout", "algorithm", "data", "placement", "parallelism",
+                          "cluster", "+experiment"]  # internal trees (model_base, platform, recipe, schema, hydra) hidden
         flat = " ".join(groups.split())
         assert f"example, lab [from {overlay}]" in flat and f"+experiment= elsewhere, mine, typo, verlish [from {overlay}]" in flat
         assert "qwen3_5_tiny_vl_moe (default: qwen3_5_tiny)" in flat and f"then QWEN35RL_CONFIG_PATH: {overlay}" in flat

@@ -7,8 +7,8 @@ import re
 import shlex
 from typing import Any, Dict, Iterator, List, Tuple
 
-from qwen35rl.config.verl.keys import (CHOICE_KEYS, OVERRIDE_TC, UNUSED_BY_BACKEND, VLLM_KWARGS, get, keys_for,
-                                       why_not_exported, worker_env)
+from qwen35rl.config.verl.keys import (CHOICE_KEYS, IMPLIED, OVERRIDE_TC, UNUSED_BY_BACKEND, VLLM_KWARGS, get,
+                                       keys_for, why_not_exported, worker_env)
 
 ENTRY = ["python3", "-m", "verl.trainer.main_ppo"]
 _BARE = re.compile(r"^[A-Za-z_/.][A-Za-z0-9_\-/.+:@]*$")
@@ -104,6 +104,7 @@ def export(cfg: Any) -> Dict[str, Any]:
         covered |= {"model.hf_id", "model.name"}
     env = worker_env(cfg)
     covered |= {"hw.env", "backend.env"}
+    covered |= {key for key, holds in IMPLIED.items() if holds(cfg)}
     unused = set(UNUSED_BY_BACKEND.get(backend, ()))
     not_exported = [{"key": key, "value": value, "why": why_not_exported(key)}
                     for key, value in _leaves("", cfg)

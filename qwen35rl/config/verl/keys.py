@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from qwen35rl.config.capabilities import compiles_log_probs
+from qwen35rl.config.capabilities import compiles_log_probs, rollout_is_mode
 
 ACTOR = "actor_rollout_ref.actor"
 ROLLOUT = "actor_rollout_ref.rollout"
@@ -165,6 +165,27 @@ def _rollout_dp_to_qwen(v: Any, ctx: Any) -> Any:
     return int(v) if ep > 1 else None
 
 
+def _rollout_is_to_verl(v: Any, cfg: Any) -> Any:
+    """verl's rollout_correction.rollout_is: token | sequence, null for off."""
+    return None if v == "off" else v
+
+
+def _rollout_is_to_qwen(v: Any, ctx: Any) -> Any:
+    if v is None:
+        return "off"
+    if v not in ("token", "sequence"):
+        raise NotCarried(f"verl's rollout_is={v!r}: qwen35rl weighs per token or per sequence")
+    return v
+
+
+def _is_threshold_to_qwen(v: Any, ctx: Any) -> Any:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise NotCarried(f"verl's rollout_is_threshold={v!r} (lower_upper bounds, IcePop): qwen35rl truncates "
+                         "the weight at one upper bound") from None
+
+
 def _recompute(cfg: Any) -> Any:
     return get(cfg, "backend.recompute_granularity") if get(cfg, "backend.gradient_checkpointing") else None
 
@@ -282,6 +303,11 @@ KEYS: List[Key] = [
     Key("algorithm.filter_groups.max_num_gen_batches", "algorithm.dynamic_sampling.max_rounds",
         to_verl=lambda v, c: int(v) + 1, to_qwen=lambda v, x: max(int(v) - 1, 0)),
     Key("algorithm.rollout_correction.bypass_mode", "backend.use_rollout_log_probs", verl_default=False),
+    # truncated importance sampling by the rollout policy: the same weights (old / behaviour, capped) on both sides
+    Key("algorithm.rollout_correction.rollout_is", "algorithm.rollout_is", verl_default=None,
+        effective=rollout_is_mode, to_verl=_rollout_is_to_verl, to_qwen=_rollout_is_to_qwen),
+    Key("algorithm.rollout_correction.rollout_is_threshold", "algorithm.rollout_is_threshold", verl_default=2.0,
+        to_qwen=_is_threshold_to_qwen),
     Key(f"{ACTOR}.ppo_epochs", "algorithm.ppo_epochs", verl_default=1),
     Key(f"{ACTOR}.shuffle", "algorithm.shuffle", verl_default=False),
     Key(f"{ACTOR}.clip_ratio_low", "algorithm.clip_ratio_low", verl_default=0.2),
@@ -402,7 +428,8 @@ own entries under the prefix); the plan checks the names."""
 
 NOT_CARRIED: Dict[str, str] = {
     "hydra.": "Hydra's own settings for verl's process (qwen35rl sets its run directory itself)",
-    "actor_rollout_ref.hybrid_engine": "verl-internal: qwen35rl colocates rollout and training on every device",
+    "actor_rollout_ref.hybrid_engine": "verl-internal: qwen35rl colocates rollout and training on every device "
+                                       "unless placement=split",
     f"{ROLLOUT}.mode": "verl-internal: qwen35rl drives its rollout engines in its own workers",
     f"{ROLLOUT}.load_format": "verl-internal: qwen35rl loads the rollout weights from the training engine",
     f"{ROLLOUT}.layered_summon": "verl-internal weight-sync detail (qwen35rl syncs in rollout.weight_sync_bucket_mb buckets)",
@@ -419,8 +446,10 @@ NOT_CARRIED: Dict[str, str] = {
     f"{ROLLOUT}.ignore_eos": "no counterpart in qwen35rl",
     f"{ROLLOUT}.do_sample": "qwen35rl always samples (rollout.temperature 0 is greedy)",
     f"{ROLLOUT}.pipeline_model_parallel_size": "qwen35rl's vLLM engines run TP x DP x EP, no pipeline",
-    f"{ROLLOUT}.nnodes": "qwen35rl places rollout engines on the training devices",
-    f"{ROLLOUT}.n_gpus_per_node": "qwen35rl places rollout engines on the training devices",
+    f"{ROLLOUT}.nnodes": "verl's standalone rollout pool (its one-step-off and async trainers): qwen35rl's is "
+                         "placement=split placement.rollout_devices=N",
+    f"{ROLLOUT}.n_gpus_per_node": "verl's standalone rollout pool (its one-step-off and async trainers): qwen35rl's "
+                                  "is placement=split placement.rollout_devices=N",
     f"{ROLLOUT}.checkpoint_engine.": "verl's weight-sync engine: qwen35rl syncs through its own buckets",
     f"{ROLLOUT}.": "no counterpart in qwen35rl's rollout settings",
     f"{REF}.strategy": "the reference model runs on the actor's engine",
@@ -474,7 +503,9 @@ NOT_CARRIED: Dict[str, str] = {
     "algorithm.gamma": "GRPO advantages do not discount",
     "algorithm.lam": "GRPO advantages have no GAE lambda",
     "algorithm.filter_groups.metric": "qwen35rl filters groups on the reward score",
-    "algorithm.rollout_correction.": "no counterpart in qwen35rl (bypass_mode is backend.use_rollout_log_probs)",
+    "algorithm.rollout_correction.": "no counterpart in qwen35rl (bypass_mode is backend.use_rollout_log_probs, "
+                                     "rollout_is / rollout_is_threshold are algorithm.rollout_is / "
+                                     "rollout_is_threshold)",
     "algorithm.": "no counterpart in qwen35rl's algorithm settings",
     "trainer.default_local_dir": "qwen35rl writes checkpoints under trainer.output_root/trainer.run_name",
     "trainer.default_hdfs_dir": "no counterpart in qwen35rl",
@@ -572,16 +603,28 @@ NOT_EXPORTED: Dict[str, str] = {
     "rollout.": "no counterpart in verl (qwen35rl's transformers rollout or engine detail)",
     "algorithm.name": "qwen35rl's algorithm= preset name",
     "algorithm.dynamic_sampling.metric": "verl filters groups on its filter_groups.metric",
+    "algorithm.max_staleness": "verl's main_ppo trains on-policy; its one-step-off and fully async trainers (other "
+                               "entry points with their own config) bound staleness",
     "algorithm.overlong_shaping.": "verl's DAPO recipe sets it in its reward manager, outside the main config tree",
     "algorithm.": "no counterpart in verl",
     "data.reward": "verl scores with the reward function of each row's data_source (custom_reward_function)",
     "data.": "qwen35rl's data format: verl reads preprocessed parquet (answer in reward_model.ground_truth, "
              "instruction inside the prompt)",
     "parallelism.": "no counterpart in verl",
+    "placement.": "verl's main_ppo colocates rollout and training (hybrid engine); its split pools are the "
+                  "one-step-off and fully async trainers, other entry points with their own config",
     "trainer.": "no counterpart in verl",
     "ray_address": "verl joins Ray from the environment (RAY_ADDRESS)",
 }
 """qwen35rl settings the exporter cannot write (exact key, or a prefix ending with '.'; the longest match wins)."""
+
+IMPLIED: Dict[str, Callable[[Any], bool]] = {
+    "placement.mode": lambda c: get(c, "placement.mode") == "colocated",
+    "placement.rollout_devices": lambda c: get(c, "placement.mode") == "colocated",
+    "algorithm.max_staleness": lambda c: int(get(c, "algorithm.max_staleness", 0) or 0) == 0,
+}
+"""qwen35rl settings that verl's main_ppo runs as they are without a key of its own, while the predicate holds (its
+hybrid engine colocates, it trains on-policy); otherwise they are listed with `NOT_EXPORTED`'s reason."""
 
 UNUSED_BY_BACKEND = {
     "fsdp": ("parallelism.tp", "parallelism.pp", "parallelism.cp", "parallelism.ep", "parallelism.etp",
