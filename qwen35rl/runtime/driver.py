@@ -339,6 +339,7 @@ def start_workers(cfg: DictConfig, platform: Platform, group_cls: type, layout: 
         return workers, workers
     from qwen35rl.runtime.rollout_worker import RolloutWorker
 
+    capabilities.check_placement(cfg)  # what the plan refuses never reaches the workers
     workers, rollout_workers = group_cls.create_pools(cfg, platform, [
         (PolicyWorker, layout.world, dict(layout=layout, **worker_kwargs)),
         (RolloutWorker, layout.rollout_world, dict(layout=layout))], on_started=on_started)
