@@ -62,6 +62,7 @@ from qwen35rl.config import memory as M
 from qwen35rl.config import params as P
 from qwen35rl.config import rules as R
 from qwen35rl.config.layout import Layout, derive_layout, is_split, placement, pool_sizes
+from qwen35rl.config.problems import ERROR
 
 MFU = 0.35
 """Fraction of hw.peak_tflops the trainer reaches."""
@@ -172,6 +173,23 @@ _MEMORY_RULES = (R.train_memory_fits, R.rollout_memory_fits)
 def _layout_problems(tree: Dict[str, Any], layout: Layout, scope: str) -> bool:
     """True when a rule of `scope` (memory aside: the search assembles it per pair) reports an error."""
     return bool(R.run_rules(tree, layout, [scope], stop_at_error=True, skip=_MEMORY_RULES, errors_only=True))
+
+
+def best_pool_size(cfg: Any) -> Optional[int]:
+    """placement=split with placement.rollout_devices null and the layout given (no parallelism=auto): the rollout
+    pool size (of `pool_size_options`) whose plan is valid and fits with the lowest estimated step time; None when
+    none is."""
+    tree = M.as_tree(cfg)
+    best: Optional[Tuple[float, int]] = None
+    for rd in pool_size_options(tree):
+        t = _with_pool(tree, rd)
+        layout = derive_layout(t)
+        if any(p.severity == ERROR for p in R.check_all(t, layout)):
+            continue
+        score = cost(t, layout, M.estimate(t, layout))["score"]
+        if best is None or score < best[0]:
+            best = (score, rd)
+    return None if best is None else best[1]
 
 
 # ------------------------------------------------------------------------------------------------ the search

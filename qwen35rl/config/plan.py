@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from qwen35rl.config import auto_batch, capabilities, layout_search, memory, params, quirks, redact, rules
-from qwen35rl.config.layout import Layout, derive_layout, pools_per_node
+from qwen35rl.config.layout import Layout, derive_layout, is_split, placement, pools_per_node
 from qwen35rl.config.problems import ERROR, WARNING, Problem
 from qwen35rl.config.verl import exporter as verl_exporter
 
@@ -49,6 +49,11 @@ def resolve_auto(cfg: DictConfig) -> Tuple[DictConfig, List[Any], Optional[auto_
         else:
             problems.append(Problem("no_valid_layout", "parallelism", "no layout of this model fits this hardware "
                                     "with this backend", "use more devices (hw.nodes), offload, or another backend"))
+    elif is_split(cfg) and placement(cfg)["rollout_devices"] is None:  # the pool size alone, for this layout
+        size = layout_search.best_pool_size(cfg)
+        if size is not None:
+            cfg = cfg.copy()
+            cfg.placement.rollout_devices = size
     if auto_batch.auto_keys(cfg):
         cfg, choice = auto_batch.resolve(cfg)
     return cfg, candidates, choice, problems

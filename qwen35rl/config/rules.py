@@ -665,8 +665,9 @@ def rollout_devices_needs_split(cfg: Any, layout: Layout) -> List[Problem]:
 
 @rule("config")
 def split_pool_sizes(cfg: Any, layout: Layout) -> List[Problem]:
-    """placement=split: 1 <= placement.rollout_devices <= devices - 1 (each pool needs a device), set unless
-    parallelism=auto searches it."""
+    """placement=split: 1 <= placement.rollout_devices <= devices - 1 (each pool needs a device). Null is resolved
+    by the plan before the rules see it (the best valid pool size, or with parallelism=auto the layout search's):
+    still null here means no size was valid."""
     p = placement(cfg)
     devices = int(val(cfg, "hw.nodes")) * int(val(cfg, "hw.devices_per_node"))
     rd = p["rollout_devices"]
@@ -680,9 +681,10 @@ def split_pool_sizes(cfg: Any, layout: Layout) -> List[Problem]:
     if rd is None:
         if val(cfg, "parallelism.auto"):
             return []  # the layout search picks it
-        return _err("split_pool_sizes", "placement.rollout_devices", f"placement=split needs "
-                    f"placement.rollout_devices: how many of the {devices} devices generate (the rest train)",
-                    f"{suggestion}, or parallelism=auto (searches it with the layout)")
+        return _err("split_pool_sizes", "placement.rollout_devices", f"placement=split with "
+                    f"placement.rollout_devices null: no rollout-pool size of the {devices} devices gives a valid "
+                    "plan for this layout (the plan tries each)",
+                    f"{suggestion} to see what that size violates, or parallelism=auto (searches the layout too)")
     if isinstance(rd, bool) or not isinstance(rd, int) or not 1 <= rd <= devices - 1:
         return _err("split_pool_sizes", "placement.rollout_devices", f"placement.rollout_devices={_shown(rd)} must "
                     f"be between 1 and {devices - 1}: the {devices} devices (hw.nodes x hw.devices_per_node) make "

@@ -139,7 +139,7 @@ def test_staleness_needs_split():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["placement=split"], "needs placement.rollout_devices"),
+    (["placement=split"], "no rollout-pool size of the 2 devices gives a valid plan"),
     (["placement=split", "placement.rollout_devices=0"], "between 1 and 1"),
     (["placement=split", "placement.rollout_devices=2"], "between 1 and 1"),
     (["placement=split", "placement.rollout_devices=-3"], "between 1 and 1"),
@@ -362,7 +362,9 @@ def test_the_plan_cli_prints_a_split_plan(capsys):
     assert main(SPLIT4 + ["algorithm.max_staleness=1", "format=json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["placement"]["pools"]["rollout"]["devices"] == 1
-    assert main(["placement=split"]) == 2
+    assert main(["placement=split"]) == 0                           # the pool size is chosen (see below)
+    assert "pools      training 1 CPU" in capsys.readouterr().out
+    assert main(["placement=split", "hw.devices_per_node=1"]) == 2
     assert "[split_pool_sizes]" in capsys.readouterr().out
 
 
@@ -421,3 +423,27 @@ def test_verl_export_carries_the_importance_sampling_and_names_the_rest():
     # verl's main_ppo is colocated and on-policy: nothing to list for a colocated run
     assert not [i for i in colocated["not_exported"] if i["key"].startswith("placement.")
                 or i["key"] == "algorithm.max_staleness"]
+
+
+def test_a_null_pool_size_is_resolved_to_the_best_valid_one_for_the_given_layout():
+    """`placement=split` alone plans (and trains) on the embedded default: the plan tries each rollout-pool size
+    with the config's own layout and keeps the valid one with the lowest estimated step time; sizes a rule refuses
+    are skipped (here TP2 training needs an even training pool)."""
+    from qwen35rl.config.layout_search import best_pool_size, cost
+    from qwen35rl.config.memory import estimate
+    from qwen35rl.config.plan import select_layout
+
+    cfg, _, problems = select_layout(compose(["placement=split", "algorithm.max_staleness=1"]))
+    assert problems == [] and cfg.placement.rollout_devices == 1
+    assert not [p for p in rules.check_all(cfg, derive_layout(cfg)) if p.severity == ERROR]
+    four = compose(["placement=split", "hw.devices_per_node=4"])
+    scores = {}
+    for rd in (1, 2, 3):
+        c = compose(["placement=split", "hw.devices_per_node=4", f"placement.rollout_devices={rd}"])
+        if not [p for p in rules.check_all(c, derive_layout(c)) if p.severity == ERROR]:
+            scores[rd] = cost(c, derive_layout(c), estimate(c, derive_layout(c)))["score"]
+    assert 1 not in scores and len(scores) == 2          # 3 training ranks do not divide the 128 responses evenly
+    assert best_pool_size(four) == min(scores, key=scores.get)
+    tp2 = compose(["placement=split", "hw.devices_per_node=4", "backend=megatron", "parallelism.tp=2"])
+    assert best_pool_size(tp2) == 2                                 # 1 and 3 leave an odd training pool
+    assert best_pool_size(compose(["placement=split", "hw.devices_per_node=1"])) is None
