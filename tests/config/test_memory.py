@@ -1,5 +1,4 @@
 """Per-device memory terms against hand-computed values, and the ten reference runs fit."""
-import copy
 import math
 import os
 
@@ -11,6 +10,7 @@ from qwen35rl.config import memory as M
 from qwen35rl.config import params as P
 from qwen35rl.config.compose import compose
 from qwen35rl.config.layout import Layout, derive_layout
+from tests.config.trees import updated
 
 GIB = 2 ** 30
 _trees = {}
@@ -20,14 +20,7 @@ def tree(overrides, **updates):
     key = tuple(overrides)
     if key not in _trees:
         _trees[key] = M.as_tree(compose(list(overrides)))
-    t = copy.deepcopy(_trees[key])
-    for dotted, value in updates.items():
-        *parents, leaf = dotted.split("__")
-        node = t
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return t
+    return updated(_trees[key], **updates)
 
 
 MG35 = ["model=qwen3_5_35b_a3b", "hw=gpu_1node", "backend=megatron"]

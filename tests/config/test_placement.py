@@ -1,7 +1,6 @@
 """placement=colocated|split and algorithm.max_staleness in the config layer: composition, the layout of each pool,
 every placement rule (passing and failing), per-pool memory, the pool-size search, the plan's text and JSON, the
 resume checks and the verl export's classification of the new keys."""
-import copy
 import json
 import os
 
@@ -15,6 +14,7 @@ from qwen35rl.config.compose import ConfigError, compose
 from qwen35rl.config.layout import Layout, derive_layout, pools_per_node
 from qwen35rl.config.plan import build_plan, render_text
 from qwen35rl.config.problems import ERROR, WARNING
+from tests.config.trees import updated
 from qwen35rl.config.verl.exporter import export
 
 SPLIT4 = ["hw.devices_per_node=4", "placement=split", "placement.rollout_devices=1", "data.train_batch_size=24",
@@ -36,14 +36,7 @@ def errors(cfg):
 
 def with_keys(cfg, **updates):
     """A plain copy of `cfg` with dotted updates (`a__b` spells `a.b`)."""
-    t = copy.deepcopy(M.as_tree(cfg))
-    for dotted, value in updates.items():
-        *parents, leaf = dotted.split("__")
-        node = t
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return t
+    return updated(M.as_tree(cfg), **updates)
 
 
 # ------------------------------------------------------------------------------------------------- composition

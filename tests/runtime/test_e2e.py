@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.processes import cmdline, session_pids
+from tests.processes import cmdline, kill_after_checkpoint, session_pids
 from qwen35rl.runtime.tracking import read_metrics
 from tests.load import scaled
 
@@ -140,21 +140,7 @@ def test_moe_model_trains(tmp_path):
 
 
 def _kill_after_checkpoint(run_dir, step, *overrides):
-    """Start a run in its own session; SIGKILL the whole session (driver, Ray, workers) once the step's checkpoint
-    is committed."""
-    proc = subprocess.Popen([*TRAIN, f"hydra.run.dir={run_dir}", *SMALL, *overrides], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=dict(os.environ))
-    marker = run_dir / "checkpoints" / f"step_{step}" / "meta.json"
-    deadline = time.monotonic() + scaled(600)
-    try:
-        while not marker.exists():
-            assert proc.poll() is None, f"run ended before its step-{step} checkpoint: {proc.stderr.read()[-3000:]}"
-            assert time.monotonic() < deadline, "no checkpoint before the deadline"
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        proc.stderr.close()
+    kill_after_checkpoint([*TRAIN, f"hydra.run.dir={run_dir}", *SMALL, *overrides], run_dir, step)
 
 
 def test_kill_and_resume_is_bitwise_identical(tmp_path):

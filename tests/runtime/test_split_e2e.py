@@ -13,10 +13,8 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ from safetensors.torch import load_file
 
 from qwen35rl.runtime.tracking import read_metrics
 from tests.load import scaled
+from tests.processes import kill_after_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -73,19 +72,7 @@ def test_split_staleness_0_equals_one_colocated_worker(tmp_path):
 
 
 def _kill_after_checkpoint(run_dir, step, *overrides):
-    proc = subprocess.Popen([*TRAIN, f"hydra.run.dir={run_dir}", *SMALL, *overrides], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=dict(os.environ))
-    marker = run_dir / "checkpoints" / f"step_{step}" / "meta.json"
-    deadline = time.monotonic() + scaled(600)
-    try:
-        while not marker.exists():
-            assert proc.poll() is None, f"run ended before its step-{step} checkpoint: {proc.stderr.read()[-3000:]}"
-            assert time.monotonic() < deadline, "no checkpoint before the deadline"
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        proc.stderr.close()
+    kill_after_checkpoint([*TRAIN, f"hydra.run.dir={run_dir}", *SMALL, *overrides], run_dir, step)
 
 
 def test_split_one_step_off_overlaps_and_resumes_bitwise_after_kill_9(tmp_path):
@@ -106,7 +93,7 @@ def test_split_one_step_off_overlaps_and_resumes_bitwise_after_kill_9(tmp_path):
         update = next(t for t in timeline if t["what"] == "update_actor" and t["step"] == step)
         assert gen_next["start"] < update["end"], step
     meta = json.loads((straight / "checkpoints" / "step_2" / "meta.json").read_text())
-    assert meta["max_staleness"] == 1 and meta["placement"] == "split"
+    assert meta["checkpoint_layout"]["max_staleness"] == 1 and meta["checkpoint_layout"]["placement"] == "split"
     assert meta["in_flight"] == [{"step": 3, "policy_version": 1, "responses": 16}]
 
     _kill_after_checkpoint(resumed, 2, *args)
