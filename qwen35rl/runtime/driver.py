@@ -13,6 +13,7 @@ never changes meaning. All math lives in `qwen35rl.algo`; the engines stay behin
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import re
 import shutil
@@ -256,8 +257,7 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) 
     trainer = None
     try:
         phases.begin("Ray up" if cfg.trainer.launcher == "ray" else "preflight")
-        devices = layout.world + (layout.rollout_world if layout.split else 0)
-        with launcher(cfg, platform, devices, phases) as (preflight, group_cls), StopRequest() as stop:
+        with launcher(cfg, platform, layout.devices, phases) as (preflight, group_cls), StopRequest() as stop:
             phases.begin("preflight")
             provenance.record_cluster(start_dir, preflight())
             phases.mark("preflight")  # the preflight says its own line
@@ -267,7 +267,7 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) 
 
             def started() -> None:
                 pools = f" ({layout.world} training, {layout.rollout_world} rollout)" if layout.split else ""
-                phases.done("workers up", f"{devices} worker process(es){pools} on {cfg.hw.nodes} node(s)")
+                phases.done("workers up", f"{layout.devices} worker process(es){pools} on {cfg.hw.nodes} node(s)")
                 phases.begin("engines built")
 
             workers, rollout_workers = start_workers(cfg, platform, group_cls, layout, started, run_dir=str(run_dir),
@@ -288,8 +288,9 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) 
             finally:
                 if trainer is not None:
                     trainer.prefetch.close()
-                for group in {id(g): g for g in (workers, rollout_workers)}.values():
-                    group.shutdown()
+                workers.shutdown()
+                if rollout_workers is not workers:
+                    rollout_workers.shutdown()
     except KeyboardInterrupt:
         log.warning("interrupted; the last finished checkpoint is intact")
         code = EXIT_INTERRUPTED
@@ -450,6 +451,8 @@ class GRPOTrainer:
         self.cfg, self.layout, self.workers, self.tokenizer = cfg, layout, workers, tokenizer
         self.rollout_workers = rollout_workers if rollout_workers is not None else workers
         """The workers that generate: the training workers themselves unless placement=split."""
+        self.pools = [workers] if self.rollout_workers is workers else [workers, self.rollout_workers]
+        """Every worker group of the run, once each."""
         self.loader, self.val_set, self.reward_fn = loader, list(val_set), reward_fn
         self.tracking, self.checkpoints, self.stop = tracking, checkpoints, stop
         self.total_steps, self.run_dir = total_steps, run_dir
@@ -457,7 +460,7 @@ class GRPOTrainer:
         self.n = cfg.rollout.n
         shards = workers.run("data_shards")
         self.train_group = [s["train_dp_rank"] for s in shards]
-        rollout_shards = shards if self.rollout_workers is workers else self.rollout_workers.run("data_shards")
+        rollout_shards = self.pools[-1].run("data_shards") if len(self.pools) > 1 else shards
         self.rollout_group = [s["rollout_group"] for s in rollout_shards]
         self.dp = shards[0]["train_dp_size"]
         if self.dp != layout.dp or sorted(set(self.train_group)) != list(range(self.dp)):
@@ -636,8 +639,6 @@ class GRPOTrainer:
         """Append the busy intervals so far to timeline.jsonl (split placement; a thread may still add one)."""
         if not self.timeline:
             return
-        import json
-
         rows, self.timeline = self.timeline, []
         with open(self.run_dir / "timeline.jsonl", "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -825,14 +826,13 @@ class GRPOTrainer:
         seq_lens = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
         step_s = timer.seconds["step"]
         update_flops = train_flops(self.cfg.model, seq_lens) * self.algo.ppo_epochs
-        pools = {id(g): g for g in (self.workers, self.rollout_workers)}.values()
-        devices = sum(g.world for g in pools)  # throughput per device of the run, both pools
+        devices = sum(g.world for g in self.pools)  # throughput per device of the run, both pools
         return {
             "perf/total_num_tokens": float(sum(seq_lens)),
             "perf/throughput": sum(seq_lens) / step_s / devices if step_s > 0 else 0.0,
             "perf/mfu/actor": mfu(update_flops, timer.seconds["update_actor"], self.workers.world,
                                   self.cfg.hw.peak_tflops),
-            "perf/max_memory_allocated_gb": max(m for g in pools for m in g.run("max_memory_allocated_gb")),
+            "perf/max_memory_allocated_gb": max(m for g in self.pools for m in g.run("max_memory_allocated_gb")),
         }
 
     def save_checkpoint(self) -> Path:
@@ -846,7 +846,6 @@ class GRPOTrainer:
                                           "rng": ckpt.rng_state(), "in_flight": in_flight})
             final = self.checkpoints.commit(tmp, self.step, {
                 "world": self.workers.world, "layout": self.layout.to_dict(), "total_steps": self.total_steps,
-                "placement": self.cfg.placement.mode, "max_staleness": self.staleness,
                 "in_flight": [] if in_flight is None else [{"step": in_flight["step"],
                                                             "policy_version": in_flight["version"],
                                                             "responses": len(in_flight["batch"])}],

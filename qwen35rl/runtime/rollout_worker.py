@@ -20,6 +20,7 @@ from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult
 from qwen35rl.models.build import trains_vision
 from qwen35rl.runtime.platform import require_stack, resolve_platform
 from qwen35rl.runtime.quiet import quiet_known_warnings
+from qwen35rl.runtime.worker import PolicyWorker, accelerator_ids, hf_rollout_engine
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,6 @@ class RolloutWorker:
         self.platform = resolve_platform(self.cfg)
         quiet_known_warnings(self.platform.device_type)
         require_stack(self.platform, self.cfg.rollout.engine)
-        from qwen35rl.runtime.worker import accelerator_ids
-
         self.device = self.platform.torch_device(self.platform.local_device_index(accelerator_ids(self.platform)))
         self.text_only = not trains_vision(self.cfg.model, self.cfg.data)
         self.rollout: Optional[RolloutEngine] = None
@@ -43,16 +42,12 @@ class RolloutWorker:
         self.version = -1
         """The policy version of the loaded weights (the training step they come from)."""
 
-    def rendezvous_address(self):
-        from qwen35rl.runtime.cluster import free_port, node_ip
-
-        return node_ip(), free_port()
+    rendezvous_address = PolicyWorker.rendezvous_address
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         """Build the engine; the rollout pool has no torch.distributed world of its own (each hf engine holds the whole
         policy), so the address is unused."""
         from qwen35rl.models.tokenizer import build_tokenizer
-        from qwen35rl.runtime.worker import hf_rollout_engine
 
         torch.manual_seed(self.cfg.trainer.seed)
         tokenizer = build_tokenizer(self.cfg.model)
