@@ -23,9 +23,6 @@
 #   bash bench/gpu/run_all.sh phases          (carry .whl-gdn .whl-x .kcache; ~9.5 min; one GPU)
 #       fla + TileLang: bench/gpu/train_phases.py (the FSDP engine's reference pass and update, kernel change by
 #       kernel change, all-at-cap and realistic lengths, kernel profiles), then the decode benchmark
-#   bash bench/gpu/run_all.sh compare         (carry .whl-gdn .whl-x .kcache; ~9.5 min; one GPU)
-#       fla + TileLang: qwen35rl through its CLI (no Ray, micro batches filled by tokens) then TRL's GRPOTrainer, 3
-#       steps each, on the all-at-cap workload and on the realistic response lengths (bench/gpu/lengths.py)
 #   bash bench/gpu/run_all.sh compare-cap       (carry .whl-gdn .whl-x; ~9.5 min; one GPU)
 #   bash bench/gpu/run_all.sh compare-realistic (the same carry, back to back with compare-cap: its caches are warm)
 #       one workload per call: qwen35rl through its CLI (no Ray, fixed micro batches of 16 as TRL's) then TRL's
@@ -62,7 +59,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh megatron-tp1|compare-cap|compare-realistic|compare|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
+stage=${1:?usage: run_all.sh megatron-tp1|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -322,31 +319,6 @@ phases)  # where the FSDP engine's training phases spend their time, kernel chan
     --decode-tokens 32 > "$LOGS/phases.log" 2>&1
   elapsed "training phases (exit $?)"
   grep "^phases\|^decode bench [a-z]" "$LOGS/phases.log"
-  ;;
-compare)  # qwen35rl (CLI, no Ray) then TRL on one GPU: all-at-cap, then the realistic response lengths (fla + TileLang)
-  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
-  env_info > "$OUT/env-compare.txt" 2>&1
-  elapsed "installed: $(tail -2 "$OUT/env-compare.txt" | tr '\n' ' ')"
-  peaks
-  export PYTHONFAULTHANDLER=1
-  # qwen35rl's micro batches filled by tokens (32 rows of 768 at the cap, more of the shorter realistic rows)
-  QOPTS=(trainer.launcher=local backend.dynamic_batch_size=true backend.max_tokens_per_device=24576)
-  for wl in cap realistic; do
-    mkdir -p "$OUT/$wl" && cp "$OUT/peak.json" "$OUT/$wl/"
-    # budget: what is left of the call, halved per workload, qwen35rl a bit more than TRL (its first step compiles)
-    parts=1; [ "$wl" = cap ] && parts=2
-    share=$(( ($(left 590) - 10) / parts ))
-    PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 $G qwen35rl --lengths "$wl" --out "$OUT/$wl/q1.json" \
-      --run-dir "$RUNS/q1-$wl" --steps 3 --peak-tflops "$PEAK" --timeout $(( share * 52 / 100 )) -- "${QOPTS[@]}" \
-      > "$LOGS/q1-$wl.log" 2>&1
-    elapsed "qwen35rl ($wl): $(grep -c '\[qwen35rl\] step' "$LOGS/q1-$wl.log") steps"
-    rm -rf "$RUNS/q1-$wl"
-    PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(( $(left 590) / (parts + parts / 2) ))" \
-      $G trl --lengths "$wl" --out "$OUT/$wl/trl.json" --work-dir "/tmp/trl-$wl" --steps 3 > "$LOGS/trl-$wl.log" 2>&1
-    elapsed "TRL ($wl): $(grep -c 'trl step' "$LOGS/trl-$wl.log") steps"
-    PYTHONPATH=$BASE python3 bench/gpu/grpo_h200.py report "$OUT/$wl" > "$OUT/$wl/report.md" 2>&1
-    grep -A20 "qwen35rl / TRL" "$OUT/$wl/report.md"
-  done
   ;;
 compare-cap)  # the all-at-cap workload, both sides, one call
   [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
