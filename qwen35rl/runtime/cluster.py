@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from omegaconf import OmegaConf
 
 from qwen35rl.config import redact
+from qwen35rl.runtime import local_watchdog
 from qwen35rl.runtime.platform import Platform, apply_env
 
 log = logging.getLogger(__name__)
@@ -153,109 +154,6 @@ def ray_session(cfg: Any, platform: Platform, world: int):
             watchdog.release()
 
 
-_WATCHDOG = r"""
-import os, select, signal, sys, time
-signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C goes to the driver; the driver decides
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-driver, me, poll_s = int(sys.argv[1]), os.getpid(), float(sys.argv[2])
-
-def stat(pid):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            rest = f.read().rsplit(b")", 1)[1].split()
-        return int(rest[1]), rest[19]             # ppid, start time (tells a reused pid apart)
-    except (OSError, IndexError, ValueError):
-        return None
-
-def table():
-    out = {}
-    for e in os.listdir("/proc"):
-        if e.isdigit() and int(e) != me:
-            st = stat(int(e))
-            if st:
-                out[int(e)] = st
-    return out
-
-def descendants(roots, procs):
-    found, frontier = set(), set(roots)
-    while frontier:
-        found |= frontier
-        frontier = {p for p, (ppid, _) in procs.items() if ppid in frontier and p not in found}
-    return found
-
-driver_start = stat(driver)[1]
-known = {}
-def snapshot():
-    # add, never forget: once the driver dies its children are reparented (the last look may miss them)
-    procs = table()
-    for p in [p for p, s in known.items() if procs.get(p, (0, None))[1] != s]:
-        del known[p]
-    known.update({p: procs[p][1] for p in descendants({driver}, procs) if p != driver})
-
-def alive(pid, start):
-    st = stat(pid)
-    return st is not None and st[1] == start
-
-def stop(pids):
-    # freeze first (a frozen process starts nothing new), take in what they started meanwhile, then kill
-    stopped = {}
-    while True:
-        new = {p: s for p, s in pids.items() if p not in stopped and alive(p, s)}
-        if not new:
-            break
-        for p in new:
-            try:
-                os.kill(p, signal.SIGSTOP)
-            except OSError:
-                pass
-        stopped.update(new)
-        procs = table()
-        pids = {p: procs[p][1] for p in descendants(set(stopped), procs)}
-    for p, s in stopped.items():
-        if alive(p, s):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except OSError:
-                pass
-    return len(stopped)
-
-snapshot()
-released = False
-while True:
-    ready, _, _ = select.select([sys.stdin], [], [], poll_s)
-    if ready:
-        line = sys.stdin.readline()
-        if line.strip() == "released":
-            released = True
-            continue
-        if not line:                              # the driver's end closed: it exited or was killed
-            break
-    if not alive(driver, driver_start):
-        break
-    if not released:
-        snapshot()
-if released:
-    # the cluster was shut down: what of it is still there after a grace is stopped
-    deadline = time.monotonic() + 3.0
-    while any(alive(p, s) for p, s in known.items()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    def ray_process(pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                return b"ray" in f.read()
-        except OSError:
-            return False
-    left = {p: s for p, s in known.items() if alive(p, s) and ray_process(p)}
-    if left:
-        stop(left)
-else:
-    n = stop(known)
-    if n:
-        sys.stderr.write(f"[qwen35rl] driver (pid {driver}) ended without stopping its local Ray cluster: "
-                         f"stopped its {n} remaining processes\n")
-"""
-
-
 class LocalClusterWatchdog:
     """A small process that stops the local Ray cluster this driver started once the driver is gone, however it
     ended (SIGKILL, the kernel's OOM killer). Ray's own fate sharing takes the raylet and GCS down with the
@@ -276,7 +174,7 @@ class LocalClusterWatchdog:
         if not os.path.isdir("/proc"):
             return None
         try:
-            proc = subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG, str(os.getpid()), str(cls.POLL_S)],
+            proc = subprocess.Popen([sys.executable, "-I", "-S", local_watchdog.__file__, str(os.getpid()), str(cls.POLL_S)],
                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, close_fds=True)
         except OSError as e:
             log.warning("no watchdog for the local Ray cluster (%s): after a crash its processes may linger", e)
