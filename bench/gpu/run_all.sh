@@ -32,6 +32,8 @@
 #       GRPO with backend=megatron at TP1 on the comparison's all-at-cap workload (0.8B, all layers, fla, micro 16, no
 #       offload: everything stays on the GPU as with FSDP):
 #       the update MFU next to the FSDP engine's, and the plan's estimate of the same config
+#   bash bench/gpu/run_all.sh profile-head    (carry .whl-gdn .whl-x; LIMIT=seconds caps the call; one GPU)
+#       kernel profiles of the reference pass and the update with the compiled head on the all-at-cap rows
 #   bash bench/gpu/run_all.sh decode-only     (carry .whl-gdn .whl-x; ~2.5 min; ran 2026-12-02b)
 #       the decode benchmark alone: eager, CUDA graph, transformers generate, compiled + graph last
 #   bash bench/gpu/run_all.sh moe-numerics    (carry .whl .whl-x; ~8 min)
@@ -59,7 +61,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh megatron-tp1|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
+stage=${1:?usage: run_all.sh megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -340,6 +342,17 @@ compare-realistic)  # the realistic lengths, both sides, one call; then the 4B a
     --peak-tflops "$PEAK" > "$LOGS/phases-4b.log" 2>&1
   elapsed "4B training phases (exit $?)"
   grep "^phases" "$LOGS/phases-4b.log"
+  ;;
+profile-head)  # the engine's reference pass and update with the compiled head, all at cap, profiled (~4 min, 1 GPU)
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
+  elapsed "installed"
+  mkdir -p "$OUT/phases"
+  export PYTHONFAULTHANDLER=1
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left "${LIMIT:-570}")" python3 bench/gpu/train_phases.py \
+    --out "$OUT/phases/phases_head.json" --workloads cap --variants head --profile head --reps 2 \
+    --peak-tflops "${PEAK:-786.6}" > "$OUT/phases/phases-head.log" 2>&1
+  elapsed "profiled phases (exit $?)"
+  grep "^phases" "$OUT/phases/phases-head.log"
   ;;
 decode-only)  # the decode benchmark alone (eager, CUDA graph, transformers generate, compiled + graph last)
   [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
