@@ -117,6 +117,9 @@ def cmd_qwen35rl(args) -> None:
     info = {"command": cmd, "exit_code": code, "wall_s": time.perf_counter() - t0, "overrides": overrides + args.extra}
     metrics = Path(args.run_dir) / "metrics.jsonl"
     info["steps"] = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    timeline = Path(args.run_dir) / "timeline.jsonl"  # placement=split: when each pool was busy
+    if timeline.exists():
+        info["timeline"] = [json.loads(line) for line in timeline.read_text().splitlines()]
     write_json(args.out, info)
     print(f"qwen35rl exit {code} after {info['wall_s']:.0f} s, {len(info['steps'])} steps", flush=True)
 
