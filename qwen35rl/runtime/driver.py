@@ -827,7 +827,13 @@ class GRPOTrainer:
         step_s = timer.seconds["step"]
         update_flops = train_flops(self.cfg.model, seq_lens) * self.algo.ppo_epochs
         devices = sum(g.world for g in self.pools)  # throughput per device of the run, both pools
+        phase_peaks: Dict[str, float] = {}  # each phase's peak over every worker of both pools (none on CPU)
+        for peaks in (d for g in self.pools for d in g.run("phase_memory_gb")):
+            for phase, gb in peaks.items():
+                key = f"perf/max_memory_allocated_gb/{phase}"
+                phase_peaks[key] = max(gb, phase_peaks.get(key, 0.0))
         return {
+            **phase_peaks,
             "perf/total_num_tokens": float(sum(seq_lens)),
             "perf/throughput": sum(seq_lens) / step_s / devices if step_s > 0 else 0.0,
             "perf/mfu/actor": mfu(update_flops, timer.seconds["update_actor"], self.workers.world,

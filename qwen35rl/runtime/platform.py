@@ -54,6 +54,10 @@ class Platform:
         device_module(self.device_type).set_device(index)
         return torch.device(self.device_type, index)
 
+    def device_module(self):
+        """torch.cuda / torch.npu of this platform, None on CPU."""
+        return device_module(self.device_type) if self.is_accelerator else None
+
     def max_memory_allocated_gb(self) -> float:
         """Peak allocator memory of this process on its device; on CPU the peak resident set of the process."""
         if self.is_accelerator:

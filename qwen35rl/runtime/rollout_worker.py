@@ -18,6 +18,7 @@ from qwen35rl.config.layout import Layout
 from qwen35rl.config.schema import typed
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult
 from qwen35rl.models.build import trains_vision
+from qwen35rl.runtime.memory_peaks import MemoryPeaks
 from qwen35rl.runtime.platform import require_stack, resolve_platform
 from qwen35rl.runtime.quiet import quiet_known_warnings
 from qwen35rl.runtime.worker import PolicyWorker, accelerator_ids, hf_rollout_engine
@@ -36,6 +37,7 @@ class RolloutWorker:
         quiet_known_warnings(self.platform.device_type)
         require_stack(self.platform, self.cfg.rollout.engine)
         self.device = self.platform.torch_device(self.platform.local_device_index(accelerator_ids(self.platform)))
+        self.memory = MemoryPeaks(self.platform.device_module())
         self.text_only = not trains_vision(self.cfg.model, self.cfg.data)
         self.rollout: Optional[RolloutEngine] = None
         self.sync_group = None
@@ -82,14 +84,15 @@ class RolloutWorker:
     def generate(self, prompt_ids: List[List[int]], params: Dict[str, Any]) -> RolloutResult:
         if not prompt_ids:
             return RolloutResult(response_ids=[], log_probs=[], finish_reasons=[])
-        result = self.rollout.generate(RolloutRequest(prompt_ids=prompt_ids, **params))
+        with self.memory.phase("gen"):
+            result = self.rollout.generate(RolloutRequest(prompt_ids=prompt_ids, **params))
         stats = getattr(self.rollout, "stats", None)
         if stats is not None:
             result.decode = dataclasses.asdict(stats)
         return result
 
-    def max_memory_allocated_gb(self) -> float:
-        return self.platform.max_memory_allocated_gb()
+    max_memory_allocated_gb = PolicyWorker.max_memory_allocated_gb
+    phase_memory_gb = PolicyWorker.phase_memory_gb
 
     def shutdown(self) -> None:
         if self.sync_group is not None:

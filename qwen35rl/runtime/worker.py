@@ -29,6 +29,7 @@ from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.runtime.batching import Sequences, build_batch, response_values
 from qwen35rl.runtime.cluster import connected_ray, free_port, node_ip
 from qwen35rl.runtime.micro_batches import fixed_groups, token_budget_groups
+from qwen35rl.runtime.memory_peaks import MemoryPeaks
 from qwen35rl.runtime.platform import device_module, require_stack, resolve_platform
 from qwen35rl.runtime.quiet import quiet_known_warnings
 
@@ -64,6 +65,7 @@ class PolicyWorker:
         quiet_known_warnings(self.platform.device_type)  # e.g. the GPU-kernel fallback warnings of a CPU run
         require_stack(self.platform, self.cfg.rollout.engine)
         self.device = self.platform.torch_device(self.platform.local_device_index(accelerator_ids(self.platform)))
+        self.memory = MemoryPeaks(self.platform.device_module())
         self.actor: Optional[TrainEngine] = None
         self.ref: Optional[TrainEngine] = None
         self.rollout: Optional[RolloutEngine] = None
@@ -184,7 +186,8 @@ class PolicyWorker:
             return RolloutResult(response_ids=[], log_probs=[], finish_reasons=[])
         self._move_trainer_states("to the host", lambda e: e.offload_states())  # backend.*_offload
         self.rollout.wake_up()
-        result = self.rollout.generate(RolloutRequest(prompt_ids=prompt_ids, **params))
+        with self.memory.phase("gen"):
+            result = self.rollout.generate(RolloutRequest(prompt_ids=prompt_ids, **params))
         stats = getattr(self.rollout, "stats", None)  # the hf engine's DecodeStats; the vLLM engine has none
         if stats is not None:
             result.decode = dataclasses.asdict(stats)
@@ -212,7 +215,7 @@ class PolicyWorker:
         self._trainers_on_device()
         groups = self.micro_batch_groups(seqs, engine)
         computed = []
-        with torch.no_grad():
+        with torch.no_grad(), self.memory.phase("ref" if reference else "old_log_prob"):
             for rows in groups:
                 batch = build_batch(seqs.take(rows), self.pad_token_id, self.device, self._image_processor)
                 computed.append((engine.compute_log_probs(batch)[0], batch))
@@ -226,9 +229,10 @@ class PolicyWorker:
     def update_actor(self, seqs: Sequences, global_scale: Dict[str, float]) -> Dict[str, float]:
         """Collective: one optimizer step over this rank's share of a mini batch, in micro batches."""
         self._trainers_on_device()
-        micro_batches = [build_batch(seqs.take(rows), self.pad_token_id, self.device, self._image_processor)
-                         for rows in self.micro_batch_groups(seqs, self.actor)]
-        return self.actor.train_mini_batch(micro_batches, dict(global_scale))
+        with self.memory.phase("update_actor"):
+            micro_batches = [build_batch(seqs.take(rows), self.pad_token_id, self.device, self._image_processor)
+                             for rows in self.micro_batch_groups(seqs, self.actor)]
+            return self.actor.train_mini_batch(micro_batches, dict(global_scale))
 
     def _move_trainer_states(self, where: str, move) -> None:
         """`move` (offload or reload) on the policy and the reference engine; logs what moved and how long it took."""
@@ -317,7 +321,12 @@ class PolicyWorker:
 
     # ------------------------------------------------------------------------------------------------ stats
     def max_memory_allocated_gb(self) -> float:
-        return self.platform.max_memory_allocated_gb()
+        overall = self.memory.overall_gb()
+        return self.platform.max_memory_allocated_gb() if overall is None else overall
+
+    def phase_memory_gb(self) -> Dict[str, float]:
+        """The device's peak per phase since the last call (empty on CPU)."""
+        return self.memory.take_phases_gb()
 
     def shutdown(self) -> None:
         if getattr(self, "sync_group", None) is not None:

@@ -79,6 +79,9 @@ class FakeWorker:
     def max_memory_allocated_gb(self):
         return 0.1 * (self.rank + 1)
 
+    def phase_memory_gb(self):
+        return {"gen": 0.1 * (self.rank + 1), "update_actor": 0.3 - 0.1 * self.rank}
+
 
 class FakeWorkers:
     def __init__(self, world: int, tp: int = 1):
@@ -137,6 +140,9 @@ def test_step_splits_work_over_ranks_and_mini_batches(tmp_path):
         assert key in metrics, key
     assert "timing_s/ref" not in metrics                          # no KL: no reference pass
     assert metrics["perf/max_memory_allocated_gb"] == pytest.approx(0.2)
+    # each phase's peak is the largest over the workers, whichever worker holds it
+    assert metrics["perf/max_memory_allocated_gb/gen"] == pytest.approx(0.2)
+    assert metrics["perf/max_memory_allocated_gb/update_actor"] == pytest.approx(0.3)
     assert workers.log["sync"] == [0, 1]
 
 

@@ -1,0 +1,45 @@
+"""Peak device memory per phase of a step (gen, ref, update_actor, ...) next to the run's overall peak.
+
+The plan estimates the rollout's and the trainer's peaks apart; one `max_memory_allocated` over the whole run cannot
+say which phase set it. Each phase resets the allocator's peak counter when it starts and reads it when it ends; the
+overall peak is the largest of those windows (and of the time between them), so `perf/max_memory_allocated_gb`
+keeps its meaning. On CPU there is no allocator counter to reset (the resident-set peak only grows): no phase peaks.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, Optional
+
+
+class MemoryPeaks:
+    def __init__(self, device: Optional[Any]):
+        """`device`: torch.cuda or torch.npu (reset_peak_memory_stats, max_memory_allocated), None on CPU."""
+        self.device = device
+        self.overall = 0
+        self.phases: Dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self.device is None:
+            yield
+            return
+        self.overall = max(self.overall, self.device.max_memory_allocated())  # before the reset forgets it
+        self.device.reset_peak_memory_stats()
+        try:
+            yield
+        finally:
+            peak = self.device.max_memory_allocated()
+            self.phases[name] = max(self.phases.get(name, 0), peak)
+            self.overall = max(self.overall, peak)
+
+    def overall_gb(self) -> Optional[float]:
+        """The run's peak so far, None on CPU."""
+        if self.device is None:
+            return None
+        return max(self.overall, self.device.max_memory_allocated()) / 1e9
+
+    def take_phases_gb(self) -> Dict[str, float]:
+        """Each phase's peak since the last call (GB), and clears them: one step's phases per call."""
+        out = {k: v / 1e9 for k, v in self.phases.items()}
+        self.phases.clear()
+        return out
