@@ -32,6 +32,11 @@
 #       GRPO with backend=megatron at TP1 on the comparison's all-at-cap workload (0.8B, all layers, fla, micro 16, no
 #       offload: everything stays on the GPU as with FSDP):
 #       the update MFU next to the FSDP engine's, and the plan's estimate of the same config
+#   bash bench/gpu/run_all.sh phases-4b       (carry .whl-gdn .whl-x; ~9 min; one GPU)
+#       the all-at-cap CLI run of compare-cap alone, with its peak memory per phase (perf/max_memory_allocated_gb/*)
+#       against the plan's estimate, then the 4B architecture's reference pass and update with kernel profiles
+#   bash bench/gpu/run_all.sh megatron-tp1-fla (carry .whl; right after phases-4b, whose /tmp/site-gdn it uses)
+#       megatron-tp1 with fla + TileLang, so that the GDN backward runs on fla's kernels: 0.8B, then 4B at micro 2
 #   bash bench/gpu/run_all.sh profile-head    (carry .whl-gdn .whl-x; LIMIT=seconds caps the call; one GPU)
 #       kernel profiles of the reference pass and the update with the compiled head on the all-at-cap rows
 #   bash bench/gpu/run_all.sh decode-only     (carry .whl-gdn .whl-x; ~2.5 min; ran 2026-12-02b)
@@ -61,7 +66,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
+stage=${1:?usage: run_all.sh phases-4b|megatron-tp1-fla|megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -342,6 +347,56 @@ compare-realistic)  # the realistic lengths, both sides, one call; then the 4B a
     --peak-tflops "$PEAK" > "$LOGS/phases-4b.log" 2>&1
   elapsed "4B training phases (exit $?)"
   grep "^phases" "$LOGS/phases-4b.log"
+  ;;
+phases-4b)  # the CLI's all-at-cap run with its memory per phase, then the 4B architecture's phases profiled (1 GPU)
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
+  env_info > "$OUT/env-phases-4b.txt" 2>&1
+  elapsed "installed: $(tail -2 "$OUT/env-phases-4b.txt" | tr '\n' ' ')"
+  peaks
+  export PYTHONFAULTHANDLER=1
+  mkdir -p "$OUT/cap-memory" "$OUT/phases"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 $G qwen35rl --lengths cap --out "$OUT/cap-memory/q1.json" \
+    --run-dir "$RUNS/q1-cap" --steps 3 --peak-tflops "$PEAK" --timeout "$(left 260)" -- trainer.launcher=local \
+    > "$LOGS/q1-cap.log" 2>&1
+  elapsed "qwen35rl (cap): $(grep -c '\[qwen35rl\] step' "$LOGS/q1-cap.log") steps"
+  cp "$RUNS/q1-cap/metrics.jsonl" "$OUT/cap-memory/q1-metrics.jsonl" 2>/dev/null
+  rm -rf "$RUNS/q1-cap"
+  PYTHONPATH=$BASE python3 -c "import json, subprocess, sys
+o = json.load(open('$OUT/cap-memory/q1.json'))['overrides']
+sys.exit(subprocess.run([sys.executable, '-m', 'qwen35rl.cli.plan', *o, 'format=json']).returncode)" \
+    > "$OUT/cap-memory/plan.json" 2> "$LOGS/plan_cap.log"
+  grep -o '"perf/max_memory_allocated_gb[^,]*' "$OUT/cap-memory/q1-metrics.jsonl" | tail -6
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 575)" python3 bench/gpu/train_phases.py \
+    --out "$OUT/phases/phases_4b.json" --model qwen3_5_4b --micro 4 --workloads cap --variants head --profile head \
+    --reps 2 --peak-tflops "$PEAK" > "$OUT/phases/phases-4b.log" 2>&1
+  elapsed "4B phases profiled (exit $?)"
+  grep "^phases" "$OUT/phases/phases-4b.log"
+  ;;
+megatron-tp1-fla)  # megatron-tp1 with fla + TileLang (GDN backward on fla's kernels): 0.8B, then 4B at micro 2 (1 GPU)
+  # TileLang's wheels and megatron-core's do not fit one call: /tmp/site-gdn stays from a fla stage called just before
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] || { echo "no /tmp/site-gdn: call phases-4b (or another fla stage) right before"; exit 1; }
+  install_mcore
+  peaks
+  export PYTHONFAULTHANDLER=1
+  MCORE_GDN_PATH=/tmp/site-mcore:/tmp/site-gdn:$BASE
+  NO_OFFLOAD=(backend.param_offload=false backend.grad_offload=false backend.optimizer_offload=false
+              backend.optimizer_cpu_offload=false)
+  mkdir -p "$OUT/megatron-tp1-fla"
+  for job in "0.8b qwen3_5_0_8b 16 330" "4b qwen3_5_4b 2 570"; do
+    read -r name model micro until <<< "$job"
+    PYTHONPATH=$MCORE_GDN_PATH CUDA_VISIBLE_DEVICES=0 $G qwen35rl --out "$OUT/megatron-tp1-fla/$name.json" \
+      --run-dir "$RUNS/mtp1-$name" --model "$model" --micro "$micro" --backend megatron --steps 3 --peak-tflops "$PEAK" \
+      --timeout "$(left "$until")" -- backend.megatron_core_version=0.19.2 trainer.launcher=local "${NO_OFFLOAD[@]}" \
+      > "$LOGS/mtp1-$name.log" 2>&1
+    elapsed "megatron TP1 fla ($name): $(grep -c '\[qwen35rl\] step' "$LOGS/mtp1-$name.log") steps"
+    cp "$RUNS/mtp1-$name/metrics.jsonl" "$OUT/megatron-tp1-fla/$name-metrics.jsonl" 2>/dev/null
+    rm -rf "$RUNS/mtp1-$name"
+    PYTHONPATH=$BASE python3 -c "import json, subprocess, sys
+o = json.load(open('$OUT/megatron-tp1-fla/$name.json'))['overrides']
+sys.exit(subprocess.run([sys.executable, '-m', 'qwen35rl.cli.plan', *o, 'format=json']).returncode)" \
+      > "$OUT/megatron-tp1-fla/plan-$name.json" 2> "$LOGS/plan-$name.log"
+    grep -m3 "GDN\|gdn\|Error" "$LOGS/mtp1-$name.log" | cut -c1-300
+  done
   ;;
 profile-head)  # the engine's reference pass and update with the compiled head, all at cap, profiled (~4 min, 1 GPU)
   [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
