@@ -4,11 +4,14 @@ The plan estimates the rollout's and the trainer's peaks apart; one `max_memory_
 say which phase set it. Each phase resets the allocator's peak counter when it starts and reads it when it ends; the
 overall peak is the largest of those windows (and of the time between them), so `perf/max_memory_allocated_gb`
 keeps its meaning. On CPU there is no allocator counter to reset (the resident-set peak only grows): no phase peaks.
+All in GiB (2**30 bytes), the plan's unit and verl's for `perf/max_memory_allocated_gb`.
 """
 from __future__ import annotations
 
 import contextlib
 from typing import Any, Dict, Iterator, Optional
+
+GIB = 2 ** 30
 
 
 class MemoryPeaks:
@@ -36,10 +39,10 @@ class MemoryPeaks:
         """The run's peak so far, None on CPU."""
         if self.device is None:
             return None
-        return max(self.overall, self.device.max_memory_allocated()) / 1e9
+        return max(self.overall, self.device.max_memory_allocated()) / GIB
 
     def take_phases_gb(self) -> Dict[str, float]:
-        """Each phase's peak since the last call (GB), and clears them: one step's phases per call."""
-        out = {k: v / 1e9 for k, v in self.phases.items()}
+        """Each phase's peak since the last call (GiB), and clears them: one step's phases per call."""
+        out = {k: v / GIB for k, v in self.phases.items()}
         self.phases.clear()
         return out

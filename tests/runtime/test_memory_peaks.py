@@ -1,5 +1,5 @@
 """Peak device memory per phase: each phase's own window, the overall peak over all of them."""
-from qwen35rl.runtime.memory_peaks import MemoryPeaks
+from qwen35rl.runtime.memory_peaks import GIB, MemoryPeaks
 
 
 class FakeAllocator:
@@ -25,27 +25,27 @@ class FakeAllocator:
 def test_each_phase_reads_its_own_peak_and_the_overall_peak_keeps_the_largest():
     dev = FakeAllocator()
     peaks = MemoryPeaks(dev)
-    dev.alloc(10e9)                      # weights, before any phase
+    dev.alloc(10 * GIB)                      # weights, before any phase
     with peaks.phase("gen"):
-        dev.alloc(30e9)
-        dev.free(30e9)
+        dev.alloc(30 * GIB)
+        dev.free(30 * GIB)
     with peaks.phase("update_actor"):
-        dev.alloc(5e9)
-        dev.free(5e9)
+        dev.alloc(5 * GIB)
+        dev.free(5 * GIB)
     assert peaks.take_phases_gb() == {"gen": 40.0, "update_actor": 15.0}
     assert peaks.overall_gb() == 40.0    # the gen window's peak survives the update's reset
     with peaks.phase("update_actor"):
-        dev.alloc(1e9)
-        dev.free(1e9)
+        dev.alloc(1 * GIB)
+        dev.free(1 * GIB)
     assert peaks.take_phases_gb() == {"update_actor": 11.0}  # the last call cleared the others
-    dev.alloc(50e9)                      # between phases
+    dev.alloc(50 * GIB)                      # between phases
     assert peaks.overall_gb() == 60.0
 
 
 def test_a_phase_run_twice_in_a_step_keeps_its_larger_peak():
     dev = FakeAllocator()
     peaks = MemoryPeaks(dev)
-    for n in (3e9, 7e9, 2e9):
+    for n in (3 * GIB, 7 * GIB, 2 * GIB):
         with peaks.phase("update_actor"):
             dev.alloc(n)
             dev.free(n)
