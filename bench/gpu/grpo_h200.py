@@ -330,6 +330,10 @@ class DeviceMemory:
     def peak(self) -> float:
         return _gib(self.torch.cuda.max_memory_allocated()) if self.cuda else 0.0
 
+    def alloc_retries(self) -> int:
+        """How often the caching allocator had to free its cache and retry a cudaMalloc (memory pressure)."""
+        return int(self.torch.cuda.memory_stats().get("num_alloc_retries", 0)) if self.cuda else 0
+
     def reserved_peak(self) -> float:
         return _gib(self.torch.cuda.max_memory_reserved()) if self.cuda else 0.0
 

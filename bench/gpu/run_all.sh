@@ -35,6 +35,9 @@
 #   bash bench/gpu/run_all.sh phases-4b       (carry .whl-gdn .whl-x; ~9 min; one GPU)
 #       the all-at-cap CLI run of compare-cap alone, with its peak memory per phase (perf/max_memory_allocated_gb/*)
 #       against the plan's estimate, then the 4B architecture's reference pass and update with kernel profiles
+#   bash bench/gpu/run_all.sh alloc-4b        (carry .whl-gdn .whl-x; ~8 min; one GPU)
+#       the 4B phases at micro 4 (108.6 of 110.6 GiB) with the default allocator against expandable segments, then
+#       with checkpointing at micro 8; allocator retries per phase
 #   bash bench/gpu/run_all.sh megatron-tp1-fla (carry .whl; right after phases-4b, whose /tmp/site-gdn it uses)
 #       megatron-tp1 with fla + TileLang, so that the GDN backward runs on fla's kernels: 0.8B, then 4B at micro 2
 #   bash bench/gpu/run_all.sh profile-head    (carry .whl-gdn .whl-x; LIMIT=seconds caps the call; one GPU)
@@ -66,7 +69,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh phases-4b|megatron-tp1-fla|megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
+stage=${1:?usage: run_all.sh alloc-4b|phases-4b|megatron-tp1-fla|megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -371,6 +374,21 @@ sys.exit(subprocess.run([sys.executable, '-m', 'qwen35rl.cli.plan', *o, 'format=
     --reps 2 --peak-tflops "$PEAK" > "$OUT/phases/phases-4b.log" 2>&1
   elapsed "4B phases profiled (exit $?)"
   grep "^phases" "$OUT/phases/phases-4b.log"
+  ;;
+alloc-4b)  # the 4B phases at the memory edge: the default caching allocator, expandable segments, checkpointing (1 GPU)
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
+  elapsed "installed"
+  mkdir -p "$OUT/phases"
+  export PYTHONFAULTHANDLER=1
+  for job in "default 4 - ${T1:-170}" "expandable 4 - ${T2:-310}" "expandable-ckpt 8 --ckpt ${T3:-430}"; do
+    read -r name micro ckpt until <<< "$job"
+    conf=""; [ "${name#expandable}" != "$name" ] && conf=expandable_segments:True
+    PYTORCH_CUDA_ALLOC_CONF=$conf PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left "$until")" \
+      python3 bench/gpu/train_phases.py --out "$OUT/phases/alloc_4b_$name.json" --model qwen3_5_4b --micro "$micro" \
+      $( [ "$ckpt" = - ] || echo "$ckpt" ) --workloads cap --variants head --reps 2 --peak-tflops "${PEAK:-786.6}" \
+      > "$OUT/phases/alloc-4b-$name.log" 2>&1
+    elapsed "4B $name (exit $?): $(grep "^phases" "$OUT/phases/alloc-4b-$name.log")"
+  done
   ;;
 megatron-tp1-fla)  # megatron-tp1 with fla + TileLang (GDN backward on fla's kernels): 0.8B, then 4B at micro 2 (1 GPU)
   # TileLang's wheels and megatron-core's do not fit one call: /tmp/site-gdn stays from a fla stage called just before

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -53,10 +52,12 @@ def batch(workload_name: str, prompts: int, prompt_len: int, cap: int, seed: int
 def timed(fn: Callable[[], Any], mem: DeviceMemory) -> Dict[str, float]:
     gc.collect()
     mem.reset_peak()
+    retries = mem.alloc_retries()
     t0 = time.perf_counter()
     fn()
     mem.sync()
-    return {"s": time.perf_counter() - t0, "peak_gib": mem.peak()}
+    return {"s": time.perf_counter() - t0, "peak_gib": mem.peak(), "reserved_peak_gib": mem.reserved_peak(),
+            "alloc_retries": mem.alloc_retries() - retries}
 
 
 def build(args, overrides_extra: List[str], port: int):
