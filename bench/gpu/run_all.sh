@@ -380,7 +380,7 @@ alloc-4b)  # the 4B phases at the memory edge: the default caching allocator, ex
   elapsed "installed"
   mkdir -p "$OUT/phases"
   export PYTHONFAULTHANDLER=1
-  for job in "default 4 - ${T1:-170}" "expandable 4 - ${T2:-310}" "expandable-ckpt 8 --ckpt ${T3:-430}"; do
+  for job in "default 4 - ${T1:-250}" "expandable 4 - ${T2:-420}" "expandable-ckpt 8 --ckpt ${T3:-575}"; do
     read -r name micro ckpt until <<< "$job"
     conf=""; [ "${name#expandable}" != "$name" ] && conf=expandable_segments:True
     PYTORCH_CUDA_ALLOC_CONF=$conf PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left "$until")" \
