@@ -15,7 +15,7 @@ CPU machine: `../shared/gpu/pack-wheels.sh megatron-core==0.19.2` (hydra/omegaco
     bash bench/gpu/install-wheels.sh .whl && export PYTHONPATH=/tmp/site:$PWD:$PYTHONPATH
     torchrun --standalone --nproc_per_node=2 bench/gpu/megatron_numerics.py --out /tmp/out/megatron.json
 (about 2 GB of weights per model; the MoE model's HF random init on CPU is the slowest part).
-VL models (`dense_vl`, `tiny_vl`): transformers' VL model (`Qwen3_5ForConditionalGeneration`) against the engine's
+VL models (`dense_vl`, `moe_vl`, `tiny_vl`, `tiny_vl_moe`): transformers' VL model (`Qwen3_5ForConditionalGeneration`) against the engine's
 Qwen3.5-VL (vision tower on the first stage, M-RoPE), on a fixed batch with one random-noise image per row
 (`--image-size`, WxH pixels, through the model's processor; 384x256 at the official sizes: a 24 x 16 patch grid, 96
 image tokens); MFU counts the text tokens as the driver does, "+vision" adds 6 x the tower's weights per patch.
@@ -50,14 +50,17 @@ MODELS = {
     "moe": ("qwen3_5_35b_a3b", ["model.num_hidden_layers=4", "model.num_experts=64"]),
     # Qwen3.5-VL: the 0.8B text architecture (4 layers) with its real vision tower (12 blocks) on image data
     "dense_vl": ("qwen3_5_0_8b", ["model.num_hidden_layers=4", "data.has_images=true"]),
+    # the MoE VL architecture (Qwen3.5-35B-A3B's shapes, 4 layers, 64 of its experts) with its vision tower
+    "moe_vl": ("qwen3_5_35b_a3b", ["model.num_hidden_layers=4", "model.num_experts=64", "data.has_images=true"]),
     # dry runs of this script (CPU, tests' stand-ins for CUDA)
     "tiny": ("qwen3_5_tiny", ["model.dtype=bfloat16"]),
     "tiny_moe": ("qwen3_5_tiny_moe", ["model.dtype=bfloat16"]),
     "tiny_vl": ("qwen3_5_tiny_vl", ["model.dtype=bfloat16", "data.has_images=true"]),
+    "tiny_vl_moe": ("qwen3_5_tiny_vl_moe", ["model.dtype=bfloat16", "data.has_images=true"]),
 }
-VL_MODELS = {"dense_vl", "tiny_vl"}
+VL_MODELS = {"dense_vl", "moe_vl", "tiny_vl", "tiny_vl_moe"}
 """Models that keep `model.vision` and train on images: the fixed batch holds one image per row."""
-LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "ep2": {"ep": 2}}
+LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "ep2": {"ep": 2}, "tp2ep2": {"tp": 2, "ep": 2}}
 
 
 T0 = time.perf_counter()
@@ -400,7 +403,7 @@ def main(argv=None, transformer_overrides=None):
         log(f"{model}: HF bf16 vs fp32 log-prob noise floor max {floor[model]['max']:.4f} mean {floor[model]['mean']:.5f}")
         for name in args.layouts.split(","):
             need = max(LAYOUTS[name].values(), default=1)
-            if name == "ep2" and not cfg.model.moe or need > dist.get_world_size():
+            if "ep" in LAYOUTS[name] and not cfg.model.moe or need > dist.get_world_size():
                 continue
             try:
                 r = run_layout(model, name, args, {k: v.clone() for k, v in hf_state.items()}, refs, batch)

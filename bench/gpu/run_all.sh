@@ -35,6 +35,20 @@
 #   bash bench/gpu/run_all.sh phases-4b       (carry .whl-gdn .whl-x; ~9 min; one GPU)
 #       the all-at-cap CLI run of compare-cap alone, with its peak memory per phase (perf/max_memory_allocated_gb/*)
 #       against the plan's estimate, then the 4B architecture's reference pass and update with kernel profiles
+#   Multi-GPU stages (not run yet: only nvidia-h200 was lent so far):
+#   bash bench/gpu/run_all.sh sp-x2           (nvidia-h200-x2; carry .whl-gdn .whl-x; ~9 min)
+#       bench/gpu/sp_gap.py: Ulysses SP2 against SP1 on the same 4 rows of $SEQ tokens (default 16384): log-prob gap
+#       in bf16, log-prob pass and update time, peak memory; then SP2 at twice the length
+#   bash bench/gpu/run_all.sh hsdp-x4         (nvidia-h200-x4; carry .whl-gdn .whl-x; ~9 min)
+#       HSDP (fsdp_size 2) against full sharding (fsdp_size 4) on 16 rows: step time, memory, log-prob gap
+#   bash bench/gpu/run_all.sh split-x2        (nvidia-h200-x2; carry .whl .whl-x; ~9 min; Ray, torch GDN)
+#       placement=split placement.rollout_devices=1, algorithm.max_staleness 0 then 1, 4 steps each through the
+#       CLI: step time, tokens/s, timing_s/sync_weights and each pool's busy timeline (timeline.jsonl)
+#   bash bench/gpu/run_all.sh megatron-x2-numerics (nvidia-h200-x2; carry .whl; ~9 min)
+#       VL log-probs against transformers' VL model in bf16: dense (0.8B, 4 layers) at TP2 and PP2, MoE (35B-A3B
+#       shapes, 4 layers, 64 experts) at EP2 and TP2 + EP2 (megatron-core's torch GDN recurrence, deterministic)
+#   bash bench/gpu/run_all.sh megatron-x2-cli (nvidia-h200-x2; carry .whl .whl-x, Ray; ~9 min)
+#       3 GRPO steps through the CLI on geo3k-style images: dense at TP2, MoE at EP2; the plan's estimate of each
 #   bash bench/gpu/run_all.sh alloc-4b        (carry .whl-gdn .whl-x; ~8 min; one GPU)
 #       the 4B phases at micro 4 (108.6 of 110.6 GiB) with the default allocator against expandable segments, then
 #       with checkpointing at micro 8; allocator retries per phase
@@ -69,7 +83,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh alloc-4b|phases-4b|megatron-tp1-fla|megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
+stage=${1:?usage: run_all.sh sp-x2|hsdp-x4|split-x2|megatron-x2-numerics|megatron-x2-cli|alloc-4b|phases-4b|megatron-tp1-fla|megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -374,6 +388,97 @@ sys.exit(subprocess.run([sys.executable, '-m', 'qwen35rl.cli.plan', *o, 'format=
     --reps 2 --peak-tflops "$PEAK" > "$OUT/phases/phases-4b.log" 2>&1
   elapsed "4B phases profiled (exit $?)"
   grep "^phases" "$OUT/phases/phases-4b.log"
+  ;;
+sp-x2)  # issue 22: Ulysses SP2 against SP1 on the same rows (fla + TileLang, NCCL), then SP2 at twice the length
+  [ "$NGPU" -ge 2 ] || { echo "sp-x2 needs 2 GPUs (nvidia-h200-x2)"; exit 2; }
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
+  env_info > "$OUT/env-sp.txt" 2>&1
+  peaks
+  mkdir -p "$OUT/sp"
+  SEQ=${SEQ:-16384}  # 4 rows of it: what SP1 holds without checkpointing in the plan's estimate; SP2 then takes 2x
+  S="bench/gpu/sp_gap.py run --rows 4"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 200)" python3 $S --sp 1 --seq-len "$SEQ" \
+    --out "$OUT/sp/sp1.pt" > "$LOGS/sp1.log" 2>&1
+  elapsed "SP1 (exit $?): $(grep '^sp ' "$LOGS/sp1.log")"
+  PYTHONPATH=$FLA_PATH timeout -s ABRT "$(left 380)" torchrun --standalone --nproc_per_node=2 $S --sp 2 \
+    --seq-len "$SEQ" --out "$OUT/sp/sp2.pt" > "$LOGS/sp2.log" 2>&1
+  elapsed "SP2 (exit $?): $(grep '^sp ' "$LOGS/sp2.log")"
+  PYTHONPATH=$BASE python3 bench/gpu/sp_gap.py compare "$OUT/sp/sp1.pt" "$OUT/sp/sp2.pt" --out "$OUT/sp/gap.json"
+  PYTHONPATH=$FLA_PATH timeout -s ABRT "$(left 575)" torchrun --standalone --nproc_per_node=2 $S --sp 2 \
+    --seq-len $((2 * SEQ)) --out "$OUT/sp/sp2_2x.pt" > "$LOGS/sp2_2x.log" 2>&1
+  elapsed "SP2 at 2x (exit $?): $(grep '^sp ' "$LOGS/sp2_2x.log")"
+  rm -f "$OUT"/sp/*.pt  # the log-probs are in gap.json's numbers; the rest is in the logs
+  ;;
+hsdp-x4)  # issue 22: HSDP (fsdp_size 2) against full sharding over 4 GPUs, same rows (fla + TileLang, NCCL)
+  [ "$NGPU" -ge 4 ] || { echo "hsdp-x4 needs 4 GPUs (nvidia-h200-x4)"; exit 2; }
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
+  peaks
+  mkdir -p "$OUT/hsdp"
+  for job in "hsdp 2 300" "full 4 540"; do
+    read -r name size until <<< "$job"
+    PYTHONPATH=$FLA_PATH timeout -s ABRT "$(left "$until")" torchrun --standalone --nproc_per_node=4 \
+      bench/gpu/sp_gap.py run --sp 1 --fsdp-size "$size" --rows 16 --seq-len "${SEQ:-4096}" \
+      --out "$OUT/hsdp/$name.pt" > "$LOGS/$name.log" 2>&1
+    elapsed "$name (exit $?): $(grep '^sp ' "$LOGS/$name.log")"
+  done
+  PYTHONPATH=$BASE python3 bench/gpu/sp_gap.py compare "$OUT/hsdp/full.pt" "$OUT/hsdp/hsdp.pt" --out "$OUT/hsdp/gap.json"
+  rm -f "$OUT"/hsdp/*.pt
+  ;;
+split-x2)  # issue 22: placement=split, GPU 1 generating and GPU 0 training, staleness 0 against 1 (Ray, torch GDN)
+  [ "$NGPU" -ge 2 ] || { echo "split-x2 needs 2 GPUs (nvidia-h200-x2)"; exit 2; }
+  install_base
+  peaks
+  mkdir -p "$OUT/split"
+  for job in "s0 0 300" "s1 1 575"; do
+    read -r name k until <<< "$job"
+    PYTHONPATH=$TORCH_PATH CUDA_VISIBLE_DEVICES=0,1 $G qwen35rl --out "$OUT/split/$name.json" --run-dir "$RUNS/$name" \
+      --devices 2 --steps 4 --peak-tflops "$PEAK" --timeout "$(left "$until")" -- placement=split \
+      placement.rollout_devices=1 "algorithm.max_staleness=$k" > "$LOGS/split-$name.log" 2>&1
+    elapsed "split staleness $k: $(grep -c '\[qwen35rl\] step' "$LOGS/split-$name.log") steps"
+    cp "$RUNS/$name/metrics.jsonl" "$OUT/split/$name-metrics.jsonl" 2>/dev/null
+    rm -rf "$RUNS/$name"
+  done
+  ;;
+megatron-x2-numerics)  # issue 21: VL log-probs against transformers' VL model, dense at TP2 / PP2, MoE at EP2 / TP2+EP2
+  [ "$NGPU" -ge 2 ] || { echo "megatron-x2-numerics needs 2 GPUs (nvidia-h200-x2)"; exit 2; }
+  install_mcore
+  peaks
+  mkdir -p "$OUT/megatron-x2"
+  export PYTHONFAULTHANDLER=1
+  PYTHONPATH=$MCORE_PATH timeout -s ABRT "$(left 280)" torchrun --standalone --nproc_per_node=2 \
+    bench/gpu/megatron_numerics.py --steps 3 --models dense_vl --layouts tp2,pp2 --peak-tflops "$PEAK" \
+    --out "$OUT/megatron-x2/numerics_dense_vl.json" > "$LOGS/numerics_dense_vl.log" 2>&1
+  elapsed "dense VL numerics (exit $?)"
+  PYTHONPATH=$MCORE_PATH timeout -s ABRT "$(left 575)" torchrun --standalone --nproc_per_node=2 \
+    bench/gpu/megatron_numerics.py --steps 3 --models moe_vl --layouts ep2,tp2ep2 --rows 4 --peak-tflops "$PEAK" \
+    --out "$OUT/megatron-x2/numerics_moe_vl.json" > "$LOGS/numerics_moe_vl.log" 2>&1
+  elapsed "MoE VL numerics (exit $?)"
+  ;;
+megatron-x2-cli)  # issue 21: 3 GRPO steps through the CLI on geo3k-style images, dense at TP2, MoE at EP2 (Ray)
+  [ "$NGPU" -ge 2 ] || { echo "megatron-x2-cli needs 2 GPUs (nvidia-h200-x2)"; exit 2; }
+  install_base  # Ray: two worker processes
+  peaks
+  mkdir -p "$OUT/megatron-x2"
+  PYTHONPATH=$BASE python3 -c "from pathlib import Path; from tests.runtime.geo3k_fixture import write_geo3k
+write_geo3k(Path('/tmp/geo3k/train.parquet'), 32); write_geo3k(Path('/tmp/geo3k/test.parquet'), 8, seed=1)" \
+    || { echo "geo3k fixture failed"; exit 1; }
+  for job in "vl_tp2 qwen3_5_0_8b 290 parallelism.tp=2" "vl_ep2 qwen3_5_35b_a3b 575 parallelism.ep=2"; do
+    read -r name model until layout <<< "$job"
+    PYTHONPATH=$MCORE_PATH CUDA_VISIBLE_DEVICES=0,1 $G qwen35rl --out "$OUT/megatron-x2/$name.json" \
+      --run-dir "$RUNS/$name" --model "$model" --backend megatron --data geo3k --devices 2 --steps 3 --prompts 8 \
+      --prompt-len 384 --response-len 256 --micro 8 --peak-tflops "$PEAK" --timeout "$(left "$until")" -- \
+      model.num_hidden_layers=4 backend.megatron_core_version=0.19.2 +backend.transformer_overrides.deterministic_mode=true \
+      rollout.n=4 "data.train_files=[/tmp/geo3k/train.parquet]" \
+      "data.val_files=[/tmp/geo3k/test.parquet]" data.reward=bench.gpu.hash_reward:text_hash "$layout" \
+      $( [ "$model" = qwen3_5_35b_a3b ] && echo model.num_experts=64 ) > "$LOGS/$name.log" 2>&1
+    elapsed "$name: $(grep -c '\[qwen35rl\] step' "$LOGS/$name.log") steps"
+    cp "$RUNS/$name/metrics.jsonl" "$OUT/megatron-x2/$name-metrics.jsonl" 2>/dev/null
+    rm -rf "$RUNS/$name"
+    PYTHONPATH=$BASE python3 -c "import json, subprocess, sys
+o = json.load(open('$OUT/megatron-x2/$name.json'))['overrides']
+sys.exit(subprocess.run([sys.executable, '-m', 'qwen35rl.cli.plan', *o, 'format=json']).returncode)" \
+      > "$OUT/megatron-x2/plan-$name.json" 2> "$LOGS/plan-$name.log"
+  done
   ;;
 alloc-4b)  # the 4B phases at the memory edge: the default caching allocator, expandable segments, checkpointing (1 GPU)
   [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
