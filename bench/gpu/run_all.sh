@@ -385,7 +385,7 @@ sys.exit(subprocess.run([sys.executable, '-m', 'qwen35rl.cli.plan', *o, 'format=
   grep -o '"perf/max_memory_allocated_gb[^,]*' "$OUT/cap-memory/q1-metrics.jsonl" | tail -6
   PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 575)" python3 bench/gpu/train_phases.py \
     --out "$OUT/phases/phases_4b.json" --model qwen3_5_4b --micro 4 --workloads cap --variants head --profile head \
-    --reps 2 --peak-tflops "$PEAK" > "$OUT/phases/phases-4b.log" 2>&1
+    --profile-rows 32 --reps 2 --peak-tflops "$PEAK" > "$OUT/phases/phases-4b.log" 2>&1
   elapsed "4B phases profiled (exit $?)"
   grep "^phases" "$OUT/phases/phases-4b.log"
   ;;

@@ -113,9 +113,14 @@ def measure(worker, cfg, variant: str, args, results: List[Dict[str, Any]], out:
               f"({res['update_mfu']:.1%}) together {res['train_mfu']:.1%}  first {res['first_ref_s']:.1f}"
               f"+{res['first_update_s']:.1f} s  peak {res['train_peak_gib']:.1f} GiB (est {est.train_peak_gib:.1f})",
               flush=True)
-        if profile:
-            res["profile_update"] = profile_call(lambda: worker.update_actor(seqs, scale))
-            res["profile_ref"] = profile_call(lambda: worker.compute_log_probs(seqs, reference=True))
+        if profile:  # on the first --profile-rows rows: the same micro batches, fewer of them (torch's profiler
+            # builds its event tree in Python, minutes for a 4B update of all rows)
+            part = seqs.select(0, min(args.profile_rows or len(seqs), len(seqs)))
+            part_scale = {"global_tokens": float(part.token_count()), "global_seqs": float(len(part))}
+            res["profile_rows"] = len(part)
+            res["profile_ref"] = profile_call(lambda: worker.compute_log_probs(part, reference=True))
+            write_json(out, results)
+            res["profile_update"] = profile_call(lambda: worker.update_actor(part, part_scale))
         write_json(out, results)
 
 
@@ -154,6 +159,7 @@ def main() -> None:
     p.add_argument("--plain", action="store_true", help="then a worker without FSDP at world size 1")
     p.add_argument("--padded", action="store_true", help="then that worker without packing")
     p.add_argument("--profile", default="", help="variants to profile (comma-separated)")
+    p.add_argument("--profile-rows", type=int, default=0, help="profile on this many of the rows (default: all)")
     p.add_argument("--peak-tflops", type=float, default=790.0)
     p.add_argument("--decode-tokens", type=int, default=0, help="last, the decode benchmark (k new tokens)")
     args = p.parse_args()
