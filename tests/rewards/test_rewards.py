@@ -158,6 +158,27 @@ def test_warm_starts_every_worker_before_scoring():
         p.close()
 
 
+def test_a_background_warm_up_and_a_scoring_call_at_once(monkeypatch):
+    """The driver warms the shared pool in a thread while Ray starts: a scoring call that comes before the warm-up
+    ends waits for it, and its per-call limits start after it."""
+    from qwen35rl.rewards import scoring
+
+    p = RewardPool(num_workers=2)
+    monkeypatch.setattr(scoring, "_POOL", p)
+    try:
+        scoring.warm_pool(wait=False)
+        scores, stats = score_responses(reward_helpers.length_or_hang, ["ab", "hang", "abc"], [""] * 3,
+                                        [ex(0), ex(1), ex(2)], timeout_s=0.5)
+        assert scores == [2.0, 0.0, 3.0] and stats == {"reward/failed": 0, "reward/timeout": 1}
+        warmer = [t for t in threading.enumerate() if t.name == "reward-pool-warm"]
+        for t in warmer:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in warmer)
+        assert p._idle and all(w.process.is_alive() for w in p._idle)  # the hung worker was replaced or dropped
+    finally:
+        p.close()
+
+
 def test_a_step_is_bounded_as_a_whole_and_the_failures_are_told(pool):
     """Each call is limited, and so is the whole batch: what is left unscored at the bound counts as timed out."""
     responses = ["ab", "raise", "hang", "hang", "hang", "hang"]
