@@ -4,7 +4,8 @@ trains one GRPO step through `qwen35rl-train`, with the user's defaults for ever
 Layouts are grouped by the parallel mechanisms they use (which axes are above 1, FSDP's hybrid sharding; not the
 data-parallel degree): one run per mechanism and engine family, the smallest world that has it, the models taken in
 turn so that each tiny model (dense, MoE, VL) runs on each engine. On 4 devices only mechanisms of at most two
-model-parallel axes that 2 devices lack are added (larger combinations repeat the same code paths)."""
+model-parallel axes that 2 devices lack are added (larger combinations repeat the same code paths). A case that another
+test already runs through the CLI (`RUN_ELSEWHERE`) is left to it."""
 import json
 import os
 import subprocess
