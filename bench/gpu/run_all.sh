@@ -164,6 +164,12 @@ megatron_grpo() {
   elapsed "megatron GRPO $name done: $(grep -c '\[qwen35rl\] step' "$LOGS/$name.log") steps"
   rm -rf "$RUNS/$name"
 }
+# the plan's JSON (stdout to $2, stderr to $3) for the overrides a grpo_h200.py run recorded in $1; its exit code
+plan_of() {
+  PYTHONPATH=$BASE python3 -c "import json, subprocess, sys
+o = json.load(open('$1'))['overrides']
+sys.exit(subprocess.run([sys.executable, '-m', 'qwen35rl.cli.plan', *o, 'format=json']).returncode)" > "$2" 2> "$3"
+}
 # GRPO on geo3k-style images (a parquet of synthetic drawings, written here) through the CLI with backend=megatron on
 # one GPU, no Ray, then the plan's estimate for the same overrides (as the run recorded them); $1: the module that
 # runs the CLI (bench.gpu.vl_device_shim: with the engine's device stop-gap), $2: time limit (s), $3: steps. A reward with spread
@@ -183,10 +189,7 @@ write_geo3k(Path('/tmp/geo3k/train.parquet'), 32); write_geo3k(Path('/tmp/geo3k/
     data.reward=bench.gpu.hash_reward:text_hash > "$LOGS/grpo_vl.log" 2>&1
   elapsed "megatron VL GRPO (CLI, $entry) done: $(grep -c '\[qwen35rl\] step' "$LOGS/grpo_vl.log") steps"
   rm -rf "$RUNS/grpo_vl"
-  PYTHONPATH=$BASE python3 -c "import json, subprocess, sys
-o = json.load(open('$OUT/megatron-vl/grpo_vl.json'))['overrides']
-sys.exit(subprocess.run([sys.executable, '-m', 'qwen35rl.cli.plan', *o, 'format=json']).returncode)" \
-    > "$OUT/megatron-vl/plan_vl.json" 2> "$LOGS/plan_vl.log"
+  plan_of "$OUT/megatron-vl/grpo_vl.json" "$OUT/megatron-vl/plan_vl.json" "$LOGS/plan_vl.log"
   elapsed "plan of the CLI run (exit $?)"
 }
 # one workload ($1: cap | realistic) of the comparison: qwen35rl (CLI, no Ray) then TRL on GPU 0, with the same fixed
@@ -378,10 +381,7 @@ phases-4b)  # the CLI's all-at-cap run with its memory per phase, then the 4B ar
   elapsed "qwen35rl (cap): $(grep -c '\[qwen35rl\] step' "$LOGS/q1-cap.log") steps"
   cp "$RUNS/q1-cap/metrics.jsonl" "$OUT/cap-memory/q1-metrics.jsonl" 2>/dev/null
   rm -rf "$RUNS/q1-cap"
-  PYTHONPATH=$BASE python3 -c "import json, subprocess, sys
-o = json.load(open('$OUT/cap-memory/q1.json'))['overrides']
-sys.exit(subprocess.run([sys.executable, '-m', 'qwen35rl.cli.plan', *o, 'format=json']).returncode)" \
-    > "$OUT/cap-memory/plan.json" 2> "$LOGS/plan_cap.log"
+  plan_of "$OUT/cap-memory/q1.json" "$OUT/cap-memory/plan.json" "$LOGS/plan_cap.log"
   grep -o '"perf/max_memory_allocated_gb[^,]*' "$OUT/cap-memory/q1-metrics.jsonl" | tail -6
   PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 575)" python3 bench/gpu/train_phases.py \
     --out "$OUT/phases/phases_4b.json" --model qwen3_5_4b --micro 4 --workloads cap --variants head --profile head \
@@ -474,10 +474,7 @@ write_geo3k(Path('/tmp/geo3k/train.parquet'), 32); write_geo3k(Path('/tmp/geo3k/
     elapsed "$name: $(grep -c '\[qwen35rl\] step' "$LOGS/$name.log") steps"
     cp "$RUNS/$name/metrics.jsonl" "$OUT/megatron-x2/$name-metrics.jsonl" 2>/dev/null
     rm -rf "$RUNS/$name"
-    PYTHONPATH=$BASE python3 -c "import json, subprocess, sys
-o = json.load(open('$OUT/megatron-x2/$name.json'))['overrides']
-sys.exit(subprocess.run([sys.executable, '-m', 'qwen35rl.cli.plan', *o, 'format=json']).returncode)" \
-      > "$OUT/megatron-x2/plan-$name.json" 2> "$LOGS/plan-$name.log"
+    plan_of "$OUT/megatron-x2/$name.json" "$OUT/megatron-x2/plan-$name.json" "$LOGS/plan-$name.log"
   done
   ;;
 alloc-4b)  # the 4B phases at the memory edge: the default caching allocator, expandable segments, checkpointing (1 GPU)
@@ -514,10 +511,7 @@ megatron-tp1-fla)  # megatron-tp1 with fla + TileLang (GDN backward on fla's ker
     elapsed "megatron TP1 fla ($name): $(grep -c '\[qwen35rl\] step' "$LOGS/mtp1-$name.log") steps"
     cp "$RUNS/mtp1-$name/metrics.jsonl" "$OUT/megatron-tp1-fla/$name-metrics.jsonl" 2>/dev/null
     rm -rf "$RUNS/mtp1-$name"
-    PYTHONPATH=$BASE python3 -c "import json, subprocess, sys
-o = json.load(open('$OUT/megatron-tp1-fla/$name.json'))['overrides']
-sys.exit(subprocess.run([sys.executable, '-m', 'qwen35rl.cli.plan', *o, 'format=json']).returncode)" \
-      > "$OUT/megatron-tp1-fla/plan-$name.json" 2> "$LOGS/plan-$name.log"
+    plan_of "$OUT/megatron-tp1-fla/$name.json" "$OUT/megatron-tp1-fla/plan-$name.json" "$LOGS/plan-$name.log"
     grep -m3 "GDN\|gdn\|Error" "$LOGS/mtp1-$name.log" | cut -c1-300
   done
   ;;
@@ -591,10 +585,7 @@ megatron-tp1)  # the Megatron engine at TP1 on the FSDP comparison's workload (a
   elapsed "megatron TP1: $(grep -c '\[qwen35rl\] step' "$LOGS/mtp1.log") steps"
   cp "$RUNS/mtp1/metrics.jsonl" "$OUT/megatron-tp1/" 2>/dev/null
   rm -rf "$RUNS/mtp1"
-  PYTHONPATH=$BASE python3 -c "import json, subprocess, sys
-o = json.load(open('$OUT/megatron-tp1/grpo.json'))['overrides']
-sys.exit(subprocess.run([sys.executable, '-m', 'qwen35rl.cli.plan', *o, 'format=json']).returncode)" \
-    > "$OUT/megatron-tp1/plan.json" 2> "$LOGS/plan_mtp1.log"
+  plan_of "$OUT/megatron-tp1/grpo.json" "$OUT/megatron-tp1/plan.json" "$LOGS/plan_mtp1.log"
   ;;
 megatron-nofla)  # GRPO through the CLI with megatron-core but no flash-linear-attention on the path, no overrides
   install_mcore
