@@ -3,15 +3,17 @@
 The plan estimates the rollout's and the trainer's peaks apart; one `max_memory_allocated` over the whole run cannot
 say which phase set it. Each phase resets the allocator's peak counter when it starts and reads it when it ends; the
 overall peak is the largest of those windows (and of the time between them), so `perf/max_memory_allocated_gb`
-keeps its meaning. On CPU there is no allocator counter to reset (the resident-set peak only grows): no phase peaks.
-All in GiB (2**30 bytes), the plan's unit and verl's for `perf/max_memory_allocated_gb`.
+keeps its meaning. On CPU there is no allocator counter to reset (the resident-set peak only grows): no phase peaks,
+and the overall peak is the process's peak resident set. All in GiB, the plan's unit and verl's for
+`perf/max_memory_allocated_gb`.
 """
 from __future__ import annotations
 
 import contextlib
+import resource
 from typing import Any, Dict, Iterator, Optional
 
-GIB = 2 ** 30
+from qwen35rl.config.memory import GIB
 
 
 class MemoryPeaks:
@@ -35,10 +37,10 @@ class MemoryPeaks:
             self.phases[name] = max(self.phases.get(name, 0), peak)
             self.overall = max(self.overall, peak)
 
-    def overall_gb(self) -> Optional[float]:
-        """The run's peak so far, None on CPU."""
+    def overall_gb(self) -> float:
+        """The run's peak so far: of the device's allocator, on CPU the process's peak resident set."""
         if self.device is None:
-            return None
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # ru_maxrss is KiB on Linux
         return max(self.overall, self.device.max_memory_allocated()) / GIB
 
     def take_phases_gb(self) -> Dict[str, float]:

@@ -58,15 +58,6 @@ class Platform:
         """torch.cuda / torch.npu of this platform, None on CPU."""
         return device_module(self.device_type) if self.is_accelerator else None
 
-    def max_memory_allocated_gb(self) -> float:
-        """Peak allocator memory of this process on its device; on CPU the peak resident set of the process. In GiB,
-        as the plan's estimates and verl's metric of this name (`_gb`, divided by 2**30)."""
-        if self.is_accelerator:
-            return device_module(self.device_type).max_memory_allocated() / 2 ** 30
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # ru_maxrss is KiB on Linux
-
     def manual_seed_device(self, seed: int) -> None:
         if self.is_accelerator:
             device_module(self.device_type).manual_seed_all(seed)

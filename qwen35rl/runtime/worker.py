@@ -30,7 +30,7 @@ from qwen35rl.runtime.batching import Sequences, build_batch, response_values
 from qwen35rl.runtime.cluster import connected_ray, free_port, node_ip
 from qwen35rl.runtime.micro_batches import fixed_groups, token_budget_groups
 from qwen35rl.runtime.memory_peaks import MemoryPeaks
-from qwen35rl.runtime.platform import device_module, require_stack, resolve_platform
+from qwen35rl.runtime.platform import require_stack, resolve_platform
 from qwen35rl.runtime.quiet import quiet_known_warnings
 
 log = logging.getLogger(__name__)
@@ -270,14 +270,14 @@ class PolicyWorker:
         """Collective: model + optimizer shards (DCP) and this rank's RNG into the (temporary) checkpoint dir."""
         self._trainers_on_device()
         ckpt.save_engine_state(Path(path), self.actor)
-        ckpt.save_rng(Path(path), self.rank, self._device_rng_module())
+        ckpt.save_rng(Path(path), self.rank, self.platform.device_module())
         self._barrier()
 
     def load_checkpoint(self, path: str) -> bool:
         """Collective. Returns whether this rank's RNG state was restored (False: saved with another world)."""
         self._trainers_on_device()
         ckpt.load_engine_state(Path(path), self.actor)
-        restored = ckpt.load_rng(Path(path), self.rank, self._device_rng_module())
+        restored = ckpt.load_rng(Path(path), self.rank, self.platform.device_module())
         self._barrier()
         return restored
 
@@ -285,9 +285,6 @@ class PolicyWorker:
     def _barrier() -> None:
         if dist.is_initialized():  # a single process without a group (tests) has nobody to wait for
             dist.barrier()
-
-    def _device_rng_module(self):
-        return device_module(self.platform.device_type) if self.platform.is_accelerator else None
 
     def export_hf(self, path: str) -> None:
         """Collective: gather the full policy; rank 0 writes it in Hugging Face format. From a pretrained checkpoint
@@ -321,8 +318,7 @@ class PolicyWorker:
 
     # ------------------------------------------------------------------------------------------------ stats
     def max_memory_allocated_gb(self) -> float:
-        overall = self.memory.overall_gb()
-        return self.platform.max_memory_allocated_gb() if overall is None else overall
+        return self.memory.overall_gb()
 
     def phase_memory_gb(self) -> Dict[str, float]:
         """The device's peak per phase since the last call (empty on CPU)."""

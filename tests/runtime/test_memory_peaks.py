@@ -1,4 +1,6 @@
 """Peak device memory per phase: each phase's own window, the overall peak over all of them."""
+import pytest
+
 from qwen35rl.runtime.memory_peaks import GIB, MemoryPeaks
 
 
@@ -52,8 +54,12 @@ def test_a_phase_run_twice_in_a_step_keeps_its_larger_peak():
     assert peaks.take_phases_gb() == {"update_actor": 7.0}
 
 
-def test_cpu_has_no_phase_peaks():
+def test_cpu_has_no_phase_peaks_and_its_overall_peak_is_the_resident_set():
+    import resource
+
     peaks = MemoryPeaks(None)
     with peaks.phase("gen"):
         pass
-    assert peaks.take_phases_gb() == {} and peaks.overall_gb() is None
+    assert peaks.take_phases_gb() == {}
+    rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    assert 0 < peaks.overall_gb() == pytest.approx(rss_gib, rel=0.05)
