@@ -243,14 +243,10 @@ def _shared_pool() -> RewardPool:
         return _POOL
 
 
-def warm_pool(wait: bool = True) -> None:
-    """Start the shared pool's workers now (before the first step), outside any scoring time limit. `wait=False`
-    starts them in a thread, while the caller goes on (Ray, workers); a scoring call waits for them (the pool's lock),
-    and its time limits start after that."""
-    if wait:
-        _shared_pool().warm()
-    else:
-        threading.Thread(target=_shared_pool().warm, daemon=True, name="reward-pool-warm").start()
+def warm_pool() -> None:
+    """Start the shared pool's workers now (before the first step), in a thread while the caller goes on (Ray,
+    workers). A scoring call waits for them (the pool's lock), and its time limits start after that."""
+    threading.Thread(target=_shared_pool().warm, daemon=True, name="reward-pool-warm").start()
 
 
 def score_responses(fn: Callable, responses: Sequence[str], answers: Sequence[str], examples: Sequence[Any],

@@ -249,7 +249,7 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) 
 
     from qwen35rl.rewards.scoring import warm_pool
 
-    warm_pool(wait=False)  # reward workers start while Ray and the workers do; out of every scoring time limit
+    warm_pool()  # reward workers start while Ray and the workers do; out of every scoring time limit
     phases.done("data ready", _describe_data(train_set, loader, val_set, total_steps, cfg)
                 + (f"; resuming from {report.shown_path(resume_from)} (step {start_step} of {total_steps})"
                    if resume_from else ""))

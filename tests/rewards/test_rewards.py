@@ -166,7 +166,7 @@ def test_a_background_warm_up_and_a_scoring_call_at_once(monkeypatch):
     p = RewardPool(num_workers=2)
     monkeypatch.setattr(scoring, "_POOL", p)
     try:
-        scoring.warm_pool(wait=False)
+        scoring.warm_pool()
         scores, stats = score_responses(reward_helpers.length_or_hang, ["ab", "hang", "abc"], [""] * 3,
                                         [ex(0), ex(1), ex(2)], timeout_s=0.5)
         assert scores == [2.0, 0.0, 3.0] and stats == {"reward/failed": 0, "reward/timeout": 1}
