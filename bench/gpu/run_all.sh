@@ -23,6 +23,8 @@
 #   bash bench/gpu/run_all.sh phases          (carry .whl-gdn .whl-x .kcache; ~9.5 min; one GPU)
 #       fla + TileLang: bench/gpu/train_phases.py (the FSDP engine's reference pass and update, kernel change by
 #       kernel change, all-at-cap and realistic lengths, kernel profiles), then the decode benchmark
+#   bash bench/gpu/run_all.sh conv-cap          (carry .whl-gdn .whl-x; ~9.5 min; one GPU)
+#       the GPU tests of the short convolution (compiled against eager) and of packing, then compare-cap
 #   bash bench/gpu/run_all.sh compare-cap       (carry .whl-gdn .whl-x; ~9.5 min; one GPU)
 #   bash bench/gpu/run_all.sh compare-realistic (the same carry, back to back with compare-cap: its caches are warm)
 #       one workload per call: qwen35rl through its CLI (no Ray, fixed micro batches of 16 as TRL's) then TRL's
@@ -83,7 +85,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh sp-x2|hsdp-x4|split-x2|megatron-x2-numerics|megatron-x2-cli|alloc-4b|phases-4b|megatron-tp1-fla|megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
+stage=${1:?usage: run_all.sh conv-cap|sp-x2|hsdp-x4|split-x2|megatron-x2-numerics|megatron-x2-cli|alloc-4b|phases-4b|megatron-tp1-fla|megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -346,6 +348,17 @@ phases)  # where the FSDP engine's training phases spend their time, kernel chan
     --decode-tokens 32 > "$LOGS/phases.log" 2>&1
   elapsed "training phases (exit $?)"
   grep "^phases\|^decode bench [a-z]" "$LOGS/phases.log"
+  ;;
+conv-cap)  # short_conv on the GPU: its CUDA tests and packed = padded, then compare-cap with it (the default now)
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
+  env_info > "$OUT/env-compare.txt" 2>&1
+  elapsed "installed: $(tail -2 "$OUT/env-compare.txt" | tr '\n' ' ')"
+  peaks
+  export PYTHONFAULTHANDLER=1
+  PYTHONPATH=$FLA_PATH timeout -s ABRT 90 python3 -m pytest -q -p no:cacheprovider --durations=5 \
+    tests/engines/test_packed_gdn.py tests/engines/test_fsdp_gpu.py > "$LOGS/gpu-tests.log" 2>&1
+  elapsed "GPU tests (exit $?): $(tail -1 "$LOGS/gpu-tests.log")"
+  compare_one cap 45 0
   ;;
 compare-cap)  # the all-at-cap workload, both sides, one call
   [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn

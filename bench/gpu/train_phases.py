@@ -4,9 +4,10 @@ kernel change, on the all-at-cap and the realistic response lengths (`bench.gpu.
 
     python bench/gpu/train_phases.py --out phases.json [--model qwen3_5_0_8b] [--micro 16] [--profile]
 
-Variants are applied in turn to one worker (each keeps the ones before it): `torch` (transformers' convolution,
-eager log-prob head), `fla_conv` (the GDN convolution on fla's Triton kernel), `head` (the log-prob head's chunk
-math through torch.compile), `regions` (norms and MLPs compiled); then a second worker without FSDP at world size 1
+Variants are applied in turn to one worker (each keeps the ones before it): `torch` (the GDN convolution and the
+log-prob head's chunk math eager), `conv` (the convolution, `short_conv`, through torch.compile), `head` (the head's
+chunk math through torch.compile), `regions` (norms and MLPs compiled); the worker starts as the engine builds it
+(convolution and head compiled on CUDA); then a second worker without FSDP at world size 1
 (`plain`), and, with --padded, the same without packing. Each phase runs --reps times per workload; the first run
 of a shape compiles and autotunes (reported apart), the rest are the steady state. Peak allocator memory per phase
 next to the plan's estimate. MFU: FLOPs of `qwen35rl.runtime.flops` (6N per token plus attention and the GDN
@@ -29,7 +30,7 @@ if str(ROOT) not in sys.path:
 from bench.gpu.grpo_h200 import N, DeviceMemory, profile_call, workload, write_json  # noqa: E402
 from bench.gpu.lengths import response_lengths  # noqa: E402
 
-VARIANTS = ("torch", "fla_conv", "head", "regions")
+VARIANTS = ("torch", "conv", "head", "regions")
 
 
 def batch(workload_name: str, prompts: int, prompt_len: int, cap: int, seed: int = 0):
@@ -130,11 +131,11 @@ def apply_variant(worker, variant: str) -> None:
     from qwen35rl.engines.fsdp_engine import decoder_layers
 
     if variant == "torch":
-        packed_gdn.FLA_CONV = False
+        packed_gdn.COMPILE = False
         for e in (worker.actor, worker.ref):
             e.module.compiled = False
-    elif variant == "fla_conv":
-        packed_gdn.FLA_CONV = True
+    elif variant == "conv":
+        packed_gdn.COMPILE = True
     elif variant == "head":
         for e in (worker.actor, worker.ref):
             e.module.compiled = True

@@ -239,8 +239,10 @@ class FsdpTrainEngine(TrainEngine):
         self.temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         self.text_only = not trains_vision(cfg.model, cfg.data)
         self.pack = packs(self.backend.remove_padding, self.device, layout.sp)
-        if self.pack or (packed_gdn.FLA_CONV and self.device.type == "cuda"):
-            enable_packing()  # with packed_gdn.FLA_CONV, also every CUDA convolution on fla's kernel (padded too)
+        compiled = capabilities.compiles_log_probs(self.backend.use_torch_compile, self.device.type)
+        if self.pack or self.device.type == "cuda":
+            enable_packing()  # on CUDA padded batches too: their convolution goes to short_conv as well
+            packed_gdn.COMPILE = compiled
         log.info("%s batches (backend.remove_padding=%s)", "packed" if self.pack else "padded",
                  str(self.backend.remove_padding).lower())
         self.skipped_steps = 0
@@ -269,8 +271,7 @@ class FsdpTrainEngine(TrainEngine):
             compile_layer_parts(decoder_layers(lm))
         self.lm = lm
         self.module: nn.Module = PolicyWithLogProbs(
-            lm, self.backend.logprob_chunk_size,
-            capabilities.compiles_log_probs(self.backend.use_torch_compile, self.device.type))
+            lm, self.backend.logprob_chunk_size, compiled)
         if self.distributed:
             self._shard()
             self._materialise(param_dtype, seed)

@@ -1,17 +1,16 @@
 """Packed sequences (several documents in one row, no padding) through Qwen3.5's Gated DeltaNet layers without the
-`causal-conv1d` package.
+`causal-conv1d` package, and the layers' short convolution on a kernel of this project.
 
 transformers' GDN layer keeps packed documents apart only through its kernels: the short convolution takes
 `seq_idx` from `causal-conv1d` and the recurrence takes `cu_seqlens` from flash-linear-attention (fla). Without
 `causal-conv1d` (a CUDA extension that does not build everywhere) the convolution falls back to a plain
 depthwise `F.conv1d`, so the first kernel-width - 1 tokens of each document see the previous document's tail
-(transformers 5.24 refuses the packed call instead); without fla the torch recurrence carries its state from
-one document into the next. On CUDA with fla, the convolution goes to fla's Triton kernel instead, which takes the
-boundaries itself (`fla_conv1d`, for padded calls too). `enable_packing` swaps the modeling modules' `causal_conv1d_fn` (always) and
-`torch_chunk_gated_delta_rule` (only where it is the torch fallback) for versions that honour the boundaries:
-an exact torch convolution, and a per-document torch recurrence where fla is missing. The GDN forward looks these
-module globals up at call time, so the swap reaches models that are already built. The full-attention layers
-keep documents apart through `packed_attention`.
+(transformers 5.24 refuses the packed call instead), and that fallback is slow on CUDA; without fla the torch
+recurrence carries its state from one document into the next. `enable_packing` swaps the modeling modules'
+`causal_conv1d_fn` (always: packed and padded calls go to `short_conv`, which takes the documents' boundaries) and
+`torch_chunk_gated_delta_rule` (only where it is the torch fallback: a per-document torch recurrence). The GDN
+forward looks these module globals up at call time, so the swap reaches models that are already built. The
+full-attention layers keep documents apart through `packed_attention`.
 """
 from __future__ import annotations
 
@@ -21,10 +20,11 @@ import importlib
 import importlib.util
 import inspect
 from types import ModuleType
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
-import torch.nn.functional as F
+
+from qwen35rl.engines.short_conv import short_causal_conv
 
 MODELING_MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5",
                     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
@@ -56,65 +56,49 @@ def packing_boundaries(kwargs: Dict[str, Any]) -> Optional[torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------------ convolution
-def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
-    if activation is None:
-        return y
-    if activation in ("silu", "swish"):
-        return F.silu(y)
-    raise ValueError(f"activation={activation!r}: expected silu, swish or None")
+COMPILE = False
+"""Run the convolutions of CUDA tensors through torch.compile (`short_conv`); the FSDP engine sets it from
+backend.use_torch_compile. CPU tensors always run the same math eagerly."""
 
 
-def _build_spread_index(cu_seqlens: torch.Tensor, length: int, width: int,
-                        device: torch.device) -> Tuple[torch.Tensor, int]:
-    """Column of every token when W - 1 zeros precede each document, and the number of documents."""
+def _build_positions(cu_seqlens: Optional[torch.Tensor], length: int, device: torch.device) -> torch.Tensor:
+    """Each token's index within its document ([T]); one document when cu_seqlens is None."""
+    t = torch.arange(length, device=device)
+    if cu_seqlens is None:
+        return t
     cu = cu_seqlens.to(device=device, dtype=torch.long)
     if int(cu[0]) != 0 or int(cu[-1]) != length:
         raise ValueError(f"cu_seqlens must run from 0 to the sequence length {length}, got {cu.tolist()}")
-    lengths = cu[1:] - cu[:-1]
-    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-    # token t of document i goes to column t + (i + 1) * (W - 1): each document starts after W - 1 zeros
-    return torch.arange(length, device=device) + (doc + 1) * (width - 1), len(lengths)
+    return t - cu[torch.searchsorted(cu[1:], t, right=True)]
 
 
-# the last boundaries tensor and its spread index: one packed forward hands the same cu_seqlens tensor to every GDN
-# layer, and building the index waits for the device (the checks and repeat_interleave read values)
-_LAST_SPREAD: Dict[str, Any] = {}
+# the last boundaries tensor and its positions: one packed forward hands the same cu_seqlens tensor to every GDN
+# layer, and checking it waits for the device
+_LAST_POSITIONS: Dict[str, Any] = {}
 
 
-def _spread_index(cu_seqlens: torch.Tensor, length: int, width: int, device: torch.device) -> Tuple[torch.Tensor, int]:
-    key = (length, width, torch.device(device))
-    if _LAST_SPREAD.get("cu") is not cu_seqlens or _LAST_SPREAD.get("key") != key:
-        _LAST_SPREAD.clear()  # a failed check below leaves nothing behind
-        index = _build_spread_index(cu_seqlens, length, width, device)
-        _LAST_SPREAD.update(cu=cu_seqlens, key=key, index=index)
-    return _LAST_SPREAD["index"]
+def _positions(cu_seqlens: Optional[torch.Tensor], length: int, device: torch.device) -> torch.Tensor:
+    key = (length, torch.device(device))
+    if _LAST_POSITIONS.get("cu", False) is not cu_seqlens or _LAST_POSITIONS.get("key") != key:
+        _LAST_POSITIONS.clear()  # a failed check below leaves nothing behind
+        positions = _build_positions(cu_seqlens, length, device)
+        _LAST_POSITIONS.update(cu=cu_seqlens, key=key, positions=positions)
+    return _LAST_POSITIONS["positions"]
 
 
 def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                          activation: Optional[str] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Depthwise causal convolution of x [B, D, T] with weight [D, W], where no output sees an input of another
-    document: `cu_seqlens` ([N + 1], from 0 to T) splits the time axis of every row into documents.
+    document: `cu_seqlens` ([N + 1], from 0 to T) splits the time axis of every row into documents (None: one).
 
-    It runs the `F.conv1d` a single document gets, once over the row with W - 1 zeros inserted before each
-    document: before the activation, outputs and input gradients equal the per-document convolution bit for bit;
-    memory O(D * (T + N * (W - 1))). The same torch ops run on every device (a depthwise conv with a 4-wide kernel is
-    cheap next to the layer's projections), so what the CPU tests pin is what a GPU run computes. Same dtype rules as
-    transformers' `causal_conv1d_fn`: computed in weight's dtype, returned in x's.
-    """
-    batch, dim, length = x.shape
-    width = weight.shape[-1]
-    if cu_seqlens is None:
-        cu_seqlens = torch.tensor([0, length])
-    dest, docs = _spread_index(cu_seqlens, length, width, x.device)
-    # spread time-major: the GDN layer hands over its projection [B, T, D] transposed, so copying whole token rows
-    # reads and writes contiguous memory (copying along T of the [B, D, T] view would stride by D on every element)
-    xt = x.transpose(1, 2)
-    spread = xt.new_zeros(batch, length + docs * (width - 1), dim, dtype=weight.dtype)
-    spread = spread.index_copy(1, dest, xt.to(weight.dtype))
-    # the [B, D, T'] view is the layout transformers' padded call gives conv1d too
-    y = F.conv1d(spread.transpose(1, 2), weight.unsqueeze(1), bias, groups=dim)  # column c sees spread[c : c + W]
-    y = y.index_select(2, dest - (width - 1))
-    return _activate(y, activation).to(x.dtype)
+    transformers' `causal_conv1d_fn` contract, on `short_conv.short_causal_conv` over the time-major layout: the
+    GDN layer hands over its projection [B, T, D] transposed, which is read as it lies, and the result comes back
+    as the same kind of view, so the layer's transpose back is free. Computed in fp32 (or weight's dtype if wider),
+    returned in x's; compiled for CUDA tensors when `COMPILE` is set."""
+    length = x.shape[2]
+    positions = _positions(cu_seqlens, length, x.device)
+    y = short_causal_conv(x.transpose(1, 2), weight, bias, positions, activation, compiled=COMPILE and x.is_cuda)
+    return y.transpose(1, 2)
 
 
 # ------------------------------------------------------------------------------------------ recurrence
@@ -168,47 +152,11 @@ def packed_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size: int = 
 
 
 # ------------------------------------------------------------------------------------------ patching
-FLA_CONV = False
-"""Route the convolutions of CUDA tensors to flash-linear-attention's Triton kernel where fla imports (packed and
-padded calls alike). Off: measured on an H200 (bench/results/h200.md, 2026-12-02) it made the 0.8B update 16%
-slower on all-at-cap rows and 7% faster on the realistic lengths, and each new shape autotunes its backward for
-tens of seconds; the torch convolutions stay (what the CPU tests pin)."""
-
-
-@functools.lru_cache(maxsize=None)
-def _fla_causal_conv1d() -> Optional[Callable]:
-    try:
-        from fla.modules.causal_conv1d import causal_conv1d
-    except Exception:  # noqa: BLE001 - no fla, or an fla without the module: the torch convolution
-        return None
-    return causal_conv1d
-
-
-def fla_conv_applies(x: torch.Tensor) -> bool:
-    return FLA_CONV and x.is_cuda and _fla_causal_conv1d() is not None
-
-
-def fla_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-               activation: Optional[str] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """transformers' `causal_conv1d_fn` contract (x [B, D, T], weight [D, W]) on fla's Triton kernel, which takes
-    [B, T, D] (the GDN layer's projection before transformers transposes it: no copy) and the documents' boundaries
-    itself. The depthwise F.conv1d it replaces runs a slow cuDNN kernel per direction."""
-    xt = x.transpose(1, 2)
-    if not xt.is_contiguous():  # a prefill after a cached conv state hands over [B, D, T] itself
-        xt = xt.contiguous()
-    y, _ = _fla_causal_conv1d()(xt, weight, bias, activation=activation, cu_seqlens=cu_seqlens)
-    return y.transpose(1, 2)
-
-
 def _packing_conv(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-        cu = packing_boundaries(kwargs)
-        if fla_conv_applies(hidden_states):
-            return fla_conv1d(hidden_states, weight, bias, activation, cu_seqlens=cu)
-        if cu is None:  # padded batches, prefill with a cache
-            return orig(hidden_states, weight, bias, activation=activation, **kwargs)
-        return packed_causal_conv1d(hidden_states, weight, bias, activation, cu_seqlens=cu)
+        # padded batches and a prefill after cached conv states (prepended to the row) are one document per row
+        return packed_causal_conv1d(hidden_states, weight, bias, activation, cu_seqlens=packing_boundaries(kwargs))
 
     return causal_conv1d_fn
 

@@ -1,0 +1,108 @@
+"""Qwen3.5's short causal convolution (depthwise, kernel width 4, before every Gated DeltaNet recurrence) as W
+shifted multiply-adds over the time-major projection, with a hand-written backward.
+
+transformers' fallback runs it as a depthwise `F.conv1d` over [B, D, T], which on CUDA is `_conv_depthwise2d`: in
+the 0.8B model's reference pass on an H200 it was 21% of the kernel time, more than every matmul together
+(bench/results/h200.md, 2026-12-02d), and the packed form needed a zero-spread copy of the input and a gather of
+the output around it. Here output t is sum_k w[:, W-1-k] * x[t-k], where a term counts only when token t-k lies
+in t's document (`positions`: each token's index within its document; a padded row is one document). Forward and
+backward are each one pointwise pass (plus the weight gradient's reduction) over the [B, T, D] layout the
+projection writes, in fp32, rounded once at the end; with `compiled` they go through torch.compile, which fuses
+each into a kernel or two. The forward keeps only x: the backward recomputes the pre-activation. The same math
+runs eagerly on CPU, so what the CPU tests pin is what a compiled GPU run computes up to fp32 summation order.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _compute_dtype(weight: Tensor) -> torch.dtype:
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
+def _shift(x: Tensor, k: int) -> Tensor:
+    """x[:, t - k] at t (zero before the row's start), for x [B, T, D]."""
+    return F.pad(x, (0, 0, k, 0))[:, : x.shape[1]] if k else x
+
+
+def _unshift(g: Tensor, k: int) -> Tensor:
+    """g[:, s + k] at s (zero past the row's end): the adjoint of `_shift`."""
+    return F.pad(g, (0, 0, 0, k))[:, k:] if k else g
+
+
+def _pre_activation(x: Tensor, weight: Tensor, bias: Optional[Tensor], positions: Tensor) -> Tensor:
+    cd = _compute_dtype(weight)
+    xc, wc = x.to(cd), weight.to(cd)
+    width = weight.shape[1]
+    pre = xc * wc[:, width - 1]
+    for k in range(1, width):
+        inside = (positions >= k)[None, :, None]  # token t - k belongs to t's document
+        pre = pre + torch.where(inside, _shift(xc, k), 0.0) * wc[:, width - 1 - k]
+    return pre if bias is None else pre + bias.to(cd)
+
+
+def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], positions: Tensor, silu: bool) -> Tensor:
+    pre = _pre_activation(x, weight, bias, positions)
+    return (F.silu(pre) if silu else pre).to(x.dtype)
+
+
+def _backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], positions: Tensor, grad: Tensor,
+              silu: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    cd = _compute_dtype(weight)
+    xc, wc = x.to(cd), weight.to(cd)
+    width = weight.shape[1]
+    g = grad.to(cd)
+    if silu:
+        pre = _pre_activation(x, weight, bias, positions)
+        s = torch.sigmoid(pre)
+        g = g * s * (1 + pre * (1 - s))  # d silu(pre) / d pre
+    grad_x = g * wc[:, width - 1]
+    columns = [None] * width
+    columns[width - 1] = (g * xc).sum((0, 1))
+    for k in range(1, width):
+        gk = torch.where((positions >= k)[None, :, None], g, 0.0)  # output t took x[t - k]
+        grad_x = grad_x + _unshift(gk, k) * wc[:, width - 1 - k]
+        columns[width - 1 - k] = (gk * _shift(xc, k)).sum((0, 1))
+    grad_w = torch.stack(columns, 1).to(weight.dtype)
+    grad_b = None if bias is None else g.sum((0, 1)).to(bias.dtype)
+    return grad_x.to(x.dtype), grad_w, grad_b
+
+
+@functools.lru_cache(maxsize=None)
+def _fns(compiled: bool) -> Tuple[Callable, Callable]:
+    """(forward, backward): through torch.compile (dynamic: packed rows change length every micro batch), or eager."""
+    if not compiled:
+        return _forward, _backward
+    return torch.compile(_forward, dynamic=True), torch.compile(_backward, dynamic=True)
+
+
+class _ShortConv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, positions, silu, compiled):
+        ctx.save_for_backward(x, weight, bias, positions)
+        ctx.silu, ctx.compiled = silu, compiled
+        return _fns(compiled)[0](x, weight, bias, positions, silu)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias, positions = ctx.saved_tensors
+        grad_x, grad_w, grad_b = _fns(ctx.compiled)[1](x, weight, bias, positions, grad.contiguous(), ctx.silu)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def short_causal_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], positions: Tensor,
+                      activation: Optional[str] = None, compiled: bool = False) -> Tensor:
+    """Depthwise causal convolution of time-major x [B, T, D] with weight [D, W] (bias [D]), each token seeing only
+    earlier tokens of its document: `positions` [T] (int) is each token's index within its document, shared by the
+    rows. Returns [B, T, D] in x's dtype; `activation` silu/swish or None; `compiled`: through torch.compile."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation={activation!r}: expected silu, swish or None")
+    if x.dim() != 3 or weight.dim() != 2 or x.shape[2] != weight.shape[0] or positions.shape != x.shape[1:2]:
+        raise ValueError(f"expected x [B, T, D], weight [D, W] and positions [T]; got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)} and {tuple(positions.shape)}")
+    return _ShortConv.apply(x.contiguous(), weight, bias, positions, activation is not None, bool(compiled))
