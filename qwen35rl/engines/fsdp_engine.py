@@ -30,6 +30,7 @@ from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
 from qwen35rl.engines.logprob import chunked_logprobs_entropy
 from qwen35rl.engines.packed_attention import use_packed_attention
 from qwen35rl.engines import packed_gdn
+from qwen35rl.engines.gdn_layer import use_training_forward
 from qwen35rl.engines.packed_gdn import enable_packing
 from qwen35rl.engines.ulysses import SpGroup, gather_tokens, sequence_parallel, use_ulysses
 from qwen35rl.models.build import (build_model, enable_activation_checkpointing, init_rotary_buffers, torch_dtype,
@@ -261,8 +262,10 @@ class FsdpTrainEngine(TrainEngine):
         lm.config.use_cache = False
         if self.sp is not None:
             use_ulysses(lm)
-        elif self.pack:
-            use_packed_attention(lm)
+        else:
+            use_training_forward(lm)
+            if self.pack:
+                use_packed_attention(lm)
         if self.backend.gradient_checkpointing and not reference:
             enable_activation_checkpointing(lm)
         if self.compile_regions:

@@ -77,12 +77,12 @@ def _build_positions(cu_seqlens: Optional[torch.Tensor], length: int, device: to
 _LAST_POSITIONS: Dict[str, Any] = {}
 
 
-def _positions(cu_seqlens: Optional[torch.Tensor], length: int, device: torch.device) -> torch.Tensor:
+def positions(cu_seqlens: Optional[torch.Tensor], length: int, device: torch.device) -> torch.Tensor:
     key = (length, torch.device(device))
     if _LAST_POSITIONS.get("cu", False) is not cu_seqlens or _LAST_POSITIONS.get("key") != key:
         _LAST_POSITIONS.clear()  # a failed check below leaves nothing behind
-        positions = _build_positions(cu_seqlens, length, device)
-        _LAST_POSITIONS.update(cu=cu_seqlens, key=key, positions=positions)
+        built = _build_positions(cu_seqlens, length, device)
+        _LAST_POSITIONS.update(cu=cu_seqlens, key=key, positions=built)
     return _LAST_POSITIONS["positions"]
 
 
@@ -96,8 +96,8 @@ def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     as the same kind of view, so the layer's transpose back is free. Computed in fp32 (or weight's dtype if wider),
     returned in x's; compiled for CUDA tensors when `COMPILE` is set."""
     length = x.shape[2]
-    positions = _positions(cu_seqlens, length, x.device)
-    y = short_causal_conv(x.transpose(1, 2), weight, bias, positions, activation, compiled=COMPILE and x.is_cuda)
+    pos = positions(cu_seqlens, length, x.device)
+    y = short_causal_conv(x.transpose(1, 2), weight, bias, pos, activation, compiled=COMPILE and x.is_cuda)
     return y.transpose(1, 2)
 
 

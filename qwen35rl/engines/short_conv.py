@@ -14,7 +14,7 @@ runs eagerly on CPU, so what the CPU tests pin is what a compiled GPU run comput
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -46,17 +46,21 @@ def _pre_activation(x: Tensor, weight: Tensor, bias: Optional[Tensor], positions
     return pre if bias is None else pre + bias.to(cd)
 
 
-def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], positions: Tensor, silu: bool) -> Tensor:
+def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], positions: Tensor, silu: bool,
+             splits: Optional[Tuple[int, ...]]) -> Union[Tensor, Tuple[Tensor, ...]]:
     pre = _pre_activation(x, weight, bias, positions)
-    return (F.silu(pre) if silu else pre).to(x.dtype)
+    y = (F.silu(pre) if silu else pre).to(x.dtype)
+    if splits is None:
+        return y
+    return tuple(part.contiguous() for part in torch.split(y, list(splits), -1))
 
 
-def _backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], positions: Tensor, grad: Tensor,
+def _backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], positions: Tensor, grads: List[Tensor],
               silu: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     cd = _compute_dtype(weight)
     xc, wc = x.to(cd), weight.to(cd)
     width = weight.shape[1]
-    g = grad.to(cd)
+    g = (grads[0] if len(grads) == 1 else torch.cat(grads, -1)).to(cd)
     if silu:
         pre = _pre_activation(x, weight, bias, positions)
         s = torch.sigmoid(pre)
@@ -83,26 +87,33 @@ def _fns(compiled: bool) -> Tuple[Callable, Callable]:
 
 class _ShortConv(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, positions, silu, compiled):
+    def forward(ctx, x, weight, bias, positions, silu, compiled, splits):
         ctx.save_for_backward(x, weight, bias, positions)
         ctx.silu, ctx.compiled = silu, compiled
-        return _fns(compiled)[0](x, weight, bias, positions, silu)
+        return _fns(compiled)[0](x, weight, bias, positions, silu, splits)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):  # an unused output's gradient comes as zeros (materialised)
         x, weight, bias, positions = ctx.saved_tensors
-        grad_x, grad_w, grad_b = _fns(ctx.compiled)[1](x, weight, bias, positions, grad.contiguous(), ctx.silu)
-        return grad_x, grad_w, grad_b, None, None, None
+        grad_x, grad_w, grad_b = _fns(ctx.compiled)[1](x, weight, bias, positions, [g.contiguous() for g in grads],
+                                                       ctx.silu)
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 def short_causal_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], positions: Tensor,
-                      activation: Optional[str] = None, compiled: bool = False) -> Tensor:
+                      activation: Optional[str] = None, compiled: bool = False,
+                      splits: Optional[Sequence[int]] = None) -> Union[Tensor, Tuple[Tensor, ...]]:
     """Depthwise causal convolution of time-major x [B, T, D] with weight [D, W] (bias [D]), each token seeing only
     earlier tokens of its document: `positions` [T] (int) is each token's index within its document, shared by the
-    rows. Returns [B, T, D] in x's dtype; `activation` silu/swish or None; `compiled`: through torch.compile."""
+    rows. Returns [B, T, D] in x's dtype, or with `splits` (sizes along D) one contiguous tensor per part, written
+    as such (what fla's kernels take for q, k and v, without a copy of each); `activation` silu/swish or None;
+    `compiled`: through torch.compile."""
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation={activation!r}: expected silu, swish or None")
     if x.dim() != 3 or weight.dim() != 2 or x.shape[2] != weight.shape[0] or positions.shape != x.shape[1:2]:
         raise ValueError(f"expected x [B, T, D], weight [D, W] and positions [T]; got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)} and {tuple(positions.shape)}")
-    return _ShortConv.apply(x.contiguous(), weight, bias, positions, activation is not None, bool(compiled))
+    if splits is not None and sum(splits) != x.shape[2]:
+        raise ValueError(f"splits {list(splits)} do not add up to the {x.shape[2]} channels")
+    return _ShortConv.apply(x.contiguous(), weight, bias, positions, activation is not None, bool(compiled),
+                            None if splits is None else tuple(int(n) for n in splits))

@@ -31,7 +31,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from qwen35rl.engines.packed_attention import packed_sdpa_attention_forward, packed_sdpa_mask
-from qwen35rl.engines.packed_gdn import packed_causal_conv1d
+from qwen35rl.engines import packed_gdn
+from qwen35rl.engines.gdn_layer import is_gdn
+from qwen35rl.engines.short_conv import short_causal_conv
 
 NAME = "qwen35rl_ulysses"
 
@@ -188,12 +190,12 @@ def ulysses_gdn_forward(module: nn.Module, original, hidden_states: torch.Tensor
     a = seq_to_heads(module.in_proj_a(x)[..., None], sp)[..., 0]
     length = q.shape[0]
     mixed = torch.cat([q.reshape(length, -1), k.reshape(length, -1), v.reshape(length, -1)], -1)
-    mixed = packed_causal_conv1d(mixed.T[None], _gdn_conv_weight(module, sp), module.conv1d.bias,
-                                 module.activation, cu_seqlens=cu)[0].T
     kl, vl = q.shape[1] * dk, v.shape[1] * dv
-    q, k, v = torch.split(mixed, [kl, kl, vl], dim=-1)
-    q, k = q.reshape(1, length, -1, dk), k.reshape(1, length, -1, dk)
-    v = v.reshape(1, length, -1, dv)
+    q, k, v = short_causal_conv(mixed[None], _gdn_conv_weight(module, sp), module.conv1d.bias,
+                                packed_gdn.positions(cu, length, mixed.device), module.activation,
+                                compiled=packed_gdn.COMPILE and mixed.is_cuda, splits=(kl, kl, vl))
+    q, k = q.view(1, length, -1, dk), k.view(1, length, -1, dk)
+    v = v.view(1, length, -1, dv)
     beta = b.sigmoid()[None]
     g = (-_local_heads(module.A_log, sp, 0).float().exp() * torch.nn.functional.softplus(
         a.float() + _local_heads(module.dt_bias, sp, 0)))[None]
@@ -204,10 +206,6 @@ def ulysses_gdn_forward(module: nn.Module, original, hidden_states: torch.Tensor
     z = module.in_proj_z(x).reshape(-1, dv)
     core = module.norm(core.reshape(-1, dv), z).reshape(1, t_local, -1)
     return module.out_proj(core)
-
-
-def is_gdn(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("GatedDeltaNet") and hasattr(module, "in_proj_qkv")
 
 
 def register() -> None:

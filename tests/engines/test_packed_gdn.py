@@ -89,6 +89,26 @@ def test_conv_backward_is_the_gradient_of_its_forward():
     assert torch.autograd.gradcheck(lambda a, b: short_causal_conv(a, b, None, positions), (x, weight))
 
 
+def test_conv_splits_are_the_output_cut_along_channels():
+    """With splits, one contiguous tensor per part, equal to slices of the whole output; their gradients (an unused
+    part's too) reach x and the weight as the whole output's do."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 7, 10, generator=g).requires_grad_()
+    weight = torch.randn(10, W, generator=g).requires_grad_()
+    positions = packed_gdn._build_positions(pm.cu([3, 4]), 7, x.device)
+    whole = short_causal_conv(x, weight, None, positions, "silu")
+    parts = short_causal_conv(x, weight, None, positions, "silu", splits=(4, 4, 2))
+    assert [p.shape[-1] for p in parts] == [4, 4, 2] and all(p.is_contiguous() for p in parts)
+    assert torch.equal(torch.cat(parts, -1), whole)
+    dy = torch.randn(whole.shape, generator=g)
+    want = torch.autograd.grad((whole[..., :8] * dy[..., :8]).sum(), (x, weight))
+    got = torch.autograd.grad((parts[0] * dy[..., :4]).sum() + (parts[1] * dy[..., 4:8]).sum(), (x, weight))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match=r"splits \[4, 4\] do not add up to the 10 channels"):
+        short_causal_conv(x, weight, None, positions, splits=(4, 4))
+
+
 def test_conv_positions_count_from_each_document_start():
     assert packed_gdn._build_positions(pm.cu([3, 1, 2]), 6, torch.device("cpu")).tolist() == [0, 1, 2, 0, 0, 1]
     assert packed_gdn._build_positions(None, 4, torch.device("cpu")).tolist() == [0, 1, 2, 3]
@@ -180,6 +200,12 @@ def test_compiled_conv_equals_eager_on_cuda(lengths, dtype):
         for a, b in zip(torch.autograd.grad(got, (x, weight), dy), torch.autograd.grad(want, (x, weight), dy)):
             scale = float(b.abs().max())  # the weight gradient sums over every token: bf16 rounds at its scale
             torch.testing.assert_close(a, b, rtol=tol["rtol"], atol=tol["atol"] * max(1.0, scale))
+        parts = short_causal_conv(x, weight, None, positions, "silu", compiled=True, splits=(100, 100, 56))
+        assert all(p.is_contiguous() for p in parts)
+        torch.testing.assert_close(torch.cat(parts, -1), got, rtol=0, atol=0)
+        split_grads = torch.autograd.grad(parts, (x, weight), torch.split(dy, [100, 100, 56], -1))
+        for a, b in zip(split_grads, torch.autograd.grad(got, (x, weight), dy)):
+            torch.testing.assert_close(a, b)
 
 
 def test_cu_seqlens_from_seq_idx():

@@ -1,0 +1,77 @@
+"""Qwen3.5's Gated DeltaNet layer forward for training calls (no cache), on this project's kernels.
+
+transformers' forward projects q, k and v as one [B, T, D] tensor, transposes it for the convolution, transposes it
+back and splits it: q, k and v reach the recurrence as strided views, which fla's kernels copy into contiguous
+tensors (and whose gradients autograd concatenates again in the backward). On an H200 those copies were about a
+sixth of the 0.8B model's reference pass (bench/results/h200.md, 2026-12-02d). Here the convolution
+(`short_conv`) writes q, k and v as three contiguous tensors itself and takes their gradients apart. The math is
+transformers' own: the same projections, SiLU convolution, gates (beta = sigmoid(b), g = -exp(A_log) *
+softplus(a + dt_bias)), recurrence (the modeling module's `torch_chunk_gated_delta_rule`, fla's kernel where it
+imports, with the documents' boundaries), gated norm and output projection. Calls with a cache (generation) keep
+transformers' forward.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qwen35rl.engines import packed_gdn
+from qwen35rl.engines.short_conv import short_causal_conv
+
+
+def is_gdn(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("GatedDeltaNet") and hasattr(module, "in_proj_qkv")
+
+
+def _cache_of(args: tuple, kwargs: dict) -> Any:
+    # transformers 5.17 names it cache_params, 5.24 cache (positional: right after hidden_states)
+    for name in ("cache", "cache_params"):
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return args[0] if args else None
+
+
+def training_forward(module: nn.Module, original: Callable, hidden_states: torch.Tensor, *args, **kwargs):
+    """The layer's forward without a cache (transformers' `original` with one)."""
+    if _cache_of(args, kwargs) is not None:
+        return original(hidden_states, *args, **kwargs)
+    attention_mask = kwargs.pop("attention_mask", args[1] if len(args) > 1 else None)
+    modeling = sys.modules[type(module).__module__]
+    h = modeling.apply_mask_to_padding_states(hidden_states, attention_mask)
+    batch, length, _ = h.shape
+    dk, dv = module.head_k_dim, module.head_v_dim
+    cu = packed_gdn.packing_boundaries(kwargs)
+    q, k, v = short_causal_conv(
+        module.in_proj_qkv(h), module.conv1d.weight.squeeze(1), module.conv1d.bias,
+        packed_gdn.positions(cu, length, h.device), module.activation, compiled=packed_gdn.COMPILE and h.is_cuda,
+        splits=(module.key_dim, module.key_dim, module.value_dim))
+    q, k = q.view(batch, length, -1, dk), k.view(batch, length, -1, dk)
+    v = v.view(batch, length, -1, dv)
+    groups = module.num_v_heads // module.num_k_heads
+    if groups > 1:  # value heads share key heads: every kernel takes them repeated
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    beta = module.in_proj_b(h).sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(module.in_proj_a(h).float() + module.dt_bias)
+    core, _ = modeling.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None,
+                                                    output_final_state=False, use_qk_l2norm_in_kernel=True,
+                                                    cu_seqlens=cu)
+    z = module.in_proj_z(h).reshape(-1, dv)
+    core = module.norm(core.reshape(-1, dv), z).reshape(batch, length, -1)
+    return module.out_proj(core)
+
+
+def use_training_forward(model: nn.Module) -> int:
+    """Give every GDN layer of a built (or sharded) model `training_forward`; returns how many layers it reached.
+    Idempotent. The convolution's and recurrence's packed forms are `packed_gdn.enable_packing`'s."""
+    n = 0
+    for m in model.modules():
+        if is_gdn(m):
+            if not (isinstance(m.forward, functools.partial) and m.forward.func is training_forward):
+                m.forward = functools.partial(training_forward, m, m.forward)
+            n += 1
+    return n

@@ -1,0 +1,80 @@
+import copy
+import importlib.util
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+import torch
+
+from qwen35rl.engines import gdn_layer
+from qwen35rl.engines.gdn_layer import use_training_forward
+from qwen35rl.engines.packed_gdn import packing_enabled
+from tests.engines import packed_models as pm
+
+torch_gdn = pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="fla replaces the torch GDN rule")
+
+
+def _pair(name):
+    """transformers' model and a copy with the training forward (the tiny models have 4 value heads on 2 key heads)."""
+    model = pm.tiny_model(name)
+    fast = copy.deepcopy(model)
+    assert use_training_forward(fast) == sum(gdn_layer.is_gdn(m) for m in fast.modules()) > 0
+    assert use_training_forward(fast) > 0  # idempotent: one wrapper per layer
+    layer = next(m for m in fast.modules() if gdn_layer.is_gdn(m))
+    assert layer.forward.func is gdn_layer.training_forward and layer.forward.args[1].__self__ is layer
+    return model, fast
+
+
+@torch_gdn
+@pytest.mark.parametrize("name", ["qwen3_5_tiny", "qwen3_5_tiny_moe"])
+def test_training_forward_equals_transformers_on_a_padded_batch(name, monkeypatch):
+    """Right-padded rows with their attention mask: the same logits and parameter gradients as transformers' forward
+    (both with the same convolution: packing enabled routes transformers' to short_conv too)."""
+    model, fast = _pair(name)
+    split_calls = []
+    conv = gdn_layer.short_causal_conv
+    monkeypatch.setattr(gdn_layer, "short_causal_conv", lambda *a, **kw: split_calls.append(kw["splits"]) or conv(*a, **kw))
+    rows = pm.rows([9, 30, 4], seed=2)
+    ids = torch.full((3, 30), 7)
+    mask = torch.zeros(3, 30, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = r, 1
+    with packing_enabled():
+        outs = []
+        for m in (model, fast):
+            logits = m(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            loss = (logits.float().log_softmax(-1)[..., 0] * mask).sum()
+            grads = torch.autograd.grad(loss, [p for p in m.parameters() if p.requires_grad])
+            outs.append((logits, grads))
+    (want, want_grads), (got, got_grads) = outs
+    n_gdn = sum(gdn_layer.is_gdn(m) for m in fast.modules())
+    assert len(split_calls) == n_gdn and len(set(split_calls)) == 1  # the fast model's layers, not transformers'
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], want[valid], rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@torch_gdn
+@torch.no_grad()
+def test_training_forward_keeps_packed_documents_apart():
+    model, fast = _pair("qwen3_5_tiny")
+    rows = pm.rows(pm.ROW_LENGTHS)
+    alone = pm.alone(model, rows)
+    with packing_enabled():
+        packed = pm.packed_call(fast, rows)
+    for i, (p, a) in enumerate(zip(packed, alone)):
+        torch.testing.assert_close(p, a, rtol=1e-5, atol=1e-5, msg=f"row {i}")
+
+
+@torch.no_grad()
+def test_calls_with_a_cache_keep_transformers_forward():
+    """Generation (a cache) goes to transformers' own forward: greedy tokens and logits equal the plain model's."""
+    model, fast = _pair("qwen3_5_tiny")
+    prompt = pm.rows([6], seed=4)[0][None]
+    kwargs = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    a, b = model.generate(prompt, **kwargs), fast.generate(prompt, **kwargs)
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits):
+        assert torch.equal(x, y)
