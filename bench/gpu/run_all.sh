@@ -25,6 +25,9 @@
 #       kernel change, all-at-cap and realistic lengths, kernel profiles), then the decode benchmark
 #   bash bench/gpu/run_all.sh conv-cap          (carry .whl-gdn .whl-x; ~9.5 min; one GPU)
 #       the GPU tests of the short convolution (compiled against eager) and of packing, then compare-cap
+#   bash bench/gpu/run_all.sh conv-profile      (carry .whl-gdn .whl-x; ~8 min; one GPU)
+#       the CUDA tests of short_conv, bench/gpu/conv_bench.py (the convolution alone), kernel profiles of the
+#       training phases with the convolution eager and compiled, then the decode benchmark
 #   bash bench/gpu/run_all.sh compare-cap       (carry .whl-gdn .whl-x; ~9.5 min; one GPU)
 #   bash bench/gpu/run_all.sh compare-realistic (the same carry, back to back with compare-cap: its caches are warm)
 #       one workload per call: qwen35rl through its CLI (no Ray, fixed micro batches of 16 as TRL's) then TRL's
@@ -85,7 +88,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh conv-cap|sp-x2|hsdp-x4|split-x2|megatron-x2-numerics|megatron-x2-cli|alloc-4b|phases-4b|megatron-tp1-fla|megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
+stage=${1:?usage: run_all.sh conv-cap|conv-profile|sp-x2|hsdp-x4|split-x2|megatron-x2-numerics|megatron-x2-cli|alloc-4b|phases-4b|megatron-tp1-fla|megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -359,6 +362,26 @@ conv-cap)  # short_conv on the GPU: its CUDA tests and packed = padded, then com
     tests/engines/test_packed_gdn.py tests/engines/test_fsdp_gpu.py > "$LOGS/gpu-tests.log" 2>&1
   elapsed "GPU tests (exit $?): $(tail -1 "$LOGS/gpu-tests.log")"
   compare_one cap 45 0
+  ;;
+conv-profile)  # the CUDA tests of short_conv in full, the convolution alone, kernel profiles of the phases; decode
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
+  env_info > "$OUT/env-conv.txt" 2>&1
+  peaks
+  export PYTHONFAULTHANDLER=1
+  mkdir -p "$OUT/phases"
+  PYTHONPATH=$FLA_PATH timeout -s ABRT 60 python3 -m pytest -x -q -p no:cacheprovider --tb=short -k cuda \
+    tests/engines/test_packed_gdn.py > "$LOGS/gpu-tests.log" 2>&1
+  elapsed "GPU tests (exit $?)"; tail -25 "$LOGS/gpu-tests.log" | cut -c1-300
+  PYTHONPATH=$FLA_PATH timeout -s ABRT 90 python3 bench/gpu/conv_bench.py --out "$OUT/phases/conv.json" \
+    > "$LOGS/conv.log" 2>&1
+  elapsed "convolution alone (exit $?)"; grep "^conv bench" "$LOGS/conv.log"
+  TORCH_LOGS=recompiles PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 400)" \
+    python3 bench/gpu/train_phases.py --out "$OUT/phases/phases_conv.json" --workloads cap --variants torch,conv,head \
+    --profile torch,head --profile-rows 16 --reps 2 --peak-tflops "$PEAK" > "$LOGS/phases.log" 2>&1
+  elapsed "training phases (exit $?)"; grep "^phases\|ecompil" "$LOGS/phases.log" | cut -c1-250 | head -20
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 585)" python3 bench/gpu/train_phases.py \
+    --out "$OUT/phases/decode.json" --variants "" --decode-tokens 32 > "$LOGS/decode.log" 2>&1
+  elapsed "decode (exit $?)"; grep "^decode bench" "$LOGS/decode.log"
   ;;
 compare-cap)  # the all-at-cap workload, both sides, one call
   [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
