@@ -70,6 +70,20 @@ def main() -> None:
         return run
 
     results = {"tokens": t, "channels": d, "docs": args.docs, "bytes_per_pass_mb": t * d * 2 / 2**20}
+    # compiled against eager on these rows: output and gradients (max |difference| over max |value|)
+    dy = torch.randn(1, t, d, device=dev, dtype=torch.bfloat16)
+    gaps = {}
+    ref = short_causal_conv(x, w, None, pos, "silu")
+    ref_grads = torch.autograd.grad(ref, (x, w), dy)
+    for name, split in (("whole", None), ("split", splits)):
+        out = short_causal_conv(x, w, None, pos, "silu", compiled=True, splits=split)
+        outs = out if isinstance(out, tuple) else (out,)
+        got = torch.cat(outs, -1)
+        grads = torch.autograd.grad(outs, (x, w), torch.split(dy, list(split or (d,)), -1))
+        gaps[name] = [float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                      for a, b in zip((got, *grads), (ref, *ref_grads))]
+    results["compiled_vs_eager_rel_gap"] = gaps
+    print("conv bench | compiled against eager, relative max gap (y, dx, dw):", json.dumps(gaps), flush=True)
     for name, fn in cases.items():
         with torch.no_grad():
             f = timed(fn)

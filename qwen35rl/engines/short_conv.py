@@ -77,26 +77,57 @@ def _backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], positions: Tens
     return grad_x.to(x.dtype), grad_w, grad_b
 
 
+RECOMPILE_LIMIT = 64
+"""Graphs per compiled function: one per row count (1 for packed rows), dtype, bias and split layout; past dynamo's
+default limit of 8 a new guard set would run eagerly, 2-3x slower than transformers' convolution."""
+
+
+def _compiled(fn: Callable) -> Callable:
+    """fn through torch.compile with only the time axis dynamic: packed rows change length every micro batch, while
+    static channel counts let Inductor index without divisions by a symbolic size (measured 2-3x slower kernels)."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
+    compiled = torch.compile(fn)  # automatic dynamic: a size that changes on a later call becomes dynamic then
+
+    @functools.wraps(fn)
+    def call(x, weight, bias, positions, *rest):
+        grads = rest[0] if rest and isinstance(rest[0], list) else []  # the backward's
+        for t in (x, *grads):  # [B, T, D]
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+        torch._dynamo.maybe_mark_dynamic(positions, 0)
+        return compiled(x, weight, bias, positions, *rest)
+
+    return call
+
+
 @functools.lru_cache(maxsize=None)
 def _fns(compiled: bool) -> Tuple[Callable, Callable]:
-    """(forward, backward): through torch.compile (dynamic: packed rows change length every micro batch), or eager."""
+    """(forward, backward): compiled (`_compiled`), or eager."""
     if not compiled:
         return _forward, _backward
-    return torch.compile(_forward, dynamic=True), torch.compile(_backward, dynamic=True)
+    return _compiled(_forward), _compiled(_backward)
+
+
+def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.detach()
 
 
 class _ShortConv(torch.autograd.Function):
+    # The compiled functions get detached tensors: the backward is written by hand, and a requires_grad flag that
+    # differs between calls (policy, frozen reference, no_grad passes) would be one more guard set each.
     @staticmethod
     def forward(ctx, x, weight, bias, positions, silu, compiled, splits):
         ctx.save_for_backward(x, weight, bias, positions)
         ctx.silu, ctx.compiled = silu, compiled
-        return _fns(compiled)[0](x, weight, bias, positions, silu, splits)
+        return _fns(compiled)[0](x.detach(), weight.detach(), _detached(bias), positions, silu, splits)
 
     @staticmethod
     def backward(ctx, *grads):  # an unused output's gradient comes as zeros (materialised)
         x, weight, bias, positions = ctx.saved_tensors
-        grad_x, grad_w, grad_b = _fns(ctx.compiled)[1](x, weight, bias, positions, [g.contiguous() for g in grads],
-                                                       ctx.silu)
+        grad_x, grad_w, grad_b = _fns(ctx.compiled)[1](x.detach(), weight.detach(), _detached(bias), positions,
+                                                       [g.contiguous() for g in grads], ctx.silu)
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
