@@ -205,10 +205,11 @@ class BackendConfig:
     logprob_chunk_size: int = at_least(1, 1024)
     """Tokens per chunk of the vocab projection when computing log-probs and entropy (the vocab is 248k)."""
     use_torch_compile: Optional[bool] = None
-    """The FSDP engine's per-chunk log-prob and entropy math through torch.compile (fused upcast and reductions over
-    the [chunk, vocab] logits; on an H200 a faster update with a smaller peak, bench/results/h200.md); null (the
-    default) compiles on CUDA and runs eagerly elsewhere (on a CPU the first compilation costs more than it saves).
-    The Megatron engine does not apply it."""
+    """The FSDP engine's kernels through torch.compile: the per-chunk log-prob and entropy math (fused upcast and
+    reductions over the [chunk, vocab] logits) and the GDN layers' short convolution (engines/short_conv.py); on an
+    H200 a faster update with a smaller peak, bench/results/h200.md. null (the default) compiles on CUDA and runs
+    eagerly elsewhere (on a CPU the first compilation costs more than it saves). The Megatron engine does not apply
+    it."""
     lr: float = positive(1e-6, high=1.0)
     lr_warmup_steps: int = at_least(0, 0)
     lr_scheduler: str = "constant"
