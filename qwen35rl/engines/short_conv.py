@@ -84,7 +84,8 @@ default limit of 8 a new guard set would run eagerly, 2-3x slower than transform
 
 def _compiled(fn: Callable) -> Callable:
     """fn through torch.compile with only the time axis dynamic: packed rows change length every micro batch, while
-    static channel counts let Inductor index without divisions by a symbolic size (measured 2-3x slower kernels)."""
+    static channel counts let Inductor index without divisions by a symbolic size (on an H200 the all-dynamic
+    kernels were 1.6x slower, 2.7x with split outputs: bench/results/h200.md, 2026-12-03b)."""
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
