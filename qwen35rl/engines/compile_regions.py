@@ -32,12 +32,18 @@ def layer_parts(layer: nn.Module) -> List[nn.Module]:
     return parts
 
 
-def compile_layer_parts(layers: Iterable[nn.Module]) -> int:
-    """Compile every layer's parts in place (nn.Module.compile); returns how many modules were compiled."""
+def raise_recompile_limit(limit: int) -> None:
+    """Let dynamo keep at least `limit` graphs per code object (the setting's name differs across torch versions);
+    past the limit a new guard set runs eagerly."""
     cfg = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(cfg, name):
-            setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
+            setattr(cfg, name, max(getattr(cfg, name), limit))
+
+
+def compile_layer_parts(layers: Iterable[nn.Module]) -> int:
+    """Compile every layer's parts in place (nn.Module.compile); returns how many modules were compiled."""
+    raise_recompile_limit(RECOMPILE_LIMIT)
     n = 0
     for layer in layers:
         for part in layer_parts(layer):

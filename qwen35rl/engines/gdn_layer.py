@@ -4,7 +4,7 @@ transformers' forward projects q, k and v as one [B, T, D] tensor, transposes it
 back and splits it: q, k and v reach the recurrence as strided views, which fla's kernels copy into contiguous
 tensors (and whose gradients autograd concatenates again in the backward). On an H200 those copies were about a
 sixth of the 0.8B model's reference pass (bench/results/h200.md, 2026-12-02d). Here the convolution
-(`short_conv`) writes q, k and v as three contiguous tensors itself and takes their gradients apart. The math is
+(`packed_gdn.document_conv`) writes q, k and v as three contiguous tensors itself and takes their gradients apart. The math is
 transformers' own: the same projections, SiLU convolution, gates (beta = sigmoid(b), g = -exp(A_log) *
 softplus(a + dt_bias)), recurrence (the modeling module's `torch_chunk_gated_delta_rule`, fla's kernel where it
 imports, with the documents' boundaries), gated norm and output projection. Calls with a cache (generation) keep
@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from qwen35rl.engines import packed_gdn
-from qwen35rl.engines.short_conv import short_causal_conv
 
 
 def is_gdn(module: nn.Module) -> bool:
@@ -46,10 +45,8 @@ def training_forward(module: nn.Module, original: Callable, hidden_states: torch
     batch, length, _ = h.shape
     dk, dv = module.head_k_dim, module.head_v_dim
     cu = packed_gdn.packing_boundaries(kwargs)
-    q, k, v = short_causal_conv(
-        module.in_proj_qkv(h), module.conv1d.weight.squeeze(1), module.conv1d.bias,
-        packed_gdn.positions(cu, length, h.device), module.activation, compiled=packed_gdn.COMPILE and h.is_cuda,
-        splits=(module.key_dim, module.key_dim, module.value_dim))
+    q, k, v = packed_gdn.document_conv(module.in_proj_qkv(h), module.conv1d.weight.squeeze(1), module.conv1d.bias,
+                                       module.activation, cu, splits=(module.key_dim, module.key_dim, module.value_dim))
     q, k = q.view(batch, length, -1, dk), k.view(batch, length, -1, dk)
     v = v.view(batch, length, -1, dv)
     groups = module.num_v_heads // module.num_k_heads

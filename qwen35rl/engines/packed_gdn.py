@@ -20,7 +20,7 @@ import importlib
 import importlib.util
 import inspect
 from types import ModuleType
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -86,6 +86,14 @@ def positions(cu_seqlens: Optional[torch.Tensor], length: int, device: torch.dev
     return _LAST_POSITIONS["positions"]
 
 
+def document_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
+                  cu_seqlens: Optional[torch.Tensor], splits: Optional[Sequence[int]] = None):
+    """`short_conv.short_causal_conv` of time-major x [B, T, D] whose rows `cu_seqlens` splits into documents (None:
+    one per row), compiled for CUDA tensors when `COMPILE` is set; with `splits`, one contiguous tensor per part."""
+    return short_causal_conv(x, weight, bias, positions(cu_seqlens, x.shape[1], x.device), activation,
+                             compiled=COMPILE and x.is_cuda, splits=splits)
+
+
 def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                          activation: Optional[str] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Depthwise causal convolution of x [B, D, T] with weight [D, W], where no output sees an input of another
@@ -95,10 +103,7 @@ def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     GDN layer hands over its projection [B, T, D] transposed, which is read as it lies, and the result comes back
     as the same kind of view, so the layer's transpose back is free. Computed in fp32 (or weight's dtype if wider),
     returned in x's; compiled for CUDA tensors when `COMPILE` is set."""
-    length = x.shape[2]
-    pos = positions(cu_seqlens, length, x.device)
-    y = short_causal_conv(x.transpose(1, 2), weight, bias, pos, activation, compiled=COMPILE and x.is_cuda)
-    return y.transpose(1, 2)
+    return document_conv(x.transpose(1, 2), weight, bias, activation, cu_seqlens).transpose(1, 2)
 
 
 # ------------------------------------------------------------------------------------------ recurrence

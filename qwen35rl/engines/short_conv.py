@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qwen35rl.engines.compile_regions import raise_recompile_limit
+
 
 def _compute_dtype(weight: Tensor) -> torch.dtype:
     return torch.promote_types(weight.dtype, torch.float32)
@@ -86,10 +88,7 @@ def _compiled(fn: Callable) -> Callable:
     """fn through torch.compile with only the time axis dynamic: packed rows change length every micro batch, while
     static channel counts let Inductor index without divisions by a symbolic size (on an H200 the all-dynamic
     kernels were 1.6x slower, 2.7x with split outputs: bench/results/h200.md, 2026-12-03b)."""
-    cfg = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(cfg, name):
-            setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
+    raise_recompile_limit(RECOMPILE_LIMIT)
     compiled = torch.compile(fn)  # automatic dynamic: a size that changes on a later call becomes dynamic then
 
     @functools.wraps(fn)

@@ -33,7 +33,6 @@ from transformers.masking_utils import AttentionMaskInterface
 from qwen35rl.engines.packed_attention import packed_sdpa_attention_forward, packed_sdpa_mask
 from qwen35rl.engines import packed_gdn
 from qwen35rl.engines.gdn_layer import is_gdn
-from qwen35rl.engines.short_conv import short_causal_conv
 
 NAME = "qwen35rl_ulysses"
 
@@ -191,9 +190,8 @@ def ulysses_gdn_forward(module: nn.Module, original, hidden_states: torch.Tensor
     length = q.shape[0]
     mixed = torch.cat([q.reshape(length, -1), k.reshape(length, -1), v.reshape(length, -1)], -1)
     kl, vl = q.shape[1] * dk, v.shape[1] * dv
-    q, k, v = short_causal_conv(mixed[None], _gdn_conv_weight(module, sp), module.conv1d.bias,
-                                packed_gdn.positions(cu, length, mixed.device), module.activation,
-                                compiled=packed_gdn.COMPILE and mixed.is_cuda, splits=(kl, kl, vl))
+    q, k, v = packed_gdn.document_conv(mixed[None], _gdn_conv_weight(module, sp), module.conv1d.bias,
+                                       module.activation, cu, splits=(kl, kl, vl))
     q, k = q.view(1, length, -1, dk), k.view(1, length, -1, dk)
     v = v.view(1, length, -1, dv)
     beta = b.sigmoid()[None]

@@ -7,7 +7,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 
-from qwen35rl.engines import gdn_layer
+from qwen35rl.engines import gdn_layer, packed_gdn
 from qwen35rl.engines.gdn_layer import use_training_forward
 from qwen35rl.engines.packed_gdn import packing_enabled
 from tests.engines import packed_models as pm
@@ -32,9 +32,15 @@ def test_training_forward_equals_transformers_on_a_padded_batch(name, monkeypatc
     """Right-padded rows with their attention mask: the same logits and parameter gradients as transformers' forward
     (both with the same convolution: packing enabled routes transformers' to short_conv too)."""
     model, fast = _pair(name)
-    split_calls = []
-    conv = gdn_layer.short_causal_conv
-    monkeypatch.setattr(gdn_layer, "short_causal_conv", lambda *a, **kw: split_calls.append(kw["splits"]) or conv(*a, **kw))
+    split_calls = []  # the split form is the training forward's alone (transformers' forward gets the whole output)
+    conv = packed_gdn.document_conv
+
+    def counted(*a, **kw):
+        if kw.get("splits") is not None:
+            split_calls.append(kw["splits"])
+        return conv(*a, **kw)
+
+    monkeypatch.setattr(packed_gdn, "document_conv", counted)
     rows = pm.rows([9, 30, 4], seed=2)
     ids = torch.full((3, 30), 7)
     mask = torch.zeros(3, 30, dtype=torch.long)

@@ -155,7 +155,8 @@ def test_conv_routing_sends_every_call_to_short_conv_and_compiles_only_cuda_tens
     COMPILE applies to CUDA tensors only."""
     calls = []
 
-    def fake(x, weight, bias, positions, activation=None, compiled=False):
+    def fake(x, weight, bias, positions, activation=None, compiled=False, splits=None):
+        assert splits is None  # transformers' forward splits the output itself
         calls.append((tuple(x.shape), positions.tolist(), compiled))
         return x
 
