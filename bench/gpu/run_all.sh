@@ -31,6 +31,9 @@
 #   bash bench/gpu/run_all.sh final-cap         (carry .whl-gdn .whl-x; LIMIT=seconds of the call, default 430)
 #       conv_bench.py, then qwen35rl (175 s, three steps) and TRL on the all-at-cap workload; the matmul peak of an
 #       earlier call (PEAK)
+#   bash bench/gpu/run_all.sh decode-cap        (carry .whl-gdn .whl-x .kcache; ~9.5 min; one GPU)
+#       the all-at-cap pair with rollout.compile_decode=true (qwen35rl 235 s, then TRL), then the 0.8B phases with
+#       the norms and MLPs compiled (train_phases.py --variants head,regions) on both workloads
 #   bash bench/gpu/run_all.sh compare-cap       (carry .whl-gdn .whl-x; ~9.5 min; one GPU)
 #   bash bench/gpu/run_all.sh compare-realistic (the same carry, back to back with compare-cap: its caches are warm)
 #       one workload per call: qwen35rl through its CLI (no Ray, fixed micro batches of 16 as TRL's) then TRL's
@@ -91,7 +94,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh final-cap|conv-cap|conv-profile|sp-x2|hsdp-x4|split-x2|megatron-x2-numerics|megatron-x2-cli|alloc-4b|phases-4b|megatron-tp1-fla|megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
+stage=${1:?usage: run_all.sh decode-cap|final-cap|conv-cap|conv-profile|sp-x2|hsdp-x4|split-x2|megatron-x2-numerics|megatron-x2-cli|alloc-4b|phases-4b|megatron-tp1-fla|megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -404,6 +407,29 @@ final-cap)  # a short call: the convolution alone (speed, compiled against eager
   elapsed "TRL (cap): $(grep -c 'trl step' "$LOGS/trl-cap.log") steps"
   PYTHONPATH=$BASE python3 bench/gpu/grpo_h200.py report "$OUT/cap" > "$OUT/cap/report.md" 2>&1
   grep -A20 "qwen35rl / TRL" "$OUT/cap/report.md"
+  ;;
+decode-cap)  # the all-at-cap pair with the compiled decode step, then the 0.8B phases with norms and MLPs compiled
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
+  env_info > "$OUT/env-compare.txt" 2>&1
+  peaks
+  export PYTHONFAULTHANDLER=1
+  mkdir -p "$OUT/cap" "$OUT/phases" && cp "$OUT/peak.json" "$OUT/cap/"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 $G qwen35rl --lengths cap --out "$OUT/cap/q1.json" \
+    --run-dir "$RUNS/q1-cap" --steps 3 --peak-tflops "$PEAK" --timeout 235 -- trainer.launcher=local \
+    rollout.compile_decode=true > "$LOGS/q1-cap.log" 2>&1
+  elapsed "qwen35rl (cap, compiled decode): $(grep -c '\[qwen35rl\] step' "$LOGS/q1-cap.log") steps"
+  cp "$RUNS/q1-cap/metrics.jsonl" "$OUT/cap/q1-metrics.jsonl" 2>/dev/null
+  rm -rf "$RUNS/q1-cap"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 440)" \
+    $G trl --lengths cap --out "$OUT/cap/trl.json" --work-dir /tmp/trl-cap --steps 3 > "$LOGS/trl-cap.log" 2>&1
+  elapsed "TRL (cap): $(grep -c 'trl step' "$LOGS/trl-cap.log") steps"
+  PYTHONPATH=$BASE python3 bench/gpu/grpo_h200.py report "$OUT/cap" > "$OUT/cap/report.md" 2>&1
+  grep -A20 "qwen35rl / TRL" "$OUT/cap/report.md"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 585)" python3 bench/gpu/train_phases.py \
+    --out "$OUT/phases/phases_regions.json" --workloads cap,realistic --variants head,regions --reps 3 \
+    --peak-tflops "$PEAK" > "$OUT/phases/phases-regions.log" 2>&1
+  elapsed "0.8B phases, regions (exit $?)"
+  grep "^phases" "$OUT/phases/phases-regions.log"
   ;;
 compare-cap)  # the all-at-cap workload, both sides, one call
   [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
