@@ -420,13 +420,13 @@ decode-cap)  # the all-at-cap pair with the compiled decode step, then the 0.8B 
   elapsed "qwen35rl (cap, compiled decode): $(grep -c '\[qwen35rl\] step' "$LOGS/q1-cap.log") steps"
   cp "$RUNS/q1-cap/metrics.jsonl" "$OUT/cap/q1-metrics.jsonl" 2>/dev/null
   rm -rf "$RUNS/q1-cap"
-  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 440)" \
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left ${TRL_UNTIL:-440})" \
     $G trl --lengths cap --out "$OUT/cap/trl.json" --work-dir /tmp/trl-cap --steps 3 > "$LOGS/trl-cap.log" 2>&1
   elapsed "TRL (cap): $(grep -c 'trl step' "$LOGS/trl-cap.log") steps"
   PYTHONPATH=$BASE python3 bench/gpu/grpo_h200.py report "$OUT/cap" > "$OUT/cap/report.md" 2>&1
   grep -A20 "qwen35rl / TRL" "$OUT/cap/report.md"
-  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 585)" python3 bench/gpu/train_phases.py \
-    --out "$OUT/phases/phases_regions.json" --workloads cap,realistic --variants head,regions --reps 3 \
+  [ -z "${PAIR_ONLY:-}" ] && PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 585)" \
+    python3 bench/gpu/train_phases.py --out "$OUT/phases/phases_regions.json" --workloads cap,realistic --variants head,regions --reps 3 \
     --peak-tflops "$PEAK" > "$OUT/phases/phases-regions.log" 2>&1
   elapsed "0.8B phases, regions (exit $?)"
   grep "^phases" "$OUT/phases/phases-regions.log"
