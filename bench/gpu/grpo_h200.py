@@ -438,7 +438,8 @@ def measure_group(ckpt: bool, kl: bool, shapes, args, port: int, results: List[D
 
 
 def profile_call(fn) -> str:
-    """Top kernels of one call (time share), as text: CUDA kernels and the host ops that launched them."""
+    """Top kernels of one call (time share), as text: CUDA kernels and the host ops that launched them; on CUDA then
+    the host ops by their own CPU time (where a host-bound call spends it)."""
     from torch.profiler import ProfilerActivity, profile
 
     mem = DeviceMemory()
@@ -446,8 +447,10 @@ def profile_call(fn) -> str:
     with profile(activities=activities) as prof:
         fn()
         mem.sync()
-    return prof.key_averages().table(sort_by="cuda_time_total" if mem.cuda else "cpu_time_total", row_limit=30,
-                                     max_name_column_width=70)
+    table = lambda key, rows: prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
+    if not mem.cuda:
+        return table("cpu_time_total", 30)
+    return table("cuda_time_total", 30) + "\n\nby self CPU time:\n" + table("self_cpu_time_total", 25)
 
 
 def bench_decode(worker, prompts, n, new_tokens: int) -> Dict[str, Any]:

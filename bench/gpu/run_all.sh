@@ -34,6 +34,11 @@
 #   bash bench/gpu/run_all.sh decode-cap        (carry .whl-gdn .whl-x .kcache; ~9.5 min; one GPU)
 #       the all-at-cap pair with rollout.compile_decode=true (qwen35rl 235 s, then TRL), then the 0.8B phases with
 #       the norms and MLPs compiled (train_phases.py --variants head,regions) on both workloads
+#   bash bench/gpu/run_all.sh budget            (carry .whl-gdn .whl-x .kcache; ~9.5 min; one GPU; TOKENS=24576)
+#       the realistic pair with micro batches filled to TOKENS tokens and the compiled layers (qwen35rl 230 s, then
+#       TRL), then the 0.8B phases with that budget, compiled layers off and on, and the host-side profile
+#   bash bench/gpu/run_all.sh budget-4b         (the same carry; ~8 min; MICRO=8)
+#       the 4B phases with backend.compile_layers=true at micro MICRO, profiled (kernels and host time)
 #   bash bench/gpu/run_all.sh compare-cap       (carry .whl-gdn .whl-x; ~9.5 min; one GPU)
 #   bash bench/gpu/run_all.sh compare-realistic (the same carry, back to back with compare-cap: its caches are warm)
 #       one workload per call: qwen35rl through its CLI (no Ray, fixed micro batches of 16 as TRL's) then TRL's
@@ -94,7 +99,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh decode-cap|final-cap|conv-cap|conv-profile|sp-x2|hsdp-x4|split-x2|megatron-x2-numerics|megatron-x2-cli|alloc-4b|phases-4b|megatron-tp1-fla|megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
+stage=${1:?usage: run_all.sh budget|budget-4b|decode-cap|final-cap|conv-cap|conv-profile|sp-x2|hsdp-x4|split-x2|megatron-x2-numerics|megatron-x2-cli|alloc-4b|phases-4b|megatron-tp1-fla|megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -430,6 +435,45 @@ decode-cap)  # the all-at-cap pair with the compiled decode step, then the 0.8B 
     --peak-tflops "$PEAK" > "$OUT/phases/phases-regions.log" 2>&1
   elapsed "0.8B phases, regions (exit $?)"
   grep "^phases" "$OUT/phases/phases-regions.log"
+  ;;
+budget)  # fuller micro batches: the realistic pair with a token budget, then the 0.8B phases with it, host-side profile
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
+  env_info > "$OUT/env-compare.txt" 2>&1
+  peaks
+  export PYTHONFAULTHANDLER=1
+  BUDGET=(backend.dynamic_batch_size=true backend.max_tokens_per_device=${TOKENS:-24576} backend.compile_layers=true)
+  mkdir -p "$OUT/realistic" "$OUT/phases" && cp "$OUT/peak.json" "$OUT/realistic/"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 $G qwen35rl --lengths realistic --out "$OUT/realistic/q1.json" \
+    --run-dir "$RUNS/q1-realistic" --steps 3 --peak-tflops "$PEAK" --timeout 230 -- trainer.launcher=local \
+    "${BUDGET[@]}" > "$LOGS/q1-realistic.log" 2>&1
+  elapsed "qwen35rl (realistic, ${BUDGET[*]}): $(grep -c '\[qwen35rl\] step' "$LOGS/q1-realistic.log") steps"
+  cp "$RUNS/q1-realistic/metrics.jsonl" "$OUT/realistic/q1-metrics.jsonl" 2>/dev/null
+  rm -rf "$RUNS/q1-realistic"
+  plan_of "$OUT/realistic/q1.json" "$OUT/realistic/plan.json" "$LOGS/plan_realistic.log"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 440)" $G trl --lengths realistic \
+    --out "$OUT/realistic/trl.json" --work-dir /tmp/trl-realistic --steps 3 > "$LOGS/trl-realistic.log" 2>&1
+  elapsed "TRL (realistic): $(grep -c 'trl step' "$LOGS/trl-realistic.log") steps"
+  PYTHONPATH=$BASE python3 bench/gpu/grpo_h200.py report "$OUT/realistic" > "$OUT/realistic/report.md" 2>&1
+  grep -A20 "qwen35rl / TRL" "$OUT/realistic/report.md"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 585)" python3 bench/gpu/train_phases.py \
+    --out "$OUT/phases/phases_budget.json" --workloads realistic,cap --variants head,regions --reps 2 \
+    --set backend.dynamic_batch_size=true --set "backend.max_tokens_per_device=${TOKENS:-24576}" --profile head \
+    --profile-rows 16 --peak-tflops "$PEAK" > "$OUT/phases/phases-budget.log" 2>&1
+  elapsed "0.8B phases with a token budget (exit $?)"
+  grep "^phases" "$OUT/phases/phases-budget.log"
+  ;;
+budget-4b)  # the 4B phases with the compiled layers' smaller peak: micro 8 instead of 4, host-side profile (1 GPU)
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
+  env_info > "$OUT/env-phases.txt" 2>&1
+  peaks
+  export PYTHONFAULTHANDLER=1
+  mkdir -p "$OUT/phases"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 585)" python3 bench/gpu/train_phases.py \
+    --out "$OUT/phases/phases_4b.json" --model qwen3_5_4b --micro "${MICRO:-8}" --workloads cap --variants head \
+    --set backend.compile_layers=true --profile head --profile-rows "${MICRO:-8}" --reps 3 --peak-tflops "$PEAK" \
+    > "$OUT/phases/phases-4b.log" 2>&1
+  elapsed "4B phases, compiled layers, micro ${MICRO:-8} (exit $?)"
+  grep "^phases" "$OUT/phases/phases-4b.log"
   ;;
 compare-cap)  # the all-at-cap workload, both sides, one call
   [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn

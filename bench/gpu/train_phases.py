@@ -6,9 +6,9 @@ kernel change, on the all-at-cap and the realistic response lengths (`bench.gpu.
 
 Variants are applied in turn to one worker (each keeps the ones before it): `torch` (the GDN convolution and the
 log-prob head's chunk math eager), `conv` (the convolution, `short_conv`, through torch.compile), `head` (the head's
-chunk math through torch.compile), `regions` (norms and MLPs compiled); the worker starts as the engine builds it
-(convolution and head compiled on CUDA); then a second worker without FSDP at world size 1
-(`plain`), and, with --padded, the same without packing. Each phase runs --reps times per workload; the first run
+chunk math through torch.compile), `regions` (norms and MLPs compiled, as backend.compile_layers=true builds
+them); the worker starts as the engine builds it (convolution and head compiled on CUDA); then a second worker
+without FSDP at world size 1 (`plain`), and, with --padded, the same without packing. Each phase runs --reps times per workload; the first run
 of a shape compiles and autotunes (reported apart), the rest are the steady state. Peak allocator memory per phase
 next to the plan's estimate. MFU: FLOPs of `qwen35rl.runtime.flops` (6N per token plus attention and the GDN
 recurrence; recompute not counted) over the bf16 matmul peak given with --peak-tflops.
@@ -69,7 +69,7 @@ def build(args, overrides_extra: List[str], port: int):
     from qwen35rl.runtime.worker import PolicyWorker
 
     ov = workload(model=args.model, hw=args.hw, micro=args.micro, ckpt=args.ckpt, kl=True, prompts=args.prompts,
-                  prompt_len=args.prompt_len, response_len=args.response_len, steps=2) + overrides_extra
+                  prompt_len=args.prompt_len, response_len=args.response_len, steps=2) + args.set + overrides_extra
     cfg = compose(ov)
     worker = PolicyWorker(OmegaConf.to_container(cfg, resolve=True), layout=derive_layout(cfg), rank=0,
                           world_size=1, local_rank=0, run_dir="/tmp/qwen35rl-phases", optimizer_steps=100)
@@ -163,6 +163,8 @@ def main() -> None:
     p.add_argument("--profile-rows", type=int, default=0, help="profile on this many of the rows (default: all)")
     p.add_argument("--peak-tflops", type=float, default=790.0)
     p.add_argument("--decode-tokens", type=int, default=0, help="last, the decode benchmark (k new tokens)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more override of the worker's config (repeatable), e.g. backend.dynamic_batch_size=true")
     args = p.parse_args()
     args.workloads = args.workloads.split(",")
     profiled = set(filter(None, args.profile.split(",")))
@@ -178,8 +180,9 @@ def main() -> None:
         worker.actor = worker.ref = worker.rollout = None
         gc.collect()
         DeviceMemory().empty_cache()
-        FsdpTrainEngine.shard_single_rank, FsdpTrainEngine.compile_regions = False, "regions" in args.variants
-        head = ["backend.use_torch_compile=true"] if "head" in args.variants else []
+        FsdpTrainEngine.shard_single_rank = False
+        head = (["backend.use_torch_compile=true"] if "head" in args.variants else []) + (
+            ["backend.compile_layers=true"] if "regions" in args.variants else [])
         if args.plain:
             worker, cfg, _ = build(args, head, port)
             measure(worker, cfg, "plain", args, results, args.out, "plain" in profiled)

@@ -91,6 +91,12 @@ def compiles_log_probs(setting: Optional[bool], device_type: str) -> bool:
     return device_type == "cuda" if setting is None else bool(setting)
 
 
+def compiles_decode(setting: Optional[bool], device_type: str) -> bool:
+    """rollout.compile_decode as the hf rollout engine applies it: null compiles the decode step on CUDA (where it
+    is then captured into the CUDA graph), decodes eagerly on CPU and NPU."""
+    return device_type == "cuda" if setting is None else bool(setting)
+
+
 def _b(key: str) -> Predicate:
     return lambda cfg, layout: bool(cfg["backend"].get(key, False))
 
@@ -135,6 +141,9 @@ DECLARATION: List[Support] = [
     Support("megatron_no_torch_compile", "megatron", "backend.use_torch_compile", _b("use_torch_compile"), NOT_APPLIED,
             "its vocab-parallel log-probs reduce over the tensor-parallel group chunk by chunk; the FSDP engine "
             "compiles its log-probs", "try backend.use_torch_compile=false"),
+    Support("megatron_no_compile_layers", "megatron", "backend.compile_layers", _b("compile_layers"), NOT_APPLIED,
+            "megatron-core's layer specs build their own norms and MLPs (fused where Transformer Engine is installed);"
+            " the FSDP engine compiles transformers' layer parts", "try backend.compile_layers=false"),
     Support("megatron_own_checkpoints", "megatron", "backend.use_dist_checkpointing", _b("use_dist_checkpointing"),
             NOT_APPLIED, "checkpoints are torch.distributed.checkpoint shards of the engine's own state "
             "(trainer.save_freq)", "try backend.use_dist_checkpointing=false"),

@@ -389,55 +389,69 @@ def megatron_layer_bytes_per_token(m: Any, kind: str, kernels: str) -> float:
     return mixer + megatron_norm_mlp_bytes_per_token(m)
 
 
-def norm_mlp_bytes_per_token(m: Any, cb: int) -> float:
+def norm_mlp_bytes_per_token(m: Any, cb: int, compiled: bool = False) -> float:
     """What a transformers decoder layer keeps around its mixer: two RMSNorms that compute in fp32 (input copy,
     normalised tensor, output in the compute dtype: 2 * (4 + 4 + cb) * h), the layer output, and the SwiGLU MLP's
     gate, up, silu(gate) and product (4 * I; MoE: router logits and probabilities in fp32, the routed copies of
-    the token and their outputs, 4 * I per routed expert and for the shared expert). Counted on the 0.8B modules."""
+    the token and their outputs, 4 * I per routed expert and for the shared expert). Counted on the 0.8B modules.
+    `compiled` (backend.compile_layers): each norm keeps its input in the compute dtype instead of the fp32 copies
+    (the first norm's input is the layer's input, counted by the layer before), and the dense MLP recomputes
+    silu(gate) (3 * I); MoE blocks stay eager."""
     h = int(m["hidden_size"])
-    around = 2 * (FP32 + FP32 + cb) * h + cb * h
+    around = (3 * cb if compiled else 2 * (FP32 + FP32 + cb)) * h + cb * h
     if m["moe"]:
         k = int(m["num_experts_per_tok"])
         ffn = (2 * FP32 * int(m["num_experts"]) + cb * (2 * k * h + 4 * k * int(m["moe_intermediate_size"])
                                                          + 4 * int(m["shared_expert_intermediate_size"])))
     else:
-        ffn = cb * 4 * int(m["intermediate_size"])
+        ffn = cb * (3 if compiled else 4) * int(m["intermediate_size"])
     return float(around + ffn)
 
 
-def attention_bytes_per_token(m: Any, cb: int) -> float:
+def attention_bytes_per_token(m: Any, cb: int, compiled: bool = False) -> float:
     """transformers' full attention over flash / memory-efficient SDPA (no [T, T] scores): q and k norms in fp32
     (input copy + output), rotated q and k, v, the attention output, its contiguous copy, the sigmoid output gate and
-    the gated product in the compute dtype, the fp32 log-sum-exp per head. Counted on the 0.8B modules."""
+    the gated product in the compute dtype, the fp32 log-sum-exp per head. Counted on the 0.8B modules. `compiled`:
+    the q and k norms keep their inputs in the compute dtype instead, views of the projections' outputs (q's is twice
+    as wide with the output gate)."""
     nq, nkv, hd = int(m["num_attention_heads"]), int(m["num_key_value_heads"]), int(m["head_dim"])
     gated = 2 if m["attn_output_gate"] else 0
-    return float(cb * ((3 + gated) * nq * hd + 2 * nkv * hd) + FP32 * (2 * nq * hd + 2 * nkv * hd + nq))
+    norms = cb * ((1 + gated // 2) * nq * hd + nkv * hd) if compiled else FP32 * (2 * nq * hd + 2 * nkv * hd)
+    return float(cb * ((3 + gated) * nq * hd + 2 * nkv * hd) + norms + FP32 * nq)
 
 
-def gdn_bytes_per_token(m: Any, cb: int, kernels: str) -> float:
+def gdn_bytes_per_token(m: Any, cb: int, kernels: str, compiled: bool = False) -> float:
     """Gated DeltaNet mixer per token. torch fallback (counted on the 0.8B modules: 189 KB): qkv projection, conv
     output and the gated norm's three outputs in the compute dtype; in fp32 the q/k copies, the l2-normed q, padded
     q/k/v, two triangular solves, decayed q/k, the gated norm's input/gate/silu, v_new, five [64, 64] intra-chunk
     matrices per head and one recurrent state per 64-token chunk. fla (what fla 0.6's chunk_gated_delta_rule saves;
     the H200 run of 2026-11-30b came within 5% of this estimate): the conv input, l2-normed q and k, the contiguous v,
     beta and the solved [64]-wide chunk matrix A in the compute dtype, g and the q/k rstd in fp32, and the gated norm
-    as above."""
+    as above. `compiled`: the gated norm keeps none of its fp32 input, gate and silu(gate)."""
     nk, nv = int(m["linear_num_key_heads"]), int(m["linear_num_value_heads"])
     dk, dv = int(m["linear_key_head_dim"]), int(m["linear_value_head_dim"])
     value_dim, conv_dim = nv * dv, 2 * nk * dk + nv * dv
+    gated_norm = 0 if compiled else FP32 * 3 * value_dim
     if kernels == "torch":  # the fallback expands q and k to the value heads
         qk = nv * dk
-        return float(cb * (2 * conv_dim + 3 * value_dim)
-                     + FP32 * (8 * qk + 6 * value_dim + 5 * nv * GDN_CHUNK + nv * dk * dv / GDN_CHUNK + 10 * nv))
-    return float(cb * (conv_dim + 2 * nk * dk + 4 * value_dim + nv * GDN_CHUNK + nv)
-                 + FP32 * (3 * value_dim + 2 * nk + 3 * nv))
+        return float(cb * (2 * conv_dim + 3 * value_dim) + gated_norm
+                     + FP32 * (8 * qk + 3 * value_dim + 5 * nv * GDN_CHUNK + nv * dk * dv / GDN_CHUNK + 10 * nv))
+    return float(cb * (conv_dim + 2 * nk * dk + 4 * value_dim + nv * GDN_CHUNK + nv) + gated_norm
+                 + FP32 * (2 * nk + 3 * nv))
 
 
-def hf_layer_bytes_per_token(m: Any, kind: str, cb: int, kernels: str) -> float:
+def hf_layer_bytes_per_token(m: Any, kind: str, cb: int, kernels: str, compiled: bool = False) -> float:
     """Bytes one transformers decoder layer saves for backward per token (FSDP trainer): its mixer plus the norms
-    and MLP around it. 0.8B with the torch GDN fallback: 240 KB (GDN layer) and 95 KB (attention layer)."""
-    mixer = attention_bytes_per_token(m, cb) if kind == "full" else gdn_bytes_per_token(m, cb, kernels)
-    return mixer + norm_mlp_bytes_per_token(m, cb)
+    and MLP around it. 0.8B with the torch GDN fallback: 240 KB (GDN layer) and 95 KB (attention layer); with
+    `compiled` parts (backend.compile_layers) 46 KB and 33 KB less."""
+    mixer = (attention_bytes_per_token(m, cb, compiled) if kind == "full"
+             else gdn_bytes_per_token(m, cb, kernels, compiled))
+    return mixer + norm_mlp_bytes_per_token(m, cb, compiled)
+
+
+def compiles_layers(cfg: Any) -> bool:
+    """backend.compile_layers: the FSDP engine's layers run compiled norms and MLPs."""
+    return bool(cfg["backend"].get("compile_layers", False))
 
 
 def tokens_per_device(cfg: Any, layout: Layout) -> float:
@@ -488,7 +502,7 @@ def activations_gib(cfg: Any, layout: Layout, shard: TrainShard, kernels: Option
     if not _megatron(layout):
         cb, tokens, kernels = compute_bytes(cfg), tokens_per_device(cfg, layout), gdn_kernels(cfg, kernels)
         if recompute_groups(cfg, layout) is None:
-            layers = sum(hf_layer_bytes_per_token(m, k, cb, kernels) for k in shard.layers)
+            layers = sum(hf_layer_bytes_per_token(m, k, cb, kernels, compiles_layers(cfg)) for k in shard.layers)
         else:  # non-reentrant checkpointing keeps each layer's input
             layers = len(shard.layers) * cb * h
         final_norm = (FP32 + FP32 + cb) * h
@@ -611,7 +625,7 @@ def recomputed_layer_gib(cfg: Any, layout: Layout, shard: TrainShard, kernels: O
     if _megatron(layout) or recompute_groups(cfg, layout) is None:
         return 0.0
     m, cb, kernels = cfg["model"], compute_bytes(cfg), gdn_kernels(cfg, kernels)
-    widest = max(hf_layer_bytes_per_token(m, k, cb, kernels) for k in set(shard.layers))
+    widest = max(hf_layer_bytes_per_token(m, k, cb, kernels, compiles_layers(cfg)) for k in set(shard.layers))
     return gib(tokens_per_device(cfg, layout) * widest + P.embedding_params(m) * cb)
 
 

@@ -220,8 +220,6 @@ class FsdpTrainEngine(TrainEngine):
     shard_single_rank = True
     """Shard with FSDP2 also when the engine has one rank (then FSDP's mixed-precision policy casts the weights);
     False runs that rank's model as a plain module under autocast."""
-    compile_regions = False
-    """torch.compile the norms and dense MLPs of every decoder layer (`compile_regions.compile_layer_parts`)."""
 
     def __init__(self, cfg: Any, *, layout: Layout, rank: int, world_size: int, device: Any,
                  dp_group: Optional[Any] = None, reference: bool = False, total_steps: Optional[int] = None):
@@ -268,7 +266,7 @@ class FsdpTrainEngine(TrainEngine):
                 use_packed_attention(lm)
         if self.backend.gradient_checkpointing and not reference:
             enable_activation_checkpointing(lm)
-        if self.compile_regions:
+        if self.backend.compile_layers:
             from qwen35rl.engines.compile_regions import compile_layer_parts
 
             compile_layer_parts(decoder_layers(lm))

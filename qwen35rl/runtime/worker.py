@@ -334,6 +334,7 @@ class PolicyWorker:
 def hf_rollout_engine(cfg: Any, device: Any, tokenizer: Any, processor: Any, text_only: bool) -> RolloutEngine:
     """The transformers rollout engine. The driver syncs the policy's weights into it before every generation, so with
     a random init its model is only allocated, not initialised (a second random init would be overwritten)."""
+    from qwen35rl.config.capabilities import compiles_decode
     from qwen35rl.engines.hf_rollout import HfRolloutEngine
     from qwen35rl.models.build import build_model, generation_config, init_rotary_buffers
 
@@ -348,4 +349,4 @@ def hf_rollout_engine(cfg: Any, device: Any, tokenizer: Any, processor: Any, tex
         eos = model.generation_config.eos_token_id
     return HfRolloutEngine(model, tokenizer, device=device, pad_token_id=int(tokenizer.pad_token_id), eos_token_id=eos,
                            processor=processor, cuda_graphs=cfg.rollout.cuda_graph,
-                           compile_decode=cfg.rollout.compile_decode)
+                           compile_decode=compiles_decode(cfg.rollout.compile_decode, device.type))

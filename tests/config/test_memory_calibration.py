@@ -230,3 +230,78 @@ def test_vision_tower_bytes_per_patch_are_what_the_tower_keeps(mode):
                 "frozen": M.BF16 * (d + int(v["out_hidden_size"]) / merged)}[mode]  # last hidden state + features
     assert out is not None
     assert expected == pytest.approx(kept, rel=0.01), (expected, kept)
+
+
+def _saved_bytes_per_token(model, hidden, rotary, positions) -> float:
+    """Bytes of the storages one decoder layer's forward saves for its backward (autograd's saved-tensor hooks see
+    what compiled regions save too), per token; parameters, the layer input and the rotary tables not counted."""
+    import torch
+
+    ignore = {t.untyped_storage()._cdata for t in [*model.parameters(), hidden, *rotary]}
+    saved = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st._cdata not in ignore:
+            saved[st._cdata] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model.model.layers[0](hidden, position_embeddings=rotary, attention_mask=None, position_ids=positions)
+    out.float().sum().backward()  # a compiled region's first call traces its backward too: a second forward counts
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model.layers[0](hidden, position_embeddings=rotary, attention_mask=None, position_ids=positions)
+    return sum(saved.values()) / hidden.shape[:2].numel()
+
+
+@pytest.mark.parametrize("kind", ["linear", "full"])
+def test_compiled_layer_parts_keep_what_the_formula_says(kind):
+    """backend.compile_layers on the 0.8B layer (bf16, the engine's GDN forward): what compiling the norms and the MLP
+    saves for backward equals the formula's difference (46 KB a token on a GDN layer, 33 KB on an attention layer)."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    from qwen35rl.engines.compile_regions import compile_layer_parts
+    from qwen35rl.engines.gdn_layer import use_training_forward
+    from qwen35rl.models.hf_config import to_hf_config
+
+    cfg = compose(["model=qwen3_5_0_8b"])
+    config = to_hf_config(cfg.model, text_only=True)
+    config.num_hidden_layers, config.layer_types = 1, [f"{kind}_attention"]
+    config._attn_implementation, config.use_cache = "sdpa", False
+    config.vocab_size, config.pad_token_id = 1024, None
+    kept = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = Qwen3_5ForCausalLM._from_config(config, dtype=torch.bfloat16).train()
+        use_training_forward(model)
+        if compiled:
+            compile_layer_parts(model.model.layers)
+        rows, width = 2, 128
+        positions = torch.arange(width).expand(rows, width)
+        hidden = model.model.embed_tokens(torch.randint(0, 100, (rows, width))).detach().requires_grad_(True)
+        kept.append(_saved_bytes_per_token(model, hidden, model.model.rotary_emb(hidden, positions), positions))
+    m = M.as_tree(cfg)["model"]
+    formula = [M.hf_layer_bytes_per_token(m, kind, M.BF16, "torch", compiled=c) for c in (False, True)]
+    assert kept[0] - kept[1] == pytest.approx(formula[0] - formula[1], rel=0.01)
+    assert kept[0] - kept[1] > 30_000
+
+
+PHASES_H200 = Path(__file__).parents[2] / "bench/gpu/results/2026-12-03c/call2/phases/phases_regions.json"
+
+
+def test_estimate_with_compiled_layers_meets_the_h200_peak():
+    """The 0.8B phases on an H200 (fla + TileLang, micro 16, bench/gpu/train_phases.py, 2026-12-03c): the training
+    peak of all-at-cap rows within 10% of the estimate, with and without backend.compile_layers (variant `regions`
+    and `head`); on the realistic rows the cap-length estimate bounds the peak from above."""
+    from bench.gpu.grpo_h200 import workload
+    from qwen35rl.config.memory import estimate
+
+    measured = {(r["variant"], r["workload"]): r["train_peak_gib"] for r in json.loads(PHASES_H200.read_text())}
+    for variant, extra in (("head", []), ("regions", ["backend.compile_layers=true"])):
+        cfg = compose(workload(model="qwen3_5_0_8b", micro=16, kl=True, steps=2) + extra)
+        est = estimate(cfg, derive_layout(cfg), gdn="fla").train_peak_gib
+        assert est == pytest.approx(measured[(variant, "cap")], rel=TOLERANCE), variant
+        assert est > measured[(variant, "realistic")]
+    assert measured[("regions", "cap")] < 0.8 * measured[("head", "cap")]

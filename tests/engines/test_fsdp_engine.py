@@ -449,3 +449,23 @@ def test_compiled_layer_parts_compute_what_eager_ones_do():
             assert a is None
         else:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_compile_layers_reaches_every_decoder_layer():
+    """backend.compile_layers (default false): the engine compiles each decoder layer's norms and MLP in place (the
+    policy's and the reference's); off, every part runs eagerly."""
+    from qwen35rl.engines.compile_regions import layer_parts
+    from qwen35rl.engines.fsdp_engine import FsdpTrainEngine, decoder_layers
+
+    def compiled_parts(engine):
+        parts = [p for layer in decoder_layers(engine.lm) for p in layer_parts(layer)]
+        return sum(p._compiled_call_impl is not None for p in parts), len(parts)
+
+    assert _cfg().backend.compile_layers is False
+    for reference in (False, True):
+        on = FsdpTrainEngine(_cfg("backend.compile_layers=true"), layout=derive_layout(_cfg()), rank=0, world_size=1,
+                             device="cpu", reference=reference)
+        n, total = compiled_parts(on)
+        assert n == total >= 4 * len(decoder_layers(on.lm))
+    off = FsdpTrainEngine(_cfg(), layout=derive_layout(_cfg()), rank=0, world_size=1, device="cpu")
+    assert compiled_parts(off)[0] == 0

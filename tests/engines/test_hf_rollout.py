@@ -135,6 +135,15 @@ def test_cuda_graph_is_on_by_default_and_never_tried_off_cuda(monkeypatch):
     assert eng.stats.rows == 0
 
 
+def test_compile_decode_null_compiles_on_cuda_only():
+    from qwen35rl.config.capabilities import compiles_decode
+    from qwen35rl.config.compose import compose
+
+    assert compose(["model=qwen3_5_tiny", "hw=cpu"]).rollout.compile_decode is None
+    assert compiles_decode(None, "cuda") and not compiles_decode(None, "cpu") and not compiles_decode(None, "npu")
+    assert compiles_decode(True, "cpu") and not compiles_decode(False, "cuda")
+
+
 def test_compiled_decode_step_samples_as_eager_and_compiles_once_per_row_count():
     """rollout.compile_decode: the decode step through torch.compile gives the eager tokens and log-probs, a new
     prompt width (a new cache length) reuses the compiled step, and a weight sync reaches it."""

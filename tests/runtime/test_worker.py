@@ -83,20 +83,21 @@ def test_sync_fills_every_rollout_weight_from_the_policy(worker):
 
 
 def test_rollout_keys_reach_the_hf_engine_and_cpu_decodes_eagerly(worker):
-    """rollout.cuda_graph (default true) and rollout.compile_decode (default false) reach the hf engine; on CPU no
-    graph is captured, and the decode stats the driver reads say so (a rank without prompts reports none)."""
+    """rollout.cuda_graph (default true) and rollout.compile_decode (default null: on CUDA only) reach the hf engine;
+    on CPU no graph is captured and the decode step stays eager, and the decode stats the driver reads say so (a
+    rank without prompts reports none)."""
     assert worker.cfg.rollout.cuda_graph is True and worker.rollout.cuda_graphs is True
     params = dict(n=2, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, seed=5)
     stats = worker.generate(PROMPTS, params).decode
     assert (stats["rows"], stats["steps"], stats["cuda_graph"], stats["graph_error"]) == (4, 4, False, "")
     assert worker.generate([], params).decode == {}
-    assert worker.rollout.compile_decode is False
+    assert worker.cfg.rollout.compile_decode is None and worker.rollout.compile_decode is False
     worker.cfg.rollout.cuda_graph, worker.cfg.rollout.compile_decode = False, True
     try:
         engine = worker._rollout_engine()
         assert engine.cuda_graphs is False and engine.compile_decode is True
     finally:
-        worker.cfg.rollout.cuda_graph, worker.cfg.rollout.compile_decode = True, False
+        worker.cfg.rollout.cuda_graph, worker.cfg.rollout.compile_decode = True, None
 
 
 def test_dynamic_batch_size_cuts_by_tokens_and_keeps_row_order(worker, monkeypatch):
