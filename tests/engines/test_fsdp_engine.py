@@ -451,21 +451,39 @@ def test_compiled_layer_parts_compute_what_eager_ones_do():
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_compile_layers_reaches_every_decoder_layer():
+def test_compile_layers_reaches_every_decoder_layer_and_trains_as_eager():
     """backend.compile_layers (default false): the engine compiles each decoder layer's norms and MLP in place (the
-    policy's and the reference's); off, every part runs eagerly."""
+    policy's and the reference's), and in an initialised world of one rank (FSDP2-sharded, as on a GPU) gives the
+    eager engine's log-probs and gradient norm; off, every part runs eagerly."""
+    from torch.distributed.tensor import DTensor
+
     from qwen35rl.engines.compile_regions import layer_parts
-    from qwen35rl.engines.fsdp_engine import FsdpTrainEngine, decoder_layers
+    from qwen35rl.engines.fsdp_engine import decoder_layers
 
     def compiled_parts(engine):
         parts = [p for layer in decoder_layers(engine.lm) for p in layer_parts(layer)]
         return sum(p._compiled_call_impl is not None for p in parts), len(parts)
 
     assert _cfg().backend.compile_layers is False
-    for reference in (False, True):
-        on = FsdpTrainEngine(_cfg("backend.compile_layers=true"), layout=derive_layout(_cfg()), rank=0, world_size=1,
-                             device="cpu", reference=reference)
-        n, total = compiled_parts(on)
-        assert n == total >= 4 * len(decoder_layers(on.lm))
-    off = FsdpTrainEngine(_cfg(), layout=derive_layout(_cfg()), rank=0, world_size=1, device="cpu")
-    assert compiled_parts(off)[0] == 0
+    batch = build_batch(_sequences(), PAD)
+    results = []
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=0, world_size=1)
+        try:
+            for extra in ([], ["backend.compile_layers=true"]):
+                cfg = _cfg(*extra)
+                engine = FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device="cpu")
+                ref = FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device="cpu",
+                                      reference=True)
+                assert any(isinstance(p, DTensor) for p in engine.module.parameters())
+                for e in (engine, ref):
+                    n, total = compiled_parts(e)
+                    assert n == (total if extra else 0) and total >= 4 * len(decoder_layers(e.lm))
+                results.append((engine.compute_log_probs(batch)[0], ref.compute_log_probs(batch)[0],
+                                engine.train_mini_batch([batch], {})["actor/grad_norm"]))
+        finally:
+            dist.destroy_process_group()
+    (eager_lp, eager_ref, eager_norm), (lp, ref_lp, norm) = results
+    torch.testing.assert_close(lp, eager_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ref_lp, eager_ref, rtol=1e-5, atol=1e-5)
+    assert norm == pytest.approx(eager_norm, rel=1e-4)
