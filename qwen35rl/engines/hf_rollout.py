@@ -67,6 +67,8 @@ class HfRolloutEngine(RolloutEngine):
         self.cuda_graphs = cuda_graphs
         """Capture the decode step when the device is CUDA (checked per generation)."""
         self.compile_decode = compile_decode
+        self.compile_error = ""
+        """Why compiling the decode step failed (empty when it did not fail or was not tried)."""
         self._compiled_decoder: Optional[Callable] = None
         self.stats = DecodeStats()
 
@@ -180,12 +182,27 @@ class HfRolloutEngine(RolloutEngine):
 
     def _step_decoder(self, decoder: torch.nn.Module) -> Callable:
         """The decoder the decode step calls: itself, or (compile_decode) its torch.compile wrapper, built once; the
-        weights stay the module's own, so a weight sync reaches the compiled step."""
+        weights stay the module's own, so a weight sync reaches the compiled step. A compilation that fails (an
+        error of dynamo or its backend, raised before the step runs a kernel, so the caches are untouched) turns
+        compile_decode off for this engine: that step and every later one decode eagerly, and the error is logged."""
         if not self.compile_decode:
             return decoder
         if self._compiled_decoder is None:
             self._compiled_decoder = torch.compile(decoder, dynamic=True)
-        return self._compiled_decoder
+        compiled = self._compiled_decoder
+
+        def call(**kwargs: Any) -> Any:
+            if not self.compile_decode:
+                return decoder(**kwargs)
+            try:
+                return compiled(**kwargs)
+            except torch._dynamo.exc.TorchDynamoException as e:
+                self.compile_decode, self.compile_error = False, f"{type(e).__name__}: {e}"[:500]
+                log.warning("the decode step could not be compiled (%s); decoding eagerly (rollout.compile_decode="
+                            "false skips the attempt)", self.compile_error)
+                return decoder(**kwargs)
+
+        return call
 
     # ------------------------------------------------------------------------------------------ weights
     @torch.no_grad()

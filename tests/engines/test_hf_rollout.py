@@ -166,3 +166,33 @@ def test_compiled_decode_step_samples_as_eager_and_compiles_once_per_row_count()
             assert x == pytest.approx(y, abs=1e-5)
     assert counters["stats"]["unique_graphs"] - graphs == 1
     assert eager._compiled_decoder is None
+
+
+def test_a_decode_step_that_cannot_compile_decodes_eagerly(monkeypatch, caplog):
+    """A compilation error (dynamo or its backend, e.g. no compiler for Triton's launcher) turns rollout.compile_decode
+    off for the engine with a warning: the generation gives the eager tokens, and later ones do not try again."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    attempts = []
+
+    def failing_compile(fn, **kwargs):
+        def compiled(**kw):
+            attempts.append(1)
+            raise TorchDynamoException("backend compiler failed: no C compiler")
+        return compiled
+
+    cfg = _cfg()
+    model = build_model(cfg.model, dtype=torch.float32, seed=0)
+    eager = HfRolloutEngine(model, None, device="cpu", pad_token_id=PAD, eos_token_id=[IM_END, EOS])
+    engine = HfRolloutEngine(model, None, device="cpu", pad_token_id=PAD, eos_token_id=[IM_END, EOS],
+                             compile_decode=True)
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    req = RolloutRequest(prompt_ids=[[5, 6, 7], [9]], n=2, temperature=1.0, max_new_tokens=5, seed=3)
+    with caplog.at_level("WARNING", logger="qwen35rl.engines.hf_rollout"):
+        got = engine.generate(req)
+    want = eager.generate(req)
+    assert got.response_ids == want.response_ids and got.log_probs == want.log_probs
+    assert engine.compile_decode is False and "no C compiler" in engine.compile_error
+    assert "could not be compiled" in caplog.text and len(attempts) == 1
+    engine.generate(req)
+    assert len(attempts) == 1
