@@ -95,6 +95,7 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "params": count.to_dict(),
         "memory_gib": mem.to_dict(),
         "offload": offload_settings(cfg, mem),
+        "compile": compile_settings(cfg),
         "cost": {**layout_search.cost(cfg, layout, mem), "score_unit": layout_search.SCORE_UNIT},
         "batch": batch_arithmetic(cfg, layout, choice),
         "placement": placement_plan(cfg, layout, mem),
@@ -146,6 +147,29 @@ def offload_settings(cfg: DictConfig, mem) -> Dict[str, Any]:
     else:
         out["offload_policy"] = bool(b.offload_policy)
     return out
+
+
+def compile_settings(cfg: DictConfig) -> Dict[str, bool]:
+    """What runs through torch.compile on this config's devices; the first step of a run pays the compilation. The
+    FSDP engine's log-prob head and GDN convolution (backend.use_torch_compile), its decoder layers' norms and MLPs
+    (backend.compile_layers), the hf rollout's decode step (rollout.compile_decode)."""
+    device, fsdp = str(cfg.hw.device), str(cfg.backend.name) == "fsdp"
+    return {"log_probs_and_conv": fsdp and capabilities.compiles_log_probs(cfg.backend.use_torch_compile, device),
+            "layers": fsdp and bool(cfg.backend.compile_layers),
+            "decode": str(cfg.rollout.engine) == "hf" and capabilities.compiles_decode(cfg.rollout.compile_decode,
+                                                                                        device)}
+
+
+COMPILED_PARTS = {"log_probs_and_conv": "log-prob head and GDN convolution", "layers": "layer norms and MLPs",
+                  "decode": "decode step"}
+
+
+def _compile_line(plan: Dict[str, Any]) -> str:
+    parts = [text for key, text in COMPILED_PARTS.items() if (plan.get("compile") or {}).get(key)]
+    vllm = "; vLLM compiles by its own settings" if plan.get("rollout_engine") == "vllm" else ""
+    if not parts:
+        return f"  compile    none (qwen35rl's engines run eagerly{vllm})"
+    return "  compile    " + ", ".join(parts) + f" (torch.compile: the first step compiles them{vllm})"
 
 
 def verl_export(cfg: DictConfig) -> Dict[str, Any]:
@@ -335,6 +359,8 @@ def render_text(plan: Dict[str, Any]) -> str:
             lines.append(f"             {phase + ':':9}{_terms(m, phase)}")
     if plan.get("offload"):
         lines.append(_offload_line(plan))
+    if plan.get("compile") is not None:
+        lines.append(_compile_line(plan))
     c = plan.get("cost") or {}
     if c.get("score") is not None:
         parts = [f"{k[:-2].replace('comm_', 'comm ')} {_secs(v)}" for k, v in c.items()

@@ -175,3 +175,22 @@ def test_dapo_trains_the_embedded_default_out_of_the_box(tmp_path):
     (row,) = read_metrics(run / "metrics.jsonl")
     assert row["dynamic_sampling/rounds"] >= 1
     assert row["critic/rewards/mean"] < row["critic/score/mean"]  # the penalty applied
+
+
+def test_the_plan_says_what_runs_through_torch_compile():
+    """On CUDA the FSDP engine compiles its log-prob head and GDN convolution and the hf rollout its decode step by
+    default (backend.compile_layers adds the layers' norms and MLPs); on CPU nothing is compiled; the Megatron engine
+    compiles none of these, and vLLM's own compilation is named apart."""
+    gpu = ("model=qwen3_5_0_8b", "model.init=random", "hw=gpu_1x", "rollout=hf")
+    plan, text = plan_of(*gpu)
+    assert plan["compile"] == {"log_probs_and_conv": True, "layers": False, "decode": True}
+    assert line(text, "compile") == ("  compile    log-prob head and GDN convolution, decode step (torch.compile: the "
+                                     "first step compiles them)")
+    plan, text = plan_of(*gpu, "backend.compile_layers=true", "rollout.compile_decode=false")
+    assert plan["compile"] == {"log_probs_and_conv": True, "layers": True, "decode": False}
+    assert "layer norms and MLPs" in line(text, "compile")
+    plan, text = plan_of()
+    assert not any(plan["compile"].values()) and "none" in line(text, "compile")
+    plan, text = plan_of("model=qwen3_5_0_8b", "model.init=random", "hw=gpu_1x", "backend=megatron", "rollout=vllm")
+    assert not any(plan["compile"].values())
+    assert line(text, "compile") == "  compile    none (qwen35rl's engines run eagerly; vLLM compiles by its own settings)"
