@@ -308,8 +308,8 @@ class RolloutConfig:
     compile_decode: Optional[bool] = None
     """rollout.engine=hf only: run its decode step through torch.compile (fused norms, gates and casts; compiled once
     with dynamic shapes, then captured into the CUDA graph). null (the default) compiles on CUDA and decodes eagerly
-    on CPU and NPU. The first generation pays the compilation: on an H200, 0.8B, 35 s with a warm Inductor cache and
-    80 s without; after it a decode step takes 6.5 ms instead of 14.0 (bench/results/h200.md, 2026-12-03c)."""
+    on CPU and NPU. The first generation pays the compilation: on an H200, 0.8B, 128 x 512 tokens, it took 36 s with a
+    warm Inductor cache and 85 s without, the next ones 5.0 s instead of 8.0 (bench/results/h200.md, 2026-12-03c)."""
     engine_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Extra `vllm.LLM` arguments; names are checked against the known set."""
     val_temperature: float = at_least(0.0, 0.0, high=INF)
