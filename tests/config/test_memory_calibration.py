@@ -139,27 +139,34 @@ class LiveBytes:
         return sum(self.live.values())
 
 
-@pytest.mark.parametrize("overrides", [[], ["model=qwen3_5_0_8b"]], ids=["tiny", "0.8b"])
-@pytest.mark.parametrize("kind", ["linear", "full"])
-def test_layer_bytes_per_token_are_what_the_layer_keeps(overrides, kind):
-    """One decoder layer of transformers' Qwen3.5 in bf16 with the torch GDN fallback: the storages alive after its
-    forward (what autograd keeps for backward, plus its output) per token equal `hf_layer_bytes_per_token`."""
+def _one_layer(cfg, kind: str, width: int, rows: int = 2):
+    """transformers' Qwen3.5 text model of `cfg` cut to one decoder layer of `kind` (bf16, training mode; a 1024-token
+    vocabulary: a layer does not see it), and that layer's inputs: hidden states that require grad, the rotary
+    tables and the positions of `rows` x `width` tokens."""
     import torch
     from transformers import Qwen3_5ForCausalLM
 
     from qwen35rl.models.hf_config import to_hf_config
 
-    cfg = compose(overrides)
     config = to_hf_config(cfg.model, text_only=True)
     config.num_hidden_layers, config.layer_types = 1, [f"{kind}_attention"]
     config._attn_implementation, config.use_cache = "sdpa", False
-    config.vocab_size, config.pad_token_id = 1024, None  # a layer does not see the vocabulary: skip a big embedding
+    config.vocab_size, config.pad_token_id = 1024, None
     torch.manual_seed(0)
     model = Qwen3_5ForCausalLM._from_config(config, dtype=torch.bfloat16).train()
-    rows, width = 2, 256
     positions = torch.arange(width).expand(rows, width)
     hidden = model.model.embed_tokens(torch.randint(0, 100, (rows, width))).detach().requires_grad_(True)
-    rotary = model.model.rotary_emb(hidden, positions)
+    return model, hidden, model.model.rotary_emb(hidden, positions), positions
+
+
+@pytest.mark.parametrize("overrides", [[], ["model=qwen3_5_0_8b"]], ids=["tiny", "0.8b"])
+@pytest.mark.parametrize("kind", ["linear", "full"])
+def test_layer_bytes_per_token_are_what_the_layer_keeps(overrides, kind):
+    """One decoder layer of transformers' Qwen3.5 in bf16 with the torch GDN fallback: the storages alive after its
+    forward (what autograd keeps for backward, plus its output) per token equal `hf_layer_bytes_per_token`."""
+    cfg = compose(overrides)
+    model, hidden, rotary, positions = _one_layer(cfg, kind, width=256)
+    rows, width = hidden.shape[:2]
     with LiveBytes(ignore=[*model.parameters(), hidden, *rotary]) as live:
         out = model.model.layers[0](hidden, position_embeddings=rotary, attention_mask=None, position_ids=positions)
     kept = live.bytes / (rows * width)
@@ -259,29 +266,17 @@ def _saved_bytes_per_token(model, hidden, rotary, positions) -> float:
 def test_compiled_layer_parts_keep_what_the_formula_says(kind):
     """backend.compile_layers on the 0.8B layer (bf16, the engine's GDN forward): what compiling the norms and the MLP
     saves for backward equals the formula's difference (46 KB a token on a GDN layer, 33 KB on an attention layer)."""
-    import torch
-    from transformers import Qwen3_5ForCausalLM
-
     from qwen35rl.engines.compile_regions import compile_layer_parts
     from qwen35rl.engines.gdn_layer import use_training_forward
-    from qwen35rl.models.hf_config import to_hf_config
 
     cfg = compose(["model=qwen3_5_0_8b"])
-    config = to_hf_config(cfg.model, text_only=True)
-    config.num_hidden_layers, config.layer_types = 1, [f"{kind}_attention"]
-    config._attn_implementation, config.use_cache = "sdpa", False
-    config.vocab_size, config.pad_token_id = 1024, None
     kept = []
     for compiled in (False, True):
-        torch.manual_seed(0)
-        model = Qwen3_5ForCausalLM._from_config(config, dtype=torch.bfloat16).train()
+        model, hidden, rotary, positions = _one_layer(cfg, kind, width=128)
         use_training_forward(model)
         if compiled:
             compile_layer_parts(model.model.layers)
-        rows, width = 2, 128
-        positions = torch.arange(width).expand(rows, width)
-        hidden = model.model.embed_tokens(torch.randint(0, 100, (rows, width))).detach().requires_grad_(True)
-        kept.append(_saved_bytes_per_token(model, hidden, model.model.rotary_emb(hidden, positions), positions))
+        kept.append(_saved_bytes_per_token(model, hidden, rotary, positions))
     m = M.as_tree(cfg)["model"]
     formula = [M.hf_layer_bytes_per_token(m, kind, M.BF16, "torch", compiled=c) for c in (False, True)]
     assert kept[0] - kept[1] == pytest.approx(formula[0] - formula[1], rel=0.01)
