@@ -431,8 +431,8 @@ decode-cap)  # the all-at-cap pair with the compiled decode step, then the 0.8B 
   PYTHONPATH=$BASE python3 bench/gpu/grpo_h200.py report "$OUT/cap" > "$OUT/cap/report.md" 2>&1
   grep -A20 "qwen35rl / TRL" "$OUT/cap/report.md"
   [ -z "${PAIR_ONLY:-}" ] && PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 585)" \
-    python3 bench/gpu/train_phases.py --out "$OUT/phases/phases_regions.json" --workloads cap,realistic --variants head,regions --reps 3 \
-    --peak-tflops "$PEAK" > "$OUT/phases/phases-regions.log" 2>&1
+    python3 bench/gpu/train_phases.py --out "$OUT/phases/phases_regions.json" --workloads cap,realistic \
+    --variants head,regions --reps 3 --peak-tflops "$PEAK" > "$OUT/phases/phases-regions.log" 2>&1
   elapsed "0.8B phases, regions (exit $?)"
   grep "^phases" "$OUT/phases/phases-regions.log"
   ;;

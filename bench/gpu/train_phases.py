@@ -8,8 +8,8 @@ Variants are applied in turn to one worker (each keeps the ones before it): `tor
 log-prob head's chunk math eager), `conv` (the convolution, `short_conv`, through torch.compile), `head` (the head's
 chunk math through torch.compile), `regions` (norms and MLPs compiled, as backend.compile_layers=true builds
 them); the worker starts as the engine builds it (convolution and head compiled on CUDA); then a second worker
-without FSDP at world size 1 (`plain`), and, with --padded, the same without packing. Each phase runs --reps times per workload; the first run
-of a shape compiles and autotunes (reported apart), the rest are the steady state. Peak allocator memory per phase
+without FSDP at world size 1 (`plain`), and, with --padded, the same without packing. Each phase runs --reps times
+per workload; the first run of a shape compiles and autotunes (reported apart), the rest are the steady state. Peak allocator memory per phase
 next to the plan's estimate. MFU: FLOPs of `qwen35rl.runtime.flops` (6N per token plus attention and the GDN
 recurrence; recompute not counted) over the bf16 matmul peak given with --peak-tflops.
 """

@@ -85,16 +85,21 @@ class Support:
     nothing is reported), False where it does not, None where that is unknown (nothing reported yet)."""
 
 
-def compiles_log_probs(setting: Optional[bool], device_type: str) -> bool:
-    """backend.use_torch_compile as the FSDP engine applies it: null compiles on CUDA (Inductor's Triton kernels),
-    runs eagerly on CPU and NPU."""
+def _compiles(setting: Optional[bool], device_type: str) -> bool:
+    """A torch.compile switch of the engines: null compiles on CUDA (Inductor's Triton kernels) and runs eagerly on
+    CPU (where the first compilation costs more than it saves) and NPU."""
     return device_type == "cuda" if setting is None else bool(setting)
+
+
+def compiles_log_probs(setting: Optional[bool], device_type: str) -> bool:
+    """backend.use_torch_compile as the FSDP engine applies it (`_compiles`)."""
+    return _compiles(setting, device_type)
 
 
 def compiles_decode(setting: Optional[bool], device_type: str) -> bool:
-    """rollout.compile_decode as the hf rollout engine applies it: null compiles the decode step on CUDA (where it
-    is then captured into the CUDA graph), decodes eagerly on CPU and NPU."""
-    return device_type == "cuda" if setting is None else bool(setting)
+    """rollout.compile_decode as the hf rollout engine applies it (`_compiles`; on CUDA the compiled step is then
+    captured into the CUDA graph)."""
+    return _compiles(setting, device_type)
 
 
 def _b(key: str) -> Predicate:

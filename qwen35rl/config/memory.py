@@ -502,7 +502,8 @@ def activations_gib(cfg: Any, layout: Layout, shard: TrainShard, kernels: Option
     if not _megatron(layout):
         cb, tokens, kernels = compute_bytes(cfg), tokens_per_device(cfg, layout), gdn_kernels(cfg, kernels)
         if recompute_groups(cfg, layout) is None:
-            layers = sum(hf_layer_bytes_per_token(m, k, cb, kernels, compiles_layers(cfg)) for k in shard.layers)
+            compiled = compiles_layers(cfg)
+            layers = sum(hf_layer_bytes_per_token(m, k, cb, kernels, compiled) for k in shard.layers)
         else:  # non-reentrant checkpointing keeps each layer's input
             layers = len(shard.layers) * cb * h
         final_norm = (FP32 + FP32 + cb) * h

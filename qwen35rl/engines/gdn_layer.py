@@ -4,8 +4,8 @@ transformers' forward projects q, k and v as one [B, T, D] tensor, transposes it
 back and splits it: q, k and v reach the recurrence as strided views, which fla's kernels copy into contiguous
 tensors (and whose gradients autograd concatenates again in the backward). On an H200 those copies were about a
 sixth of the 0.8B model's reference pass (bench/results/h200.md, 2026-12-02d). Here the convolution
-(`packed_gdn.document_conv`) writes q, k and v as three contiguous tensors itself and takes their gradients apart. The math is
-transformers' own: the same projections, SiLU convolution, gates (beta = sigmoid(b), g = -exp(A_log) *
+(`packed_gdn.document_conv`) writes q, k and v as three contiguous tensors itself and takes their gradients apart.
+The math is transformers' own: the same projections, SiLU convolution, gates (beta = sigmoid(b), g = -exp(A_log) *
 softplus(a + dt_bias)), recurrence (the modeling module's `torch_chunk_gated_delta_rule`, fla's kernel where it
 imports, with the documents' boundaries), gated norm and output projection. Calls with a cache (generation) keep
 transformers' forward.
