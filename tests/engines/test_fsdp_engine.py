@@ -451,10 +451,12 @@ def test_compiled_layer_parts_compute_what_eager_ones_do():
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_compile_layers_reaches_every_decoder_layer_and_trains_as_eager():
+@pytest.mark.parametrize("ckpt", [False, True], ids=["no-ckpt", "ckpt"])
+def test_compile_layers_reaches_every_decoder_layer_and_trains_as_eager(ckpt):
     """backend.compile_layers (default false): the engine compiles each decoder layer's norms and MLP in place (the
     policy's and the reference's), and in an initialised world of one rank (FSDP2-sharded, as on a GPU) gives the
-    eager engine's log-probs and gradient norm; off, every part runs eagerly."""
+    eager engine's log-probs and gradient norm, with and without gradient checkpointing (the compiled parts re-run
+    in the recompute); off, every part runs eagerly."""
     from torch.distributed.tensor import DTensor
 
     from qwen35rl.engines.compile_regions import layer_parts
@@ -471,7 +473,7 @@ def test_compile_layers_reaches_every_decoder_layer_and_trains_as_eager():
         dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=0, world_size=1)
         try:
             for extra in ([], ["backend.compile_layers=true"]):
-                cfg = _cfg(*extra)
+                cfg = _cfg(f"backend.gradient_checkpointing={str(ckpt).lower()}", *extra)
                 engine = FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device="cpu")
                 ref = FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device="cpu",
                                       reference=True)
