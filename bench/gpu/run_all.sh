@@ -39,6 +39,15 @@
 #       TRL), then the 0.8B phases with that budget, compiled layers off and on, and the host-side profile
 #   bash bench/gpu/run_all.sh budget-4b         (the same carry; ~8 min; MICRO=8)
 #       the 4B phases with backend.compile_layers=true at micro MICRO, profiled (kernels and host time)
+#   bash bench/gpu/run_all.sh qknorm-pair       (carry .whl-gdn .whl-x .kcache; ~8 min; one GPU; TOKENS=24576;
+#                                                ran 2026-12-04)
+#       the CUDA tests of the GDN training forward (q/k normalised by the convolution), then the realistic pair of
+#       stage budget with 5 qwen35rl steps, dynamo's recompiles logged
+#   bash bench/gpu/run_all.sh qknorm-phases     (the same carry, right after qknorm-pair; ~5.5 min; MICRO=8; ran
+#                                                2026-12-04)
+#       the 0.8B phases with the token budget and compiled layers (profiled), then the 4B at micro MICRO
+#   bash bench/gpu/run_all.sh gdn-check         (the same carry; ~4 min; LIMIT=seconds of the call, default 200)
+#       the CUDA tests of the GDN forward and convolution, then the 0.8B realistic phases with the token budget
 #   bash bench/gpu/run_all.sh compare-cap       (carry .whl-gdn .whl-x; ~9.5 min; one GPU)
 #   bash bench/gpu/run_all.sh compare-realistic (the same carry, back to back with compare-cap: its caches are warm)
 #       one workload per call: qwen35rl through its CLI (no Ray, fixed micro batches of 16 as TRL's) then TRL's
@@ -99,7 +108,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh budget|budget-4b|decode-cap|final-cap|conv-cap|conv-profile|sp-x2|hsdp-x4|split-x2|megatron-x2-numerics|megatron-x2-cli|alloc-4b|phases-4b|megatron-tp1-fla|megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
+stage=${1:?usage: run_all.sh gdn-check|qknorm-pair|qknorm-phases|budget|budget-4b|decode-cap|final-cap|conv-cap|conv-profile|sp-x2|hsdp-x4|split-x2|megatron-x2-numerics|megatron-x2-cli|alloc-4b|phases-4b|megatron-tp1-fla|megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -461,6 +470,63 @@ budget)  # fuller micro batches: the realistic pair with a token budget, then th
     --profile-rows 16 --peak-tflops "$PEAK" > "$OUT/phases/phases-budget.log" 2>&1
   elapsed "0.8B phases with a token budget (exit $?)"
   grep "^phases" "$OUT/phases/phases-budget.log"
+  ;;
+qknorm-pair)  # q/k normalised in the GDN convolution: its CUDA tests, then the realistic budget pair, 5 steps
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
+  env_info > "$OUT/env-compare.txt" 2>&1
+  peaks
+  export PYTHONFAULTHANDLER=1
+  PYTHONPATH=$FLA_PATH timeout -s ABRT 150 python3 -m pytest -x -q -p no:cacheprovider --tb=short -k cuda \
+    tests/engines/test_gdn_layer.py tests/engines/test_packed_gdn.py > "$OUT/gpu-tests.log" 2>&1
+  elapsed "GPU tests (exit $?)"; tail -15 "$OUT/gpu-tests.log" | cut -c1-300
+  BUDGET=(backend.dynamic_batch_size=true backend.max_tokens_per_device=${TOKENS:-24576} backend.compile_layers=true)
+  mkdir -p "$OUT/realistic" && cp "$OUT/peak.json" "$OUT/realistic/"
+  TORCH_LOGS=recompiles PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 $G qwen35rl --lengths realistic \
+    --out "$OUT/realistic/q1.json" --run-dir "$RUNS/q1-realistic" --steps 5 --peak-tflops "$PEAK" --timeout 250 -- \
+    trainer.launcher=local "${BUDGET[@]}" > "$LOGS/q1-realistic.log" 2>&1
+  elapsed "qwen35rl (realistic, ${BUDGET[*]}): $(grep -c '\[qwen35rl\] step' "$LOGS/q1-realistic.log") steps"
+  cp "$RUNS/q1-realistic/metrics.jsonl" "$OUT/realistic/q1-metrics.jsonl" 2>/dev/null
+  grep -c "Recompiling function" "$LOGS/q1-realistic.log"
+  rm -rf "$RUNS/q1-realistic"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 570)" $G trl --lengths realistic \
+    --out "$OUT/realistic/trl.json" --work-dir /tmp/trl-realistic --steps 3 > "$LOGS/trl-realistic.log" 2>&1
+  elapsed "TRL (realistic): $(grep -c 'trl step' "$LOGS/trl-realistic.log") steps"
+  PYTHONPATH=$BASE python3 bench/gpu/grpo_h200.py report "$OUT/realistic" > "$OUT/realistic/report.md" 2>&1
+  grep -A20 "qwen35rl / TRL" "$OUT/realistic/report.md"
+  ;;
+qknorm-phases)  # right after qknorm-pair (warm): the 0.8B phases with a token budget, then the 4B at micro MICRO
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
+  env_info > "$OUT/env-phases.txt" 2>&1
+  peaks
+  export PYTHONFAULTHANDLER=1
+  mkdir -p "$OUT/phases"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 200 python3 bench/gpu/train_phases.py \
+    --out "$OUT/phases/phases_budget.json" --workloads realistic,cap --variants regions --reps 2 \
+    --set backend.dynamic_batch_size=true --set "backend.max_tokens_per_device=${TOKENS:-24576}" --profile regions \
+    --profile-rows 16 --peak-tflops "$PEAK" > "$OUT/phases/phases-budget.log" 2>&1
+  elapsed "0.8B phases with a token budget (exit $?)"
+  grep "^phases" "$OUT/phases/phases-budget.log"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 585)" python3 bench/gpu/train_phases.py \
+    --out "$OUT/phases/phases_4b.json" --model qwen3_5_4b --micro "${MICRO:-8}" --workloads cap --variants head \
+    --set backend.compile_layers=true --reps 3 --peak-tflops "$PEAK" > "$OUT/phases/phases-4b.log" 2>&1
+  elapsed "4B phases, compiled layers, micro ${MICRO:-8} (exit $?)"
+  grep "^phases" "$OUT/phases/phases-4b.log"
+  ;;
+gdn-check)  # a short call: the GDN forward's CUDA tests, then the 0.8B realistic phases with a token budget
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
+  env_info > "$OUT/env-phases.txt" 2>&1
+  peaks
+  export PYTHONFAULTHANDLER=1
+  PYTHONPATH=$FLA_PATH timeout -s ABRT 100 python3 -m pytest -q -p no:cacheprovider --tb=short -k cuda \
+    tests/engines/test_gdn_layer.py tests/engines/test_packed_gdn.py > "$OUT/gpu-tests.log" 2>&1
+  elapsed "GPU tests (exit $?)"; tail -8 "$OUT/gpu-tests.log" | cut -c1-300
+  mkdir -p "$OUT/phases"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left "${LIMIT:-200}")" python3 bench/gpu/train_phases.py \
+    --out "$OUT/phases/phases_check.json" --workloads realistic --variants regions --reps 2 \
+    --set backend.dynamic_batch_size=true --set "backend.max_tokens_per_device=${TOKENS:-24576}" \
+    --peak-tflops "$PEAK" > "$OUT/phases/phases-check.log" 2>&1
+  elapsed "0.8B realistic phases, token budget (exit $?)"
+  grep "^phases" "$OUT/phases/phases-check.log"
   ;;
 budget-4b)  # the 4B phases with the compiled layers' smaller peak: micro 8 instead of 4, host-side profile (1 GPU)
   [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn

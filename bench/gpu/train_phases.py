@@ -85,6 +85,10 @@ def measure(worker, cfg, variant: str, args, results: List[Dict[str, Any]], out:
 
     mem = DeviceMemory()
     m = cfg.model
+    if variant == "regions":  # compiled in place by apply_variant: the estimate of the config that builds it so
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.merge(cfg, {"backend": {"compile_layers": True}})
     est = estimate(cfg, derive_layout(cfg), gdn="fla" if gdn_kernels.fla_version() else "torch")
     for wl in args.workloads:
         seqs, lengths = batch(wl, args.prompts, args.prompt_len, args.response_len)

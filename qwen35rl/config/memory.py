@@ -425,9 +425,9 @@ def gdn_bytes_per_token(m: Any, cb: int, kernels: str, compiled: bool = False) -
     output and the gated norm's three outputs in the compute dtype; in fp32 the q/k copies, the l2-normed q, padded
     q/k/v, two triangular solves, decayed q/k, the gated norm's input/gate/silu, v_new, five [64, 64] intra-chunk
     matrices per head and one recurrent state per 64-token chunk. fla (what fla 0.6's chunk_gated_delta_rule saves;
-    the H200 run of 2026-11-30b came within 5% of this estimate): the conv input, l2-normed q and k, the contiguous v,
-    beta and the solved [64]-wide chunk matrix A in the compute dtype, g and the q/k rstd in fp32, and the gated norm
-    as above. `compiled`: the gated norm keeps none of its fp32 input, gate and silu(gate)."""
+    the H200 runs came within 5% of this estimate): the conv input, q and k (L2-normed by the convolution), the
+    contiguous v, beta and the solved [64]-wide chunk matrix A in the compute dtype, g and the gate's intermediates in
+    fp32, and the gated norm as above. `compiled`: the gated norm keeps none of its fp32 input, gate and silu(gate)."""
     nk, nv = int(m["linear_num_key_heads"]), int(m["linear_num_value_heads"])
     dk, dv = int(m["linear_key_head_dim"]), int(m["linear_value_head_dim"])
     value_dim, conv_dim = nv * dv, 2 * nk * dk + nv * dv

@@ -4,17 +4,17 @@ transformers' forward projects q, k and v as one [B, T, D] tensor, transposes it
 back and splits it: q, k and v reach the recurrence as strided views, which fla's kernels copy into contiguous
 tensors (and whose gradients autograd concatenates again in the backward). On an H200 those copies were about a
 sixth of the 0.8B model's reference pass (bench/results/h200.md, 2026-12-02d). Here the convolution
-(`packed_gdn.document_conv`) writes q, k and v as three contiguous tensors itself and takes their gradients apart.
-The math is transformers' own: the same projections, SiLU convolution, gates (beta = sigmoid(b), g = -exp(A_log) *
-softplus(a + dt_bias)), recurrence (the modeling module's `torch_chunk_gated_delta_rule`, fla's kernel where it
-imports, with the documents' boundaries), gated norm and output projection. Calls with a cache (generation) keep
-transformers' forward.
+(`packed_gdn.document_conv`) writes q, k and v as three contiguous tensors itself, q and k L2-normalised per head,
+and takes their gradients apart. The math is transformers' own: the same projections, SiLU convolution, q/k norm,
+gates (beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)), recurrence (the modeling module's
+`torch_chunk_gated_delta_rule`, fla's kernel where it imports, with the documents' boundaries), gated norm and output
+projection. Calls with a cache (generation) keep transformers' forward.
 """
 from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,24 @@ def _cache_of(args: tuple, kwargs: dict) -> Any:
     return args[0] if args else None
 
 
+def recurrence(modeling: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               A_log: torch.Tensor, dt_bias: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+    """The gated delta rule over L2-normalised q, k [B, T, H_k, d_k] and v [B, T, H_v, d_v] (H_v a multiple of
+    H_k), from the raw gate inputs a and b [B, T, H_v]: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias),
+    through the modeling module's rule (transformers' torch code, or fla's kernel through it) with the key heads
+    repeated to the value heads. q and k come normalised: fla's own L2 norm is a Triton kernel whose block count is a
+    compile-time constant growing with the token count, so every new micro batch size compiled and autotuned it anew
+    (seconds a step on an H200)."""
+    groups = v.shape[2] // q.shape[2]
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    core, _ = modeling.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=b.sigmoid(), initial_state=None,
+                                                    output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                                    cu_seqlens=cu_seqlens)
+    return core
+
+
 def training_forward(module: nn.Module, original: Callable, hidden_states: torch.Tensor, *args, **kwargs):
     """The layer's forward without a cache (transformers' `original` with one)."""
     if _cache_of(args, kwargs) is not None:
@@ -46,17 +64,11 @@ def training_forward(module: nn.Module, original: Callable, hidden_states: torch
     dk, dv = module.head_k_dim, module.head_v_dim
     cu = packed_gdn.packing_boundaries(kwargs)
     q, k, v = packed_gdn.document_conv(module.in_proj_qkv(h), module.conv1d.weight.squeeze(1), module.conv1d.bias,
-                                       module.activation, cu, splits=(module.key_dim, module.key_dim, module.value_dim))
+                                       module.activation, cu, splits=(module.key_dim, module.key_dim, module.value_dim),
+                                       l2norm=(2, dk))
     q, k = q.view(batch, length, -1, dk), k.view(batch, length, -1, dk)
     v = v.view(batch, length, -1, dv)
-    groups = module.num_v_heads // module.num_k_heads
-    if groups > 1:  # value heads share key heads: every kernel takes them repeated
-        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
-    beta = module.in_proj_b(h).sigmoid()
-    g = -module.A_log.float().exp() * F.softplus(module.in_proj_a(h).float() + module.dt_bias)
-    core, _ = modeling.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None,
-                                                    output_final_state=False, use_qk_l2norm_in_kernel=True,
-                                                    cu_seqlens=cu)
+    core = recurrence(modeling, q, k, v, module.in_proj_a(h), module.in_proj_b(h), module.A_log, module.dt_bias, cu)
     z = module.in_proj_z(h).reshape(-1, dv)
     core = module.norm(core.reshape(-1, dv), z).reshape(batch, length, -1)
     return module.out_proj(core)

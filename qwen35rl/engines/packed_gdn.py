@@ -20,7 +20,7 @@ import importlib
 import importlib.util
 import inspect
 from types import ModuleType
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -87,11 +87,13 @@ def positions(cu_seqlens: Optional[torch.Tensor], length: int, device: torch.dev
 
 
 def document_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], activation: Optional[str],
-                  cu_seqlens: Optional[torch.Tensor], splits: Optional[Sequence[int]] = None):
+                  cu_seqlens: Optional[torch.Tensor], splits: Optional[Sequence[int]] = None,
+                  l2norm: Optional[Tuple[int, int]] = None):
     """`short_conv.short_causal_conv` of time-major x [B, T, D] whose rows `cu_seqlens` splits into documents (None:
-    one per row), compiled for CUDA tensors when `COMPILE` is set; with `splits`, one contiguous tensor per part."""
+    one per row), compiled for CUDA tensors when `COMPILE` is set; with `splits`, one contiguous tensor per part
+    (`l2norm`: the first parts normalised per head)."""
     return short_causal_conv(x, weight, bias, positions(cu_seqlens, x.shape[1], x.device), activation,
-                             compiled=COMPILE and x.is_cuda, splits=splits)
+                             compiled=COMPILE and x.is_cuda, splits=splits, l2norm=l2norm)
 
 
 def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -48,23 +48,48 @@ def _pre_activation(x: Tensor, weight: Tensor, bias: Optional[Tensor], positions
     return pre if bias is None else pre + bias.to(cd)
 
 
+L2NORM_EPS = 1e-6
+"""transformers' and fla's epsilon of the q/k L2 norm: x / sqrt(sum(x^2) + eps) over each head."""
+
+
+def _l2norm(y: Tensor, head_dim: int) -> Tuple[Tensor, Tensor]:
+    """(y normalised over each head of head_dim channels, its 1 / norm), in y's (fp32) dtype, for y [B, T, n * hd]."""
+    heads = y.unflatten(-1, (-1, head_dim))
+    rstd = torch.rsqrt(heads.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
+    return (heads * rstd).flatten(-2), rstd
+
+
 def _forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], positions: Tensor, silu: bool,
-             splits: Optional[Tuple[int, ...]]) -> Union[Tensor, Tuple[Tensor, ...]]:
+             splits: Optional[Tuple[int, ...]], l2norm: Optional[Tuple[int, int]] = None
+             ) -> Union[Tensor, Tuple[Tensor, ...]]:
     pre = _pre_activation(x, weight, bias, positions)
-    y = (F.silu(pre) if silu else pre).to(x.dtype)
+    act = F.silu(pre) if silu else pre
     if splits is None:
-        return y
-    return tuple(part.contiguous() for part in torch.split(y, list(splits), -1))
+        return act.to(x.dtype)
+    parts = torch.split(act, list(splits), -1)
+    normed, head_dim = l2norm or (0, 0)
+    return tuple((_l2norm(p, head_dim)[0] if i < normed else p).to(x.dtype).contiguous()
+                 for i, p in enumerate(parts))
 
 
 def _backward(x: Tensor, weight: Tensor, bias: Optional[Tensor], positions: Tensor, grads: List[Tensor],
-              silu: bool) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+              silu: bool, l2norm: Optional[Tuple[int, int]] = None) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     cd = _compute_dtype(weight)
     xc, wc = x.to(cd), weight.to(cd)
     width = weight.shape[1]
-    g = (grads[0] if len(grads) == 1 else torch.cat(grads, -1)).to(cd)
-    if silu:
+    grads = [g.to(cd) for g in grads]
+    if silu or l2norm:
         pre = _pre_activation(x, weight, bias, positions)
+    if l2norm:  # d (y / |y|) / dy applied to the first parts' gradients: (g - n <g, n>) / |y| per head
+        normed, head_dim = l2norm
+        act = F.silu(pre) if silu else pre
+        parts = torch.split(act, [g.shape[-1] for g in grads], -1)
+        for i in range(normed):
+            n, rstd = _l2norm(parts[i], head_dim)
+            gh, nh = grads[i].unflatten(-1, (-1, head_dim)), n.unflatten(-1, (-1, head_dim))
+            grads[i] = ((gh - nh * (gh * nh).sum(-1, keepdim=True)) * rstd).flatten(-2)
+    g = grads[0] if len(grads) == 1 else torch.cat(grads, -1)
+    if silu:
         s = torch.sigmoid(pre)
         g = g * s * (1 + pre * (1 - s))  # d silu(pre) / d pre
     grad_x = g * wc[:, width - 1]
@@ -118,27 +143,30 @@ class _ShortConv(torch.autograd.Function):
     # The compiled functions get detached tensors: the backward is written by hand, and a requires_grad flag that
     # differs between calls (policy, frozen reference, no_grad passes) would be one more guard set each.
     @staticmethod
-    def forward(ctx, x, weight, bias, positions, silu, compiled, splits):
+    def forward(ctx, x, weight, bias, positions, silu, compiled, splits, l2norm):
         ctx.save_for_backward(x, weight, bias, positions)
-        ctx.silu, ctx.compiled = silu, compiled
-        return _fns(compiled)[0](x.detach(), weight.detach(), _detached(bias), positions, silu, splits)
+        ctx.silu, ctx.compiled, ctx.l2norm = silu, compiled, l2norm
+        return _fns(compiled)[0](x.detach(), weight.detach(), _detached(bias), positions, silu, splits, l2norm)
 
     @staticmethod
     def backward(ctx, *grads):  # an unused output's gradient comes as zeros (materialised)
         x, weight, bias, positions = ctx.saved_tensors
         grad_x, grad_w, grad_b = _fns(ctx.compiled)[1](x.detach(), weight.detach(), _detached(bias), positions,
-                                                       [g.contiguous() for g in grads], ctx.silu)
-        return grad_x, grad_w, grad_b, None, None, None, None
+                                                       [g.contiguous() for g in grads], ctx.silu, ctx.l2norm)
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def short_causal_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], positions: Tensor,
                       activation: Optional[str] = None, compiled: bool = False,
-                      splits: Optional[Sequence[int]] = None) -> Union[Tensor, Tuple[Tensor, ...]]:
+                      splits: Optional[Sequence[int]] = None, l2norm: Optional[Tuple[int, int]] = None
+                      ) -> Union[Tensor, Tuple[Tensor, ...]]:
     """Depthwise causal convolution of time-major x [B, T, D] with weight [D, W] (bias [D]), each token seeing only
     earlier tokens of its document: `positions` [T] (int) is each token's index within its document, shared by the
     rows. Returns [B, T, D] in x's dtype, or with `splits` (sizes along D) one contiguous tensor per part, written
     as such (what fla's kernels take for q, k and v, without a copy of each); `activation` silu/swish or None;
-    `compiled`: through torch.compile."""
+    `compiled`: through torch.compile. `l2norm` (parts, head_dim): the first `parts` split outputs come L2-normalised
+    over each head of head_dim channels (the GDN recurrence's q and k), from the fp32 activation before rounding;
+    the backward recomputes the norm rather than keeping it."""
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation={activation!r}: expected silu, swish or None")
     if x.dim() != 3 or weight.dim() != 2 or x.shape[2] != weight.shape[0] or positions.shape != x.shape[1:2]:
@@ -146,5 +174,9 @@ def short_causal_conv(x: Tensor, weight: Tensor, bias: Optional[Tensor], positio
                          f"{tuple(weight.shape)} and {tuple(positions.shape)}")
     if splits is not None and sum(splits) != x.shape[2]:
         raise ValueError(f"splits {list(splits)} do not add up to the {x.shape[2]} channels")
+    if l2norm is not None and (splits is None or l2norm[0] > len(splits)
+                               or any(n % l2norm[1] for n in splits[:l2norm[0]])):
+        raise ValueError(f"l2norm {tuple(l2norm)}: the first {l2norm[0]} of splits {splits} are not whole heads")
     return _ShortConv.apply(x.contiguous(), weight, bias, positions, activation is not None, bool(compiled),
-                            None if splits is None else tuple(int(n) for n in splits))
+                            None if splits is None else tuple(int(n) for n in splits),
+                            None if l2norm is None else (int(l2norm[0]), int(l2norm[1])))

@@ -31,7 +31,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from qwen35rl.engines.packed_attention import packed_sdpa_attention_forward, packed_sdpa_mask
-from qwen35rl.engines import packed_gdn
+from qwen35rl.engines import gdn_layer, packed_gdn
 from qwen35rl.engines.gdn_layer import is_gdn
 
 NAME = "qwen35rl_ulysses"
@@ -191,15 +191,11 @@ def ulysses_gdn_forward(module: nn.Module, original, hidden_states: torch.Tensor
     mixed = torch.cat([q.reshape(length, -1), k.reshape(length, -1), v.reshape(length, -1)], -1)
     kl, vl = q.shape[1] * dk, v.shape[1] * dv
     q, k, v = packed_gdn.document_conv(mixed[None], _gdn_conv_weight(module, sp), module.conv1d.bias,
-                                       module.activation, cu, splits=(kl, kl, vl))
+                                       module.activation, cu, splits=(kl, kl, vl), l2norm=(2, dk))
     q, k = q.view(1, length, -1, dk), k.view(1, length, -1, dk)
     v = v.view(1, length, -1, dv)
-    beta = b.sigmoid()[None]
-    g = (-_local_heads(module.A_log, sp, 0).float().exp() * torch.nn.functional.softplus(
-        a.float() + _local_heads(module.dt_bias, sp, 0)))[None]
-    rule = sys.modules[type(module).__module__].torch_chunk_gated_delta_rule
-    core, _ = rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-                   use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    core = gdn_layer.recurrence(sys.modules[type(module).__module__], q, k, v, a[None], b[None],
+                                _local_heads(module.A_log, sp, 0), _local_heads(module.dt_bias, sp, 0), cu)
     core = heads_to_seq(core[0], sp)  # [T/sp, H_v, dv]
     z = module.in_proj_z(x).reshape(-1, dv)
     core = module.norm(core.reshape(-1, dv), z).reshape(1, t_local, -1)

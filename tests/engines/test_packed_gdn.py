@@ -109,6 +109,31 @@ def test_conv_splits_are_the_output_cut_along_channels():
         short_causal_conv(x, weight, None, positions, splits=(4, 4))
 
 
+def test_conv_l2norm_normalises_the_first_parts_per_head():
+    """With l2norm=(2, head_dim), q and k come normalised over each head as transformers' l2norm does it; the third
+    part is untouched; the hand-written backward is the gradient (finite differences in float64)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 8, 10, dtype=torch.float64, generator=g).requires_grad_()
+    weight = torch.randn(10, W, dtype=torch.float64, generator=g).requires_grad_()
+    bias = torch.randn(10, dtype=torch.float64, generator=g)
+    positions = packed_gdn._build_positions(pm.cu([5, 3]), 8, x.device)
+    plain = short_causal_conv(x, weight, bias, positions, "silu", splits=(4, 4, 2))
+    normed = short_causal_conv(x, weight, bias, positions, "silu", splits=(4, 4, 2), l2norm=(2, 2))
+    for a, b in zip(plain[:2], normed[:2]):
+        heads = a.unflatten(-1, (2, 2))
+        want = heads * torch.rsqrt((heads * heads).sum(-1, keepdim=True) + 1e-6)
+        torch.testing.assert_close(b, want.flatten(-2))
+    assert torch.equal(normed[2], plain[2])
+    for activation in (None, "silu"):
+        assert torch.autograd.gradcheck(
+            lambda a, b, c: short_causal_conv(a, b, c, positions, activation, splits=(4, 4, 2), l2norm=(2, 2)),
+            (x, weight, bias.requires_grad_()))
+    with pytest.raises(ValueError, match=r"l2norm \(2, 3\): the first 2 of splits"):
+        short_causal_conv(x, weight, None, positions, splits=(4, 4, 2), l2norm=(2, 3))
+    with pytest.raises(ValueError, match="are not whole heads"):
+        short_causal_conv(x, weight, None, positions, l2norm=(1, 2))
+
+
 def test_conv_positions_count_from_each_document_start():
     assert packed_gdn._build_positions(pm.cu([3, 1, 2]), 6, torch.device("cpu")).tolist() == [0, 1, 2, 0, 0, 1]
     assert packed_gdn._build_positions(None, 4, torch.device("cpu")).tolist() == [0, 1, 2, 3]
@@ -155,8 +180,8 @@ def test_conv_routing_sends_every_call_to_short_conv_and_compiles_only_cuda_tens
     COMPILE applies to CUDA tensors only."""
     calls = []
 
-    def fake(x, weight, bias, positions, activation=None, compiled=False, splits=None):
-        assert splits is None  # transformers' forward splits the output itself
+    def fake(x, weight, bias, positions, activation=None, compiled=False, splits=None, l2norm=None):
+        assert splits is None and l2norm is None  # transformers' forward splits and normalises itself
         calls.append((tuple(x.shape), positions.tolist(), compiled))
         return x
 
@@ -207,6 +232,13 @@ def test_compiled_conv_equals_eager_on_cuda(lengths, dtype):
         torch.testing.assert_close(torch.cat(parts, -1), got, **tol)
         split_grads = torch.autograd.grad(parts, (x, weight), torch.split(dy, [100, 100, 56], -1))
         for a, b in zip(split_grads, got_grads):
+            torch.testing.assert_close(a, b, rtol=tol["rtol"], atol=tol["atol"] * max(1.0, float(b.abs().max())))
+        normed = [short_causal_conv(x, weight, None, positions, "silu", compiled=c, splits=(96, 96, 64), l2norm=(2, 32))
+                  for c in (True, False)]
+        dparts = torch.split(dy, [96, 96, 64], -1)
+        for a, b in zip(normed[0], normed[1]):
+            torch.testing.assert_close(a, b, **tol)
+        for a, b in zip(*(torch.autograd.grad(n, (x, weight), dparts) for n in normed)):
             torch.testing.assert_close(a, b, rtol=tol["rtol"], atol=tol["atol"] * max(1.0, float(b.abs().max())))
 
 
