@@ -1,4 +1,5 @@
-"""`backend.micro_batch_size_per_device=auto` and `backend.gradient_checkpointing=auto`: the plan picks them from
+"""`backend.micro_batch_size_per_device=auto`, `backend.max_tokens_per_device=auto` and
+`backend.gradient_checkpointing=auto`: the plan picks them from
 the memory estimate, once, before anything downstream (rules, estimate, engines, run identity, the verl export,
 the runtime) reads them; those only ever see an int and a bool.
 
@@ -12,8 +13,12 @@ fills, so:
 Only the fields set to `auto` are searched: a fixed micro batch with `gradient_checkpointing=auto` tries off, then
 on; a fixed checkpointing setting with `micro_batch_size_per_device=auto` searches the micro batch alone.
 - `backend.dynamic_batch_size=true`: micro batches hold `backend.max_tokens_per_device` tokens whatever the count
-  of responses (the engine ignores the count, the estimate counts the budget): `auto` resolves to 1 and
-  checkpointing `auto` is chosen for the token budget.
+  of responses (the engine ignores the count, the estimate counts the budget): the count's `auto` resolves to 1 and
+  checkpointing `auto` is chosen for the token budget. A budget of `auto` is searched as the micro batch is: the
+  largest that fits, from one whole sequence (prompt + response) up to a DP rank's share of a mini batch of whole
+  sequences, in steps of TOKEN_STEP. Fuller micro batches keep the GPU busier: the FSDP engine's host time per micro
+  batch is about fixed (bench/results/h200.md, 2026-12-04). Without dynamic batch size the budget is unused and
+  `auto` resolves to one sequence.
 - Megatron with a pipeline (PP > 1): at least PP micro batches per mini batch when the share allows it (fewer
   leave pipeline stages idle for most of the step), so the largest micro batch of at most share / PP. Megatron
   recomputes only with `backend.recompute_granularity=full` (`memory.recompute_groups`, the engine's rule): with
@@ -34,6 +39,9 @@ from qwen35rl.config.rules import _divisors as divisors
 from qwen35rl.config.schema import AUTO
 
 MICRO, CHECKPOINTING = "backend.micro_batch_size_per_device", "backend.gradient_checkpointing"
+TOKENS = "backend.max_tokens_per_device"
+TOKEN_STEP = 1024
+"""Granularity of an `auto` token budget."""
 
 
 @dataclass(frozen=True)
@@ -50,19 +58,25 @@ class Choice:
     capacity_gib: float
     larger: Optional[Dict[str, Any]] = None
     """The next larger micro batch allowed, {micro, train_peak_gib} with the chosen checkpointing setting: it does
-    not fit (None: the chosen one is the largest allowed)."""
+    not fit (None: the chosen one is the largest allowed). With a searched token budget: {tokens, train_peak_gib}."""
+    tokens: Optional[int] = None
+    """The token budget (max_tokens_per_device) when it was auto."""
 
     def settings(self) -> Dict[str, Any]:
         """The resolved keys (only those that were auto) -> value."""
-        return {k: v for k, v in ((MICRO, self.micro), (CHECKPOINTING, self.checkpointing)) if k in self.keys}
+        return {k: v for k, v in ((MICRO, self.micro), (CHECKPOINTING, self.checkpointing), (TOKENS, self.tokens))
+                if k in self.keys}
 
     def to_dict(self) -> Dict[str, Any]:
         r = lambda x: round(float(x), 3)  # noqa: E731
+        larger = None
+        if self.larger is not None:
+            key = "max_tokens_per_device" if "tokens" in self.larger else "micro_batch_size_per_device"
+            larger = {key: self.larger.get("tokens", self.larger.get("micro")),
+                      "train_peak_gib": r(self.larger["train_peak_gib"])}
         return {"keys": list(self.keys), "micro_batch_size_per_device": self.micro,
-                "gradient_checkpointing": self.checkpointing, "why": self.why,
-                "train_peak_gib": r(self.train_peak_gib), "capacity_gib": r(self.capacity_gib),
-                "next_larger": None if self.larger is None else
-                {"micro_batch_size_per_device": self.larger["micro"], "train_peak_gib": r(self.larger["train_peak_gib"])}}
+                "gradient_checkpointing": self.checkpointing, "max_tokens_per_device": self.tokens, "why": self.why,
+                "train_peak_gib": r(self.train_peak_gib), "capacity_gib": r(self.capacity_gib), "next_larger": larger}
 
     def describe(self) -> str:
         """The plan's text, e.g. "micro batch 8, checkpointing off (auto: largest that fits without checkpointing,
@@ -70,6 +84,8 @@ class Choice:
         what = []
         if MICRO in self.keys:
             what.append(f"micro batch {self.micro}")
+        if TOKENS in self.keys:
+            what.append(f"token budget {self.tokens}")
         if CHECKPOINTING in self.keys:
             what.append(f"checkpointing {'on' if self.checkpointing else 'off'}")
         gib = lambda x: f"{x:.1f}" if x >= 1 else f"{x:.2g}"  # noqa: E731
@@ -85,8 +101,8 @@ def _get(cfg: Any, dotted: str) -> Any:
 
 
 def auto_keys(cfg: Any) -> Tuple[str, ...]:
-    """The keys of `cfg` set to `auto` (micro batch, checkpointing)."""
-    return tuple(k for k in (MICRO, CHECKPOINTING) if _get(cfg, k) == AUTO)
+    """The keys of `cfg` set to `auto` (micro batch, checkpointing, token budget)."""
+    return tuple(k for k in (MICRO, CHECKPOINTING, TOKENS) if _get(cfg, k) == AUTO)
 
 
 def micro_sizes(cfg: Any, layout: Layout) -> List[int]:
@@ -105,10 +121,29 @@ def micro_sizes(cfg: Any, layout: Layout) -> List[int]:
     return sizes
 
 
-def with_settings(tree: Dict[str, Any], micro: int, checkpointing: bool) -> Dict[str, Any]:
-    """A copy of the plain config tree with both settings concrete (the backend dict copied, the rest shared)."""
-    return {**tree, "backend": {**tree["backend"], "micro_batch_size_per_device": micro,
-                                "gradient_checkpointing": checkpointing}}
+def sequence_tokens(tree: Dict[str, Any]) -> int:
+    """One whole sequence: the longest prompt + response, what any micro batch must hold."""
+    return int(tree["data"]["max_prompt_length"]) + int(tree["data"]["max_response_length"])
+
+
+def token_budgets(tree: Dict[str, Any], layout: Layout) -> List[int]:
+    """The token budgets to choose from, increasing: one sequence, then multiples of TOKEN_STEP up to a DP rank's
+    share of a mini batch of whole sequences (a larger budget holds nothing more)."""
+    seq = sequence_tokens(tree)
+    responses = int(tree["algorithm"]["mini_batch_size"]) * int(tree["rollout"]["n"])
+    most = max(seq, responses // max(layout.dp, 1) * seq)
+    step = TOKEN_STEP
+    return [seq] + list(range((seq // step + 1) * step, most + 1, step))
+
+
+def with_settings(tree: Dict[str, Any], micro: int, checkpointing: bool, tokens: Optional[int] = None
+                  ) -> Dict[str, Any]:
+    """A copy of the plain config tree with the settings concrete (the backend dict copied, the rest shared);
+    `tokens` None keeps the tree's budget."""
+    backend = {**tree["backend"], "micro_batch_size_per_device": micro, "gradient_checkpointing": checkpointing}
+    if tokens is not None:
+        backend["max_tokens_per_device"] = tokens
+    return {**tree, "backend": backend}
 
 
 def smallest(tree: Dict[str, Any]) -> Dict[str, Any]:
@@ -120,16 +155,18 @@ def smallest(tree: Dict[str, Any]) -> Dict[str, Any]:
         return tree
     b = tree["backend"]
     return with_settings(tree, 1 if MICRO in keys else b["micro_batch_size_per_device"],
-                         True if CHECKPOINTING in keys else b["gradient_checkpointing"])
+                         True if CHECKPOINTING in keys else b["gradient_checkpointing"],
+                         sequence_tokens(tree) if TOKENS in keys else None)
 
 
 def chosen(tree: Dict[str, Any], choice: Optional[Choice]) -> Dict[str, Any]:
     """The plain tree with the choice's settings (unchanged without one)."""
-    return tree if choice is None else with_settings(tree, choice.micro, choice.checkpointing)
+    return tree if choice is None else with_settings(tree, choice.micro, choice.checkpointing, choice.tokens)
 
 
-def _peak(tree: Dict[str, Any], layout: Layout, rterms: Dict[str, float], micro: int, ckpt: bool) -> float:
-    t = with_settings(tree, micro, ckpt)
+def _peak(tree: Dict[str, Any], layout: Layout, rterms: Dict[str, float], micro: int, ckpt: bool,
+          tokens: Optional[int] = None) -> float:
+    t = with_settings(tree, micro, ckpt, tokens)
     return M.assemble(t, M.train_terms(t, layout), rterms).train_peak_gib
 
 
@@ -145,17 +182,25 @@ def choose(cfg: Any, layout: Layout, rollout_terms: Optional[Dict[str, float]] =
     rterms = M.rollout_terms(tree, layout) if rollout_terms is None else rollout_terms
     cap = M.capacity_gib(tree)
     dynamic = bool(b["dynamic_batch_size"])
-    if MICRO in keys:
+    # the budget is searched with dynamic batch size, else unused (one sequence); the count is unused with it
+    searched_tokens = TOKENS in keys and dynamic
+    tokens = sequence_tokens(tree) if TOKENS in keys and not dynamic else None
+    if searched_tokens:
+        sizes = token_budgets(tree, layout)
+    elif MICRO in keys:
         sizes = [1] if dynamic else micro_sizes(tree, layout)
     else:
         sizes = [int(b["micro_batch_size_per_device"])]
+    micro_of = lambda i: 1 if searched_tokens or (MICRO in keys and dynamic) else sizes[i]  # noqa: E731
+    tokens_of = lambda i: sizes[i] if searched_tokens else tokens  # noqa: E731
     ckpts = [False, True] if CHECKPOINTING in keys else [bool(b["gradient_checkpointing"])]
     for ckpt in ckpts:
         peaks: Dict[int, float] = {}
 
         def peak(i: int) -> float:
             if i not in peaks:
-                peaks[i] = _peak(tree, layout, rterms, sizes[i], ckpt)
+                micro = int(b["micro_batch_size_per_device"]) if MICRO not in keys else micro_of(i)
+                peaks[i] = _peak(tree, layout, rterms, micro, ckpt, tokens_of(i))
             return peaks[i]
 
         if peak(0) > cap:
@@ -164,10 +209,15 @@ def choose(cfg: Any, layout: Layout, rollout_terms: Optional[Dict[str, float]] =
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if peak(mid) <= cap else (lo, mid - 1)
-        larger = None if lo + 1 >= len(sizes) else {"micro": sizes[lo + 1], "train_peak_gib": peak(lo + 1)}
+        larger = None
+        if lo + 1 < len(sizes):
+            larger = {"tokens" if searched_tokens else "micro": sizes[lo + 1], "train_peak_gib": peak(lo + 1)}
         fit = peak(lo)
         how = "with checkpointing" if ckpt else "without checkpointing"
-        if MICRO in keys and dynamic:
+        if searched_tokens:
+            why = f"largest token budget that fits {how}" + (
+                " (none fits without)" if ckpt and CHECKPOINTING in keys else "")
+        elif MICRO in keys and dynamic:
             why = (f"micro batches of {b['max_tokens_per_device']} tokens (dynamic_batch_size: the count is unused)"
                    + (f", fits {how}" if CHECKPOINTING in keys else ""))
         elif MICRO in keys:
@@ -176,10 +226,14 @@ def choose(cfg: Any, layout: Layout, rollout_terms: Optional[Dict[str, float]] =
                 why += " (none fits without)"
         else:
             why = f"fits {how}" + (" (not without)" if ckpt else "")
-        return Choice(sizes[lo], ckpt, keys, why, fit, cap, larger)
-    micro, ckpt = sizes[0], ckpts[-1]
-    return Choice(micro, ckpt, keys, "nothing fits: the smallest setting", _peak(tree, layout, rterms, micro, ckpt),
-                  cap)
+        if TOKENS in keys and not dynamic:
+            why += "; token budget unused without dynamic_batch_size"
+        micro = int(b["micro_batch_size_per_device"]) if MICRO not in keys else micro_of(lo)
+        return Choice(micro, ckpt, keys, why, fit, cap, larger, tokens_of(lo))
+    micro = 1 if MICRO in keys else int(b["micro_batch_size_per_device"])
+    ckpt = ckpts[-1]
+    return Choice(micro, ckpt, keys, "nothing fits: the smallest setting",
+                  _peak(tree, layout, rterms, micro, ckpt, tokens_of(0)), cap, None, tokens_of(0))
 
 
 def apply(cfg: Any, choice: Optional[Choice]) -> DictConfig:

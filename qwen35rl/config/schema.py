@@ -186,8 +186,10 @@ class BackendConfig:
     largest that divides a DP rank's share of a mini batch and fits the memory estimate, preferring no
     gradient checkpointing when `gradient_checkpointing` is `auto` too (`qwen35rl/config/auto_batch.py`); with
     `dynamic_batch_size` the count is unused and `auto` resolves to 1."""
-    max_tokens_per_device: int = at_least(1, 16384)
-    """Token budget of one micro batch when `dynamic_batch_size` is on."""
+    max_tokens_per_device: Any = int_or_auto(1, 16384)
+    """Token budget of one micro batch when `dynamic_batch_size` is on. `auto`: the plan picks the largest budget
+    that fits the memory estimate, from one whole sequence up to a DP rank's share of a mini batch
+    (`qwen35rl/config/auto_batch.py`); fuller micro batches keep the GPU busier."""
     dynamic_batch_size: bool = False
     """Fill micro batches up to `max_tokens_per_device` tokens (as the engine lays them out: packed, padded, or the
     Megatron engine's uniform shape) instead of a fixed count of responses; every rank runs the same number."""

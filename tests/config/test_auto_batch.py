@@ -206,3 +206,61 @@ def test_resolution_imports_nothing_heavy():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
+TOKENS = "backend.max_tokens_per_device"
+BUDGET_4B = [*H200_4B, "backend.dynamic_batch_size=true", f"{CKPT}=false"]
+
+
+def _fits_budget(tree, layout, tokens, ckpt):
+    t = auto_batch.with_settings(tree, 1, ckpt, tokens)
+    est = estimate(t, layout)
+    return est.train_peak_gib <= est.capacity_gib
+
+
+@pytest.mark.parametrize("overrides", [[*SMALL, "backend.dynamic_batch_size=true", f"{CKPT}=false"], BUDGET_4B],
+                         ids=["0.8b", "4b-h200"])
+def test_auto_token_budget_is_the_largest_that_fits(overrides):
+    """max_tokens_per_device=auto with dynamic batch size: the largest budget of `token_budgets` (one sequence, then
+    steps of 1024 up to a rank's share of whole sequences) whose estimate fits, found by trying every one."""
+    tree = as_tree(compose(overrides))
+    layout = derive_layout(tree)
+    budgets = auto_batch.token_budgets(tree, layout)
+    seq = int(tree["data"]["max_prompt_length"]) + int(tree["data"]["max_response_length"])
+    assert budgets[0] == seq and all(b % auto_batch.TOKEN_STEP == 0 for b in budgets[1:])
+    assert budgets == sorted(set(budgets)) and budgets[-1] <= _share(tree, layout) * seq
+    fitting = [b for b in budgets if _fits_budget(tree, layout, b, False)]
+    assert fitting and fitting[-1] < budgets[-1]  # the search has a bound to find on both
+    cfg, choice = _resolved([*overrides, f"{TOKENS}=auto"])
+    assert cfg.backend.max_tokens_per_device == choice.tokens == fitting[-1]
+    assert choice.larger["tokens"] == budgets[budgets.index(fitting[-1]) + 1]
+    assert choice.larger["train_peak_gib"] > choice.capacity_gib >= choice.train_peak_gib
+    assert "token budget" in choice.describe() and choice.to_dict()["max_tokens_per_device"] == fitting[-1]
+
+
+def test_auto_token_budget_with_checkpointing_auto_prefers_no_checkpointing():
+    over = [*SMALL, "backend.dynamic_batch_size=true"]
+    cfg, choice = _resolved([*over, f"{TOKENS}=auto", f"{CKPT}=auto"])
+    tree = as_tree(compose(over))
+    assert cfg.backend.gradient_checkpointing is False  # the smallest budget fits without: it is searched without
+    assert _fits_budget(tree, derive_layout(tree), choice.tokens, False)
+
+
+def test_auto_token_budget_without_dynamic_batch_size_is_one_sequence():
+    cfg, choice = _resolved([*SMALL, f"{TOKENS}=auto"])
+    assert cfg.backend.max_tokens_per_device == cfg.data.max_prompt_length + cfg.data.max_response_length
+    assert "unused without dynamic_batch_size" in choice.why
+
+
+def test_auto_token_budget_reaches_the_plan_and_verl_as_an_int(capsys):
+    over = [*SMALL, "backend.dynamic_batch_size=true", f"{CKPT}=false", f"{TOKENS}=auto"]
+    _, choice = _resolved(over)
+    assert main(over) == 0
+    out = capsys.readouterr().out
+    assert f"micro batches of at most {choice.tokens} tokens" in out and f"token budget {choice.tokens}" in out
+    main([*over, "format=verl"])
+    out = capsys.readouterr().out
+    assert f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={choice.tokens} " in out
+    assert "max_token_len_per_gpu=auto" not in out
+    found = rules.gate_problems(as_tree(compose([*SMALL, f"{TOKENS}=many"])))
+    assert [(p.code, p.key) for p in found] == [("value_in_range", TOKENS)]
