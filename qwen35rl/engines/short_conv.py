@@ -8,8 +8,10 @@ the output around it. Here output t is sum_k w[:, W-1-k] * x[t-k], where a term 
 in t's document (`positions`: each token's index within its document; a padded row is one document). Forward and
 backward are each one pointwise pass (plus the weight gradient's reduction) over the [B, T, D] layout the
 projection writes, in fp32, rounded once at the end; with `compiled` they go through torch.compile, which fuses
-each into a kernel or two. The forward keeps only x: the backward recomputes the pre-activation. The same math
-runs eagerly on CPU, so what the CPU tests pin is what a compiled GPU run computes up to fp32 summation order.
+each into a kernel or two. The forward keeps only x: the backward recomputes the pre-activation. With `l2norm` the
+q and k parts come L2-normalised per head as well (the recurrence's input norm, in fp32 before rounding; the
+backward recomputes it too), so no separate norm kernel runs. The same math runs eagerly on CPU, so what the CPU
+tests pin is what a compiled GPU run computes up to fp32 summation order.
 """
 from __future__ import annotations
 
