@@ -46,8 +46,10 @@
 #   bash bench/gpu/run_all.sh qknorm-phases     (the same carry, right after qknorm-pair; ~5.5 min; MICRO=8; ran
 #                                                2026-12-04)
 #       the 0.8B phases with the token budget and compiled layers (profiled), then the 4B at micro MICRO
-#   bash bench/gpu/run_all.sh gdn-check         (the same carry; ~4 min; LIMIT=seconds of the call, default 200)
-#       the CUDA tests of the GDN forward and convolution, then the 0.8B realistic phases with the token budget
+#   bash bench/gpu/run_all.sh gdn-check         (the same carry; ~9.5 min; one GPU)
+#       the CUDA tests of the GDN forward (both fla paths) and convolution, then the GDN q/k norm and gates A/B in
+#       one call (train_phases variants regions,flanorm,fused,qknorm): 0.8B realistic rows with the token budget,
+#       then the 4B at micro 8 with compiled layers
 #   bash bench/gpu/run_all.sh compare-cap       (carry .whl-gdn .whl-x; ~9.5 min; one GPU)
 #   bash bench/gpu/run_all.sh compare-realistic (the same carry, back to back with compare-cap: its caches are warm)
 #       one workload per call: qwen35rl through its CLI (no Ray, fixed micro batches of 16 as TRL's) then TRL's
@@ -512,21 +514,27 @@ qknorm-phases)  # right after qknorm-pair (warm): the 0.8B phases with a token b
   elapsed "4B phases, compiled layers, micro ${MICRO:-8} (exit $?)"
   grep "^phases" "$OUT/phases/phases-4b.log"
   ;;
-gdn-check)  # a short call: the GDN forward's CUDA tests, then the 0.8B realistic phases with a token budget
+gdn-check)  # the GDN forward's CUDA tests, then its q/k norm and gates A/B on the 0.8B (token budget) and the 4B
   [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
   env_info > "$OUT/env-phases.txt" 2>&1
   peaks
   export PYTHONFAULTHANDLER=1
-  PYTHONPATH=$FLA_PATH timeout -s ABRT 100 python3 -m pytest -q -p no:cacheprovider --tb=short -k cuda \
+  PYTHONPATH=$FLA_PATH timeout -s ABRT 120 python3 -m pytest -q -p no:cacheprovider --tb=short -k cuda \
     tests/engines/test_gdn_layer.py tests/engines/test_packed_gdn.py > "$OUT/gpu-tests.log" 2>&1
   elapsed "GPU tests (exit $?)"; tail -8 "$OUT/gpu-tests.log" | cut -c1-300
   mkdir -p "$OUT/phases"
-  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left "${LIMIT:-200}")" python3 bench/gpu/train_phases.py \
-    --out "$OUT/phases/phases_check.json" --workloads realistic --variants regions --reps 2 \
+  AB=regions,flanorm,fused,qknorm  # the default twice (first and last): the drift within the call
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 200 python3 bench/gpu/train_phases.py \
+    --out "$OUT/phases/phases_ab.json" --workloads realistic --variants "$AB" --reps 3 \
     --set backend.dynamic_batch_size=true --set "backend.max_tokens_per_device=${TOKENS:-24576}" \
-    --peak-tflops "$PEAK" > "$OUT/phases/phases-check.log" 2>&1
-  elapsed "0.8B realistic phases, token budget (exit $?)"
-  grep "^phases" "$OUT/phases/phases-check.log"
+    --peak-tflops "$PEAK" > "$OUT/phases/phases-ab.log" 2>&1
+  elapsed "0.8B realistic phases, q/k norm and gates A/B (exit $?)"
+  grep "^phases" "$OUT/phases/phases-ab.log"
+  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 585)" python3 bench/gpu/train_phases.py \
+    --out "$OUT/phases/phases_4b_ab.json" --model qwen3_5_4b --micro 8 --workloads cap --variants "head,${AB#regions,}" \
+    --set backend.compile_layers=true --reps 2 --peak-tflops "$PEAK" > "$OUT/phases/phases-4b-ab.log" 2>&1
+  elapsed "4B phases, micro 8, A/B (exit $?)"
+  grep "^phases" "$OUT/phases/phases-4b-ab.log"
   ;;
 budget-4b)  # the 4B phases with the compiled layers' smaller peak: micro 8 instead of 4, host-side profile (1 GPU)
   [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn

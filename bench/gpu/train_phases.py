@@ -7,7 +7,9 @@ kernel change, on the all-at-cap and the realistic response lengths (`bench.gpu.
 Variants are applied in turn to one worker (each keeps the ones before it): `torch` (the GDN convolution and the
 log-prob head's chunk math eager), `conv` (the convolution, `short_conv`, through torch.compile), `head` (the head's
 chunk math through torch.compile), `regions` (norms and MLPs compiled, as backend.compile_layers=true builds
-them); the worker starts as the engine builds it (convolution and head compiled on CUDA); then a second worker
+them), `flanorm` (the GDN recurrence's own q/k norm instead of the convolution's, `gdn_layer.QK_NORM_IN_CONV`),
+`fused` (the convolution's norm and fla's fused gates, `gdn_layer.FLA_FUSED_GATES`), `qknorm` (back to the
+default: the convolution's norm, gates computed apart); the worker starts as the engine builds it (convolution and head compiled on CUDA); then a second worker
 without FSDP at world size 1 (`plain`), and, with --padded, the same without packing. Each phase runs --reps times
 per workload; the first run of a shape compiles and autotunes (reported apart), the rest are the steady state. Peak allocator memory per phase
 next to the plan's estimate. MFU: FLOPs of `qwen35rl.runtime.flops` (6N per token plus attention and the GDN
@@ -30,7 +32,7 @@ if str(ROOT) not in sys.path:
 from bench.gpu.grpo_h200 import N, DeviceMemory, profile_call, workload, write_json  # noqa: E402
 from bench.gpu.lengths import response_lengths  # noqa: E402
 
-VARIANTS = ("torch", "conv", "head", "regions")
+VARIANTS = ("torch", "conv", "head", "regions", "flanorm", "fused", "qknorm")
 
 
 def batch(workload_name: str, prompts: int, prompt_len: int, cap: int, seed: int = 0):
@@ -130,7 +132,7 @@ def measure(worker, cfg, variant: str, args, results: List[Dict[str, Any]], out:
 
 
 def apply_variant(worker, variant: str) -> None:
-    from qwen35rl.engines import packed_gdn
+    from qwen35rl.engines import gdn_layer, packed_gdn
     from qwen35rl.engines.compile_regions import compile_layer_parts
     from qwen35rl.engines.fsdp_engine import decoder_layers
 
@@ -146,6 +148,8 @@ def apply_variant(worker, variant: str) -> None:
     elif variant == "regions":
         for e in (worker.actor, worker.ref):
             compile_layer_parts(decoder_layers(e.lm))
+    elif variant in ("flanorm", "fused", "qknorm"):  # the GDN forward's q/k norm and gates, on what ran before
+        gdn_layer.QK_NORM_IN_CONV, gdn_layer.FLA_FUSED_GATES = variant != "flanorm", variant == "fused"
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ projection. Calls with a cache (generation) keep transformers' forward.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from typing import Any, Callable, Optional
 
@@ -35,20 +36,68 @@ def _cache_of(args: tuple, kwargs: dict) -> Any:
     return args[0] if args else None
 
 
+QK_NORM_IN_CONV = True
+"""Normalise q and k in the short convolution and call the recurrence with its in-kernel norm off. fla's own L2
+norm is a Triton kernel whose block count is a compile-time constant and autotune key growing with the token count,
+so with token-budget micro batches every new size band compiled and autotuned it again (8.9 + 10.2 s in one step on
+an H200, bench/results/h200.md, 2026-12-04). False: the recurrence's own norm (a bench variant of
+bench/gpu/train_phases.py, to compare the two)."""
+
+FLA_FUSED_GATES = False
+"""Hand fla 0.6 the raw gate inputs and the key heads unrepeated (`use_gate_in_kernel`, `use_beta_sigmoid_in_kernel`,
+grouped value heads): a dozen fewer ops per layer and call, and no repeated q and k. Off by default: not yet run on a
+GPU (tests/engines/test_gdn_layer.py's CUDA test and the `fused` variant of bench/gpu/train_phases.py check and
+measure it)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_rule_with_fused_gates() -> Optional[Callable]:
+    """fla's chunk_gated_delta_rule where its autograd function takes the raw gate and beta inputs (fla 0.6, which
+    also takes fewer key than value heads), else None. The public function passes `use_gate_in_kernel` on through
+    **kwargs, which an fla without it would drop silently: the autograd function's signature says whether it is
+    taken."""
+    try:
+        from fla.ops.gated_delta_rule import chunk as fla_chunk
+    except ImportError:
+        return None
+    fn = getattr(fla_chunk, "chunk_gated_delta_rule", None)
+    autograd_fn = getattr(fla_chunk, "ChunkGatedDeltaRuleFunction", None)
+    if fn is None or autograd_fn is None:
+        return None
+    takes = set(inspect.signature(autograd_fn.forward).parameters)
+    return fn if {"use_gate_in_kernel", "A_log", "dt_bias", "use_beta_sigmoid_in_kernel"} <= takes else None
+
+
+def fused_gates_rule(modeling: Any, device: torch.device) -> Optional[Callable]:
+    """fla's rule with fused gates when FLA_FUSED_GATES is set, the tensors are on CUDA and the modeling module's
+    recurrence is fla's; None otherwise."""
+    if not FLA_FUSED_GATES or device.type != "cuda":
+        return None
+    if packed_gdn.dispatches_to_torch(packed_gdn.original(modeling, packed_gdn.CHUNK_RULE)):
+        return None
+    return _fla_rule_with_fused_gates()
+
+
 def recurrence(modeling: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-               A_log: torch.Tensor, dt_bias: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
-    """The gated delta rule over L2-normalised q, k [B, T, H_k, d_k] and v [B, T, H_v, d_v] (H_v a multiple of
-    H_k), from the raw gate inputs a and b [B, T, H_v]: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias),
-    through the modeling module's rule (transformers' torch code, or fla's kernel through it) with the key heads
-    repeated to the value heads. q and k come normalised: fla's own L2 norm is a Triton kernel whose block count is a
-    compile-time constant growing with the token count, so every new micro batch size compiled and autotuned it anew
-    (seconds a step on an H200)."""
+               A_log: torch.Tensor, dt_bias: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+               normalised: bool = True) -> torch.Tensor:
+    """The gated delta rule over q, k [B, T, H_k, d_k] (L2-normalised per head, or by the rule when not
+    `normalised`) and v [B, T, H_v, d_v] (H_v a multiple of H_k), from the raw gate inputs a and b [B, T, H_v]:
+    beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias). Through the modeling module's rule (transformers'
+    torch code, or fla's kernel through it) with the key heads repeated to the value heads and the gates computed
+    here, or `fused_gates_rule`'s fla call."""
+    fused = fused_gates_rule(modeling, q.device)
+    if fused is not None:
+        core, _ = fused(q, k, v, g=a, beta=b, initial_state=None, output_final_state=False, cu_seqlens=cu_seqlens,
+                        use_qk_l2norm_in_kernel=not normalised, use_gate_in_kernel=True, A_log=A_log,
+                        dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+        return core
     groups = v.shape[2] // q.shape[2]
     if groups > 1:
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     core, _ = modeling.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=b.sigmoid(), initial_state=None,
-                                                    output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                                    output_final_state=False, use_qk_l2norm_in_kernel=not normalised,
                                                     cu_seqlens=cu_seqlens)
     return core
 
@@ -63,12 +112,14 @@ def training_forward(module: nn.Module, original: Callable, hidden_states: torch
     batch, length, _ = h.shape
     dk, dv = module.head_k_dim, module.head_v_dim
     cu = packed_gdn.packing_boundaries(kwargs)
+    normed = QK_NORM_IN_CONV
     q, k, v = packed_gdn.document_conv(module.in_proj_qkv(h), module.conv1d.weight.squeeze(1), module.conv1d.bias,
                                        module.activation, cu, splits=(module.key_dim, module.key_dim, module.value_dim),
-                                       l2norm=(2, dk))
+                                       l2norm=(2, dk) if normed else None)
     q, k = q.view(batch, length, -1, dk), k.view(batch, length, -1, dk)
     v = v.view(batch, length, -1, dv)
-    core = recurrence(modeling, q, k, v, module.in_proj_a(h), module.in_proj_b(h), module.A_log, module.dt_bias, cu)
+    core = recurrence(modeling, q, k, v, module.in_proj_a(h), module.in_proj_b(h), module.A_log, module.dt_bias, cu,
+                      normalised=normed)
     z = module.in_proj_z(h).reshape(-1, dv)
     core = module.norm(core.reshape(-1, dv), z).reshape(batch, length, -1)
     return module.out_proj(core)

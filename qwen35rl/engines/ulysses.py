@@ -190,12 +190,14 @@ def ulysses_gdn_forward(module: nn.Module, original, hidden_states: torch.Tensor
     length = q.shape[0]
     mixed = torch.cat([q.reshape(length, -1), k.reshape(length, -1), v.reshape(length, -1)], -1)
     kl, vl = q.shape[1] * dk, v.shape[1] * dv
+    normed = gdn_layer.QK_NORM_IN_CONV
     q, k, v = packed_gdn.document_conv(mixed[None], _gdn_conv_weight(module, sp), module.conv1d.bias,
-                                       module.activation, cu, splits=(kl, kl, vl), l2norm=(2, dk))
+                                       module.activation, cu, splits=(kl, kl, vl), l2norm=(2, dk) if normed else None)
     q, k = q.view(1, length, -1, dk), k.view(1, length, -1, dk)
     v = v.view(1, length, -1, dv)
     core = gdn_layer.recurrence(sys.modules[type(module).__module__], q, k, v, a[None], b[None],
-                                _local_heads(module.A_log, sp, 0), _local_heads(module.dt_bias, sp, 0), cu)
+                                _local_heads(module.A_log, sp, 0), _local_heads(module.dt_bias, sp, 0), cu,
+                                normalised=normed)
     core = heads_to_seq(core[0], sp)  # [T/sp, H_v, dv]
     z = module.in_proj_z(x).reshape(-1, dv)
     core = module.norm(core.reshape(-1, dv), z).reshape(1, t_local, -1)

@@ -1,5 +1,6 @@
 import copy
 import importlib.util
+import inspect
 import os
 import sys
 
@@ -28,10 +29,13 @@ def _pair(name):
 
 
 @torch_gdn
+@pytest.mark.parametrize("qk_norm_in_conv", [True, False], ids=["norm-in-conv", "norm-in-rule"])
 @pytest.mark.parametrize("name", ["qwen3_5_tiny", "qwen3_5_tiny_moe"])
-def test_training_forward_equals_transformers_on_a_padded_batch(name, monkeypatch):
+def test_training_forward_equals_transformers_on_a_padded_batch(name, qk_norm_in_conv, monkeypatch):
     """Right-padded rows with their attention mask: the same logits and parameter gradients as transformers' forward
-    (both with the same convolution: packing enabled routes transformers' to short_conv too)."""
+    (both with the same convolution: packing enabled routes transformers' to short_conv too), with q and k normalised
+    by the convolution or by the recurrence."""
+    monkeypatch.setattr(gdn_layer, "QK_NORM_IN_CONV", qk_norm_in_conv)
     model, fast = _pair(name)
     split_calls = []  # the split form is the training forward's alone (transformers' forward gets the whole output)
     conv = packed_gdn.document_conv
@@ -92,16 +96,20 @@ fla_cuda = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.fi
 
 
 @fla_cuda
+@pytest.mark.parametrize("fused", [False, True], ids=["repeated-heads", "fused-gates"])
 @pytest.mark.parametrize("name", ["qwen3_5_tiny", "qwen3_5_tiny_moe"])
-def test_fla_training_forward_equals_transformers_on_cuda(name):
-    """On fla's kernels the training forward (q and k normalised by the convolution, fla's in-kernel L2 norm off,
-    2 key heads repeated for 4 value heads) gives transformers' forward (fla with its in-kernel norm) in logits and
-    gradients of a packed bf16 call, to bf16 rounding."""
+def test_fla_training_forward_equals_transformers_on_cuda(name, fused, monkeypatch):
+    """On fla's kernels the training forward (q and k normalised by the convolution, fla's in-kernel L2 norm off;
+    2 key heads repeated for 4 value heads, or with FLA_FUSED_GATES handed to fla unrepeated with the raw gate
+    inputs) gives transformers' forward (fla with its in-kernel norm) in logits and gradients of a packed bf16 call,
+    to bf16 rounding."""
+    monkeypatch.setattr(gdn_layer, "FLA_FUSED_GATES", fused)
     model, fast = _pair(name)
     model, fast = (m.to("cuda", torch.bfloat16) for m in (model, fast))
     layer = next(m for m in fast.modules() if gdn_layer.is_gdn(m))
     modeling = sys.modules[type(layer).__module__]
     assert not packed_gdn.dispatches_to_torch(packed_gdn.original(modeling, packed_gdn.CHUNK_RULE))
+    assert (gdn_layer.fused_gates_rule(modeling, torch.device("cuda")) is not None) is fused
     docs = [d.cuda() for d in pm.rows([40, 3, 90, 17], seed=5)]
     with packing_enabled():
         outs = []
@@ -120,3 +128,45 @@ def test_fla_training_forward_equals_transformers_on_cuda(name):
     errors = {n: rel(a, b) for n, a, b in zip(names, got_grads, want_grads)}
     worst = max(errors, key=errors.get)
     assert errors[worst] < 0.1, (worst, errors[worst])  # a head or gate mix-up is off by order 1
+
+
+def _fake_fla(monkeypatch, autograd_params):
+    """A stand-in `fla.ops.gated_delta_rule.chunk` whose autograd function takes `autograd_params`."""
+    import types
+
+    def forward(ctx, *args, **kwargs):
+        pass
+
+    forward.__signature__ = inspect.Signature(
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ["ctx", "q", "k", *autograd_params]])
+    chunk = types.ModuleType("fla.ops.gated_delta_rule.chunk")
+    chunk.chunk_gated_delta_rule = lambda *a, **kw: None
+    chunk.ChunkGatedDeltaRuleFunction = type("ChunkGatedDeltaRuleFunction", (), {"forward": staticmethod(forward)})
+    names = ["fla", "fla.ops", "fla.ops.gated_delta_rule", "fla.ops.gated_delta_rule.chunk"]
+    mods = [types.ModuleType(n) for n in names[:-1]] + [chunk]
+    for parent, child, name in zip(mods, mods[1:], names[1:]):
+        setattr(parent, name.rsplit(".", 1)[1], child)
+    for name, mod in zip(names, mods):
+        monkeypatch.setitem(sys.modules, name, mod)
+    gdn_layer._fla_rule_with_fused_gates.cache_clear()
+    return chunk
+
+
+def test_fused_gates_need_an_fla_whose_autograd_function_takes_them(monkeypatch):
+    """fla's public function passes use_gate_in_kernel on through **kwargs, which an fla without it drops: the
+    autograd function's parameters decide. Off by default, off on CPU, off where the modeling rule is torch's."""
+    modeling = sys.modules[type(next(m for m in pm.tiny_model().modules() if gdn_layer.is_gdn(m))).__module__]
+    try:
+        chunk = _fake_fla(monkeypatch, ["use_qk_l2norm_in_kernel"])
+        assert gdn_layer._fla_rule_with_fused_gates() is None
+        chunk = _fake_fla(monkeypatch, ["use_gate_in_kernel", "A_log", "dt_bias", "use_beta_sigmoid_in_kernel"])
+        assert gdn_layer._fla_rule_with_fused_gates() is chunk.chunk_gated_delta_rule
+        monkeypatch.setattr(packed_gdn, "dispatches_to_torch", lambda fn: False)  # the modeling rule as fla's
+        assert gdn_layer.fused_gates_rule(modeling, torch.device("cuda")) is None  # FLA_FUSED_GATES is off
+        monkeypatch.setattr(gdn_layer, "FLA_FUSED_GATES", True)
+        assert gdn_layer.fused_gates_rule(modeling, torch.device("cuda")) is chunk.chunk_gated_delta_rule
+        assert gdn_layer.fused_gates_rule(modeling, torch.device("cpu")) is None
+        monkeypatch.setattr(packed_gdn, "dispatches_to_torch", lambda fn: True)
+        assert gdn_layer.fused_gates_rule(modeling, torch.device("cuda")) is None
+    finally:
+        gdn_layer._fla_rule_with_fused_gates.cache_clear()
