@@ -121,15 +121,10 @@ def micro_sizes(cfg: Any, layout: Layout) -> List[int]:
     return sizes
 
 
-def sequence_tokens(tree: Dict[str, Any]) -> int:
-    """One whole sequence: the longest prompt + response, what any micro batch must hold."""
-    return int(tree["data"]["max_prompt_length"]) + int(tree["data"]["max_response_length"])
-
-
 def token_budgets(tree: Dict[str, Any], layout: Layout) -> List[int]:
     """The token budgets to choose from, increasing: one sequence, then multiples of TOKEN_STEP up to a DP rank's
     share of a mini batch of whole sequences (a larger budget holds nothing more)."""
-    seq = sequence_tokens(tree)
+    seq = M.sequence_length(tree)
     responses = int(tree["algorithm"]["mini_batch_size"]) * int(tree["rollout"]["n"])
     most = max(seq, responses // max(layout.dp, 1) * seq)
     step = TOKEN_STEP
@@ -156,7 +151,7 @@ def smallest(tree: Dict[str, Any]) -> Dict[str, Any]:
     b = tree["backend"]
     return with_settings(tree, 1 if MICRO in keys else b["micro_batch_size_per_device"],
                          True if CHECKPOINTING in keys else b["gradient_checkpointing"],
-                         sequence_tokens(tree) if TOKENS in keys else None)
+                         M.sequence_length(tree) if TOKENS in keys else None)
 
 
 def chosen(tree: Dict[str, Any], choice: Optional[Choice]) -> Dict[str, Any]:
@@ -184,14 +179,18 @@ def choose(cfg: Any, layout: Layout, rollout_terms: Optional[Dict[str, float]] =
     dynamic = bool(b["dynamic_batch_size"])
     # the budget is searched with dynamic batch size, else unused (one sequence); the count is unused with it
     searched_tokens = TOKENS in keys and dynamic
-    tokens = sequence_tokens(tree) if TOKENS in keys and not dynamic else None
+    tokens = M.sequence_length(tree) if TOKENS in keys and not dynamic else None
     if searched_tokens:
         sizes = token_budgets(tree, layout)
     elif MICRO in keys:
         sizes = [1] if dynamic else micro_sizes(tree, layout)
     else:
         sizes = [int(b["micro_batch_size_per_device"])]
-    micro_of = lambda i: 1 if searched_tokens or (MICRO in keys and dynamic) else sizes[i]  # noqa: E731
+    fixed_micro = None if MICRO in keys else int(b["micro_batch_size_per_device"])
+
+    def micro_at(i: int) -> int:  # a searched budget leaves the count unused: 1
+        return fixed_micro if fixed_micro is not None else 1 if searched_tokens else sizes[i]
+
     tokens_of = lambda i: sizes[i] if searched_tokens else tokens  # noqa: E731
     ckpts = [False, True] if CHECKPOINTING in keys else [bool(b["gradient_checkpointing"])]
     for ckpt in ckpts:
@@ -199,8 +198,7 @@ def choose(cfg: Any, layout: Layout, rollout_terms: Optional[Dict[str, float]] =
 
         def peak(i: int) -> float:
             if i not in peaks:
-                micro = int(b["micro_batch_size_per_device"]) if MICRO not in keys else micro_of(i)
-                peaks[i] = _peak(tree, layout, rterms, micro, ckpt, tokens_of(i))
+                peaks[i] = _peak(tree, layout, rterms, micro_at(i), ckpt, tokens_of(i))
             return peaks[i]
 
         if peak(0) > cap:
@@ -228,12 +226,10 @@ def choose(cfg: Any, layout: Layout, rollout_terms: Optional[Dict[str, float]] =
             why = f"fits {how}" + (" (not without)" if ckpt else "")
         if TOKENS in keys and not dynamic:
             why += "; token budget unused without dynamic_batch_size"
-        micro = int(b["micro_batch_size_per_device"]) if MICRO not in keys else micro_of(lo)
-        return Choice(micro, ckpt, keys, why, fit, cap, larger, tokens_of(lo))
-    micro = 1 if MICRO in keys else int(b["micro_batch_size_per_device"])
+        return Choice(micro_at(lo), ckpt, keys, why, fit, cap, larger, tokens_of(lo))
     ckpt = ckpts[-1]
-    return Choice(micro, ckpt, keys, "nothing fits: the smallest setting",
-                  _peak(tree, layout, rterms, micro, ckpt, tokens_of(0)), cap, None, tokens_of(0))
+    return Choice(micro_at(0), ckpt, keys, "nothing fits: the smallest setting",
+                  _peak(tree, layout, rterms, micro_at(0), ckpt, tokens_of(0)), cap, None, tokens_of(0))
 
 
 def apply(cfg: Any, choice: Optional[Choice]) -> DictConfig:
