@@ -50,6 +50,10 @@
 #       the CUDA tests of the GDN forward (both fla paths) and convolution, then the GDN q/k norm and gates A/B in
 #       one call (train_phases variants regions,flanorm,fused,qknorm): 0.8B realistic rows with the token budget,
 #       then the 4B at micro 8 with compiled layers
+#   bash bench/gpu/run_all.sh megatron-phases   (carry .whl-gdn .whl-x .kcache; ~9 min; one GPU; MODEL, MICRO)
+#       bench/gpu/train_phases.py with backend=megatron (megatron-core 0.19.2 from .whl-x, fla + TileLang, no
+#       offload) on the all-at-cap rows: reference pass and update, then one update under the allocator's history
+#       (what holds the memory at its peak); then the FSDP engine on the same rows
 #   bash bench/gpu/run_all.sh compare-cap       (carry .whl-gdn .whl-x; ~9.5 min; one GPU)
 #   bash bench/gpu/run_all.sh compare-realistic (the same carry, back to back with compare-cap: its caches are warm)
 #       one workload per call: qwen35rl through its CLI (no Ray, fixed micro batches of 16 as TRL's) then TRL's
@@ -110,7 +114,7 @@
 # compile and autotune on first use per shape (30 s and more): the first step of a run pays it, steady-state
 # numbers leave it out.
 set -u
-stage=${1:?usage: run_all.sh gdn-check|qknorm-pair|qknorm-phases|budget|budget-4b|decode-cap|final-cap|conv-cap|conv-profile|sp-x2|hsdp-x4|split-x2|megatron-x2-numerics|megatron-x2-cli|alloc-4b|phases-4b|megatron-tp1-fla|megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
+stage=${1:?usage: run_all.sh megatron-phases|gdn-check|qknorm-pair|qknorm-phases|budget|budget-4b|decode-cap|final-cap|conv-cap|conv-profile|sp-x2|hsdp-x4|split-x2|megatron-x2-numerics|megatron-x2-cli|alloc-4b|phases-4b|megatron-tp1-fla|megatron-tp1|profile-head|compare-cap|compare-realistic|decode-only|phases|torch|fla|megatron|megatron-dense|moe-numerics|packing|profile|scale|megatron-vl|megatron-vl-cli|megatron-nofla}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
 export TRITON_CACHE_DIR=/tmp/kcache/triton TILELANG_CACHE_DIR=/tmp/kcache/tilelang  # kept while the machine is warm
@@ -261,6 +265,17 @@ install_mcore() {
     && mv /tmp/w/base/megatron_core-* /tmp/w/mcore/ || { echo "wheel split failed"; exit 1; }
   install_into /tmp/site /tmp/w/base && install_into /tmp/site-fla /tmp/w/fla && install_into /tmp/site-mcore /tmp/w/mcore
 }
+# megatron-core alone from .whl-x into /tmp/site-mcore, next to install_gdn's fla + TileLang (MCORE_GDN_PATH)
+install_mcore_x() {
+  rm -rf /tmp/w/mcore /tmp/site-mcore && mkdir -p /tmp/w/mcore && cp .whl-x/megatron_core-* /tmp/w/mcore/ \
+    || { echo "no megatron-core wheel in .whl-x"; exit 1; }
+  install_into /tmp/site-mcore /tmp/w/mcore
+}
+MCORE_GDN_PATH=/tmp/site-mcore:/tmp/site-gdn:$BASE  # megatron-core with fla + TileLang
+# backend=megatron as the FSDP engine runs on one GPU: everything on the device, the plan's version check on 0.19.2
+MEGATRON_SET=(--set backend.megatron_core_version=0.19.2 --set backend.param_offload=false
+              --set backend.grad_offload=false --set backend.optimizer_offload=false
+              --set backend.optimizer_cpu_offload=false)
 # .whl-gdn + .whl-x without megatron-core: Hydra, TRL into /tmp/site; fla + TileLang into /tmp/site-gdn (no Ray: its
 # wheels and TileLang's do not fit one call's 64 MiB together)
 install_gdn() {
@@ -479,7 +494,7 @@ qknorm-pair)  # q/k normalised in the GDN convolution: its CUDA tests, then the 
   peaks
   export PYTHONFAULTHANDLER=1
   PYTHONPATH=$FLA_PATH timeout -s ABRT 150 python3 -m pytest -x -q -p no:cacheprovider --tb=short -k cuda \
-    tests/engines/test_gdn_layer.py tests/engines/test_packed_gdn.py > "$OUT/gpu-tests.log" 2>&1
+    tests/engines/test_gdn_layer.py tests/engines/test_packed_gdn.py tests/engines/test_logprob.py > "$OUT/gpu-tests.log" 2>&1
   elapsed "GPU tests (exit $?)"; tail -15 "$OUT/gpu-tests.log" | cut -c1-300
   BUDGET=(backend.dynamic_batch_size=true backend.max_tokens_per_device=${TOKENS:-24576} backend.compile_layers=true)
   mkdir -p "$OUT/realistic" && cp "$OUT/peak.json" "$OUT/realistic/"
@@ -520,21 +535,43 @@ gdn-check)  # the GDN forward's CUDA tests, then its q/k norm and gates A/B on t
   peaks
   export PYTHONFAULTHANDLER=1
   PYTHONPATH=$FLA_PATH timeout -s ABRT 120 python3 -m pytest -q -p no:cacheprovider --tb=short -k cuda \
-    tests/engines/test_gdn_layer.py tests/engines/test_packed_gdn.py > "$OUT/gpu-tests.log" 2>&1
+    tests/engines/test_gdn_layer.py tests/engines/test_packed_gdn.py tests/engines/test_logprob.py > "$OUT/gpu-tests.log" 2>&1
   elapsed "GPU tests (exit $?)"; tail -8 "$OUT/gpu-tests.log" | cut -c1-300
   mkdir -p "$OUT/phases"
-  AB=regions,flanorm,fused,qknorm  # the default twice (first and last): the drift within the call
+  AB=${AB:-regions,fused,qknorm}  # the default twice (first and last): the drift within the call
   PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 200 python3 bench/gpu/train_phases.py \
     --out "$OUT/phases/phases_ab.json" --workloads realistic --variants "$AB" --reps 3 \
     --set backend.dynamic_batch_size=true --set "backend.max_tokens_per_device=${TOKENS:-24576}" \
     --peak-tflops "$PEAK" > "$OUT/phases/phases-ab.log" 2>&1
   elapsed "0.8B realistic phases, q/k norm and gates A/B (exit $?)"
   grep "^phases" "$OUT/phases/phases-ab.log"
+  if [ "${GDN_4B:-1}" = 1 ]; then  # GDN_4B=0: the 0.8B alone (a shorter call)
+    PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 585)" python3 bench/gpu/train_phases.py \
+      --out "$OUT/phases/phases_4b_ab.json" --model qwen3_5_4b --micro 8 --workloads cap --variants "head,${AB#regions,}" \
+      --set backend.compile_layers=true --reps 2 --peak-tflops "$PEAK" > "$OUT/phases/phases-4b-ab.log" 2>&1
+    elapsed "4B phases, micro 8, A/B (exit $?)"
+    grep "^phases" "$OUT/phases/phases-4b-ab.log"
+  fi
+  ;;
+megatron-phases)  # the Megatron engine's phases (fla + TileLang, chunked head) against FSDP's on the same rows (1 GPU)
+  [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
+  install_mcore_x
+  env_info > "$OUT/env-megatron-phases.txt" 2>&1
+  peaks
+  export PYTHONFAULTHANDLER=1
+  mkdir -p "$OUT/phases"
+  MODEL=${MODEL:-qwen3_5_0_8b}; MICRO=${MICRO:-16}; tag=${MODEL#qwen3_5_}
+  PYTHONPATH=$MCORE_GDN_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left "${MEGATRON_UNTIL:-400}")" \
+    python3 bench/gpu/train_phases.py --out "$OUT/phases/megatron_$tag.json" --backend megatron --model "$MODEL" \
+    --micro "$MICRO" --workloads cap --variants built --reps 3 --snapshot "${MEGATRON_SET[@]}" --peak-tflops "$PEAK" \
+    > "$OUT/phases/megatron-$tag.log" 2>&1
+  elapsed "Megatron $tag phases, micro $MICRO (exit $?)"
+  grep "^phases\|^snapshot\|GiB " "$OUT/phases/megatron-$tag.log" | head -30
   PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 585)" python3 bench/gpu/train_phases.py \
-    --out "$OUT/phases/phases_4b_ab.json" --model qwen3_5_4b --micro 8 --workloads cap --variants "head,${AB#regions,}" \
-    --set backend.compile_layers=true --reps 2 --peak-tflops "$PEAK" > "$OUT/phases/phases-4b-ab.log" 2>&1
-  elapsed "4B phases, micro 8, A/B (exit $?)"
-  grep "^phases" "$OUT/phases/phases-4b-ab.log"
+    --out "$OUT/phases/fsdp_$tag.json" --model "$MODEL" --micro "$MICRO" --workloads cap --variants built --reps 3 \
+    --peak-tflops "$PEAK" > "$OUT/phases/fsdp-$tag.log" 2>&1
+  elapsed "FSDP $tag phases, micro $MICRO (exit $?)"
+  grep "^phases" "$OUT/phases/fsdp-$tag.log"
   ;;
 budget-4b)  # the 4B phases with the compiled layers' smaller peak: micro 8 instead of 4, host-side profile (1 GPU)
   [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn
@@ -700,7 +737,6 @@ megatron-tp1-fla)  # megatron-tp1 with fla + TileLang (GDN backward on fla's ker
   install_mcore
   peaks
   export PYTHONFAULTHANDLER=1
-  MCORE_GDN_PATH=/tmp/site-mcore:/tmp/site-gdn:$BASE
   NO_OFFLOAD=(backend.param_offload=false backend.grad_offload=false backend.optimizer_offload=false
               backend.optimizer_cpu_offload=false)
   mkdir -p "$OUT/megatron-tp1-fla"

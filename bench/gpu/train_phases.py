@@ -1,6 +1,8 @@
 """The FSDP engine's training phases on one GPU, measured directly: a reference log-prob pass and an update (every
 micro batch + AdamW) over one GRPO batch, through the worker the CLI runs (`PolicyWorker`), kernel change by
-kernel change, on the all-at-cap and the realistic response lengths (`bench.gpu.lengths`).
+kernel change, on the all-at-cap and the realistic response lengths (`bench.gpu.lengths`). `--backend megatron
+--variants built` measures the Megatron engine the same way; `--snapshot` says what holds the memory at the
+update's peak.
 
     python bench/gpu/train_phases.py --out phases.json [--model qwen3_5_0_8b] [--micro 16] [--profile]
 
@@ -33,6 +35,8 @@ from bench.gpu.grpo_h200 import N, DeviceMemory, profile_call, workload, write_j
 from bench.gpu.lengths import response_lengths  # noqa: E402
 
 VARIANTS = ("torch", "conv", "head", "regions", "flanorm", "fused", "qknorm")
+"""`built` (not among the defaults) measures the worker as the engine built it, changing nothing: the Megatron engine
+(`--set backend=megatron`), whose kernels the other variants do not reach."""
 
 
 def batch(workload_name: str, prompts: int, prompt_len: int, cap: int, seed: int = 0):
@@ -70,7 +74,8 @@ def build(args, overrides_extra: List[str], port: int):
     from qwen35rl.config.layout import derive_layout
     from qwen35rl.runtime.worker import PolicyWorker
 
-    ov = workload(model=args.model, hw=args.hw, micro=args.micro, ckpt=args.ckpt, kl=True, prompts=args.prompts,
+    ov = workload(model=args.model, hw=args.hw, micro=args.micro, ckpt=args.ckpt, kl=True, backend=args.backend,
+                  prompts=args.prompts,
                   prompt_len=args.prompt_len, response_len=args.response_len, steps=2) + args.set + overrides_extra
     cfg = compose(ov)
     worker = PolicyWorker(OmegaConf.to_container(cfg, resolve=True), layout=derive_layout(cfg), rank=0,
@@ -120,6 +125,13 @@ def measure(worker, cfg, variant: str, args, results: List[Dict[str, Any]], out:
               f"({res['update_mfu']:.1%}) together {res['train_mfu']:.1%}  first {res['first_ref_s']:.1f}"
               f"+{res['first_update_s']:.1f} s  peak {res['train_peak_gib']:.1f} GiB (est {est.train_peak_gib:.1f})",
               flush=True)
+        if args.snapshot:  # one more update under the allocator's history (slower: each allocation's stack)
+            from bench.gpu.memory_snapshot import recording
+
+            with recording() as rec:
+                worker.update_actor(seqs, scale)
+            res["snapshot_update"] = rec.summary()
+            print(f"snapshot {variant} {wl}: " + rec.text(), flush=True)
         if profile:  # on the first --profile-rows rows: the same micro batches, fewer of them (torch's profiler
             # builds its event tree in Python, minutes for a 4B update of all rows)
             part = seqs.select(0, min(args.profile_rows or len(seqs), len(seqs)))
@@ -156,6 +168,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--model", default="qwen3_5_0_8b")
+    p.add_argument("--backend", default="fsdp", help="megatron: with --variants built")
     p.add_argument("--hw", default="gpu_1x", help="cpu: check the flow on a CPU (tiny model, short rows)")
     p.add_argument("--micro", type=int, default=16)
     p.add_argument("--ckpt", action="store_true")
@@ -171,6 +184,9 @@ def main() -> None:
     p.add_argument("--profile-rows", type=int, default=0, help="profile on this many of the rows (default: all)")
     p.add_argument("--peak-tflops", type=float, default=790.0)
     p.add_argument("--decode-tokens", type=int, default=0, help="last, the decode benchmark (k new tokens)")
+    p.add_argument("--snapshot", action="store_true",
+                   help="after the timed reps, one update under torch.cuda's allocation history: what is live at its "
+                        "peak, by allocating frame (bench/gpu/memory_snapshot.py)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="one more override of the worker's config (repeatable), e.g. backend.dynamic_batch_size=true")
     args = p.parse_args()

@@ -92,7 +92,7 @@ def _compiles(setting: Optional[bool], device_type: str) -> bool:
 
 
 def compiles_log_probs(setting: Optional[bool], device_type: str) -> bool:
-    """backend.use_torch_compile as the FSDP engine applies it (`_compiles`)."""
+    """backend.use_torch_compile as the engines apply it to the log-prob head (`_compiles`)."""
     return _compiles(setting, device_type)
 
 
@@ -143,9 +143,6 @@ DECLARATION: List[Support] = [
             "kernels, which this stack does not have", "remove backend.transformer_overrides.deterministic_mode (the "
             "engine then runs megatron-core's torch recurrence), or install flash-linear-attention",
             lambda stack: None if stack.device == "npu" else stack.fla),
-    Support("megatron_no_torch_compile", "megatron", "backend.use_torch_compile", _b("use_torch_compile"), NOT_APPLIED,
-            "its vocab-parallel log-probs reduce over the tensor-parallel group chunk by chunk; the FSDP engine "
-            "compiles its log-probs", "try backend.use_torch_compile=false"),
     Support("megatron_no_compile_layers", "megatron", "backend.compile_layers", _b("compile_layers"), NOT_APPLIED,
             "megatron-core's layer specs build their own norms and MLPs (fused where Transformer Engine is installed);"
             " the FSDP engine compiles transformers' layer parts", "try backend.compile_layers=false"),

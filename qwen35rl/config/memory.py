@@ -18,7 +18,7 @@ Two phases peak separately:
 Every term is a function below whose docstring states its assumption in one line; the training peak is the sum of
 the `train/` terms and the rollout peak the sum of `rollout/kept_by_trainer` and the engine's terms. Terms are GiB
 per device (the most loaded device: Megatron pipeline ranks are combined conservatively: the heaviest rank's
-states, the first stage's in-flight activations and the last stage's logits). capacity = (memory_gb*1e9/2^30 -
+states, the first stage's in-flight activations and the last stage's log-prob head). capacity = (memory_gb*1e9/2^30 -
 hw.reserve_gib) / (1 + hw.allocator_slack).
 
 The FSDP and hf terms (transformers modules) were calibrated against `torch.cuda.max_memory_allocated` on an H200
@@ -492,12 +492,17 @@ def response_tokens_per_device(cfg: Any, layout: Layout) -> float:
     return tokens_per_device(cfg, layout) * share
 
 
+def final_norm_bytes_per_token(h: int, cb: int) -> float:
+    """The final RMSNorm computes in fp32: its input copy and normalised tensor, and its output in `cb`."""
+    return float((FP32 + FP32 + cb) * h)
+
+
 def activations_gib(cfg: Any, layout: Layout, shard: TrainShard, kernels: Optional[str] = None) -> float:
     """Saved activations of the device's layers for the in-flight micro batches: all layers' tensors without
     recompute; with full recompute / checkpointing one hidden state per recompute group (block: the first n
     layers recomputed, the rest saved). Megatron adds the recomputed group's tensors and their gradients here;
-    FSDP counts its recomputed layer in `backward_transient_gib` and keeps the final norm's tensors and the head's
-    response hidden states besides."""
+    FSDP counts its recomputed layer in `backward_transient_gib`; both keep the final norm's tensors and the
+    head's response hidden states besides."""
     m, h = cfg["model"], int(cfg["model"]["hidden_size"])
     if not _megatron(layout):
         cb, tokens, kernels = compute_bytes(cfg), tokens_per_device(cfg, layout), gdn_kernels(cfg, kernels)
@@ -506,8 +511,7 @@ def activations_gib(cfg: Any, layout: Layout, shard: TrainShard, kernels: Option
             layers = sum(hf_layer_bytes_per_token(m, k, cb, kernels, compiled) for k in shard.layers)
         else:  # non-reentrant checkpointing keeps each layer's input
             layers = len(shard.layers) * cb * h
-        final_norm = (FP32 + FP32 + cb) * h
-        return gib(tokens * (layers + final_norm) + response_tokens_per_device(cfg, layout) * cb * h)
+        return gib(tokens * (layers + final_norm_bytes_per_token(h, cb)) + head_tokens_per_device(cfg, layout) * cb * h)
     tokens, flight = tokens_per_device(cfg, layout), in_flight_micro_batches(cfg, layout)
     kernels = megatron_gdn_kernels(cfg, kernels)
     per_layer = [megatron_layer_bytes_per_token(m, k, kernels) for k in shard.layers] or [0.0]
@@ -522,7 +526,9 @@ def activations_gib(cfg: Any, layout: Layout, shard: TrainShard, kernels: Option
         n = rec["n"]
         saved = math.ceil(len(per_layer) / n) * BF16 * h * flight
         working = 2 * sum(sorted(per_layer, reverse=True)[:n])
-    return gib((saved + working) * tokens)
+    # the last stage's final norm and head inputs, combined with the heaviest rank's layers (conservatively)
+    head = tokens * final_norm_bytes_per_token(h, BF16) + head_tokens_per_device(cfg, layout) * BF16 * h
+    return gib((saved + working) * tokens + head)
 
 
 # ------------------------------------------------------------------------------------------ the vision tower
@@ -603,19 +609,24 @@ def vision_activations_gib(cfg: Any, layout: Layout) -> float:
     return gib(patches * ((saved + pixels) * flight + working))
 
 
+def head_tokens_per_device(cfg: Any, layout: Layout) -> float:
+    """Response tokens of one micro batch that a device's log-prob head runs over (only these: prompt positions
+    have no use for it). FSDP: split like the activations (Ulysses SP); Megatron: each TP rank runs the whole
+    micro batch's tokens (the output layer's input is gathered over the sequence) over its vocabulary slice."""
+    if not _megatron(layout):
+        return response_tokens_per_device(cfg, layout)
+    share = int(cfg["data"]["max_response_length"]) / sequence_length(cfg)
+    return micro_batch_tokens(cfg) * share / max(layout.cp, 1)
+
+
 def logits_gib(cfg: Any, layout: Layout) -> float:
-    """Log-probs and entropy over the vocabulary in `logprob_chunk_size`-token chunks. Megatron: bf16 logits +
-    fp32 log-softmax + fp32 logit gradient per chunk, vocab split by TP (vocab-parallel output). FSDP
-    (`engines.logprob` backward, the head's peak): the fp32 lm_head gradient accumulator [V, h] plus three fp32
-    [chunk, V] tensors (log-probs, probabilities, their product for the entropy), chunks of response tokens."""
+    """Log-probs and entropy over the vocabulary in `logprob_chunk_size`-token chunks of response tokens
+    (`engines.logprob`, both engines; the head's backward is the peak): the fp32 gradient accumulator of the
+    device's vocabulary rows [V / tp, h] (Megatron splits the vocabulary over TP) plus three fp32 [chunk, V / tp]
+    tensors (log-probs, probabilities, their product for the entropy)."""
     m = cfg["model"]
-    if _megatron(layout):
-        vocab = int(m["vocab_size"]) / layout.tp
-        chunk = min(int(cfg["backend"]["logprob_chunk_size"]), micro_batch_tokens(cfg) / max(layout.cp, 1))
-        return gib(chunk * vocab * (BF16 + FP32 + FP32))
-    vocab = int(m["vocab_size"])
-    # under Ulysses SP each rank runs the head over its own share of the row (the log-probs are gathered after)
-    chunk = min(int(cfg["backend"]["logprob_chunk_size"]), response_tokens_per_device(cfg, layout))
+    vocab = int(m["vocab_size"]) / (layout.tp if _megatron(layout) else 1)
+    chunk = min(int(cfg["backend"]["logprob_chunk_size"]), head_tokens_per_device(cfg, layout))
     return gib(vocab * int(m["hidden_size"]) * FP32 + 3 * chunk * vocab * FP32)
 
 
@@ -633,7 +644,7 @@ def recomputed_layer_gib(cfg: Any, layout: Layout, shard: TrainShard, kernels: O
 def backward_transient_gib(cfg: Any, layout: Layout, shard: TrainShard, kernels: Optional[str] = None) -> float:
     """The transient on top of the saved activations. FSDP: the larger of the log-prob head's backward and one
     recomputed layer (the head runs first and frees its buffers before the layers). Megatron: the last stage's
-    logits (its recomputed group is in `activations_gib`, combined conservatively across pipeline ranks)."""
+    head (its recomputed group is in `activations_gib`, combined conservatively across pipeline ranks)."""
     if _megatron(layout):
         return logits_gib(cfg, layout)
     return max(logits_gib(cfg, layout), recomputed_layer_gib(cfg, layout, shard, kernels))

@@ -151,16 +151,16 @@ def offload_settings(cfg: DictConfig, mem) -> Dict[str, Any]:
 
 def compile_settings(cfg: DictConfig) -> Dict[str, bool]:
     """What runs through torch.compile on this config's devices; the first step of a run pays the compilation. The
-    FSDP engine's log-prob head and GDN convolution (backend.use_torch_compile), its decoder layers' norms and MLPs
-    (backend.compile_layers), the hf rollout's decode step (rollout.compile_decode)."""
+    engines' log-prob head and the FSDP engine's GDN convolution (backend.use_torch_compile), its decoder layers'
+    norms and MLPs (backend.compile_layers), the hf rollout's decode step (rollout.compile_decode)."""
     device, fsdp = str(cfg.hw.device), str(cfg.backend.name) == "fsdp"
-    return {"log_probs_and_conv": fsdp and capabilities.compiles_log_probs(cfg.backend.use_torch_compile, device),
-            "layers": fsdp and bool(cfg.backend.compile_layers),
+    kernels = capabilities.compiles_log_probs(cfg.backend.use_torch_compile, device)
+    return {"log_probs": kernels, "conv": fsdp and kernels, "layers": fsdp and bool(cfg.backend.compile_layers),
             "decode": str(cfg.rollout.engine) == "hf" and capabilities.compiles_decode(cfg.rollout.compile_decode,
                                                                                         device)}
 
 
-COMPILED_PARTS = {"log_probs_and_conv": "log-prob head and GDN convolution", "layers": "layer norms and MLPs",
+COMPILED_PARTS = {"log_probs": "log-prob head", "conv": "GDN convolution", "layers": "layer norms and MLPs",
                   "decode": "decode step"}
 
 

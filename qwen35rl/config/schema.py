@@ -207,11 +207,11 @@ class BackendConfig:
     logprob_chunk_size: int = at_least(1, 1024)
     """Tokens per chunk of the vocab projection when computing log-probs and entropy (the vocab is 248k)."""
     use_torch_compile: Optional[bool] = None
-    """The FSDP engine's kernels through torch.compile: the per-chunk log-prob and entropy math (fused upcast and
-    reductions over the [chunk, vocab] logits) and the GDN layers' short convolution (engines/short_conv.py); on an
-    H200 a faster update with a smaller peak, bench/results/h200.md. null (the default) compiles on CUDA and runs
-    eagerly elsewhere (on a CPU the first compilation costs more than it saves). The Megatron engine does not apply
-    it."""
+    """Kernels through torch.compile: the per-chunk log-prob and entropy math (fused upcast and reductions over the
+    [chunk, vocab] logits; Megatron at TP > 1: the gradient's, its statistics reduce over the TP group) and the FSDP
+    engine's GDN short convolution (engines/short_conv.py); on an H200 a faster update with a smaller peak,
+    bench/results/h200.md. null (the default) compiles on CUDA and runs eagerly elsewhere (on a CPU the first
+    compilation costs more than it saves)."""
     compile_layers: bool = False
     """The FSDP engine compiles each decoder layer's RMS norms (plain and gated) and dense MLP with torch.compile
     (`engines/compile_regions.py`): one fused kernel each, and no fp32 copies kept for the backward. On an H200 (0.8B,

@@ -9,6 +9,11 @@ Per chunk, the math over the [chunk, V] logits is two functions: the statistics 
 entropy) and the logit gradient. With `compiled` (backend.use_torch_compile) they go through torch.compile, which
 fuses the fp32 upcast, the temperature and the reductions into kernels that read the bf16 logits instead of writing
 fp32 copies of them (1024 tokens x 248k vocabulary: 1 GB of fp32 per op).
+
+With `group` (tensor parallelism, the Megatron engine) each rank holds a contiguous slice of the vocabulary's rows:
+the statistics reduce max, sum-exp, label logit and E[z] over the group (two small all-reduces per chunk), the
+backward needs no communication (the forward saved the group's log-sum-exp and entropy), and the hidden state's
+gradient is this rank's part, which the caller sums over the group.
 """
 from __future__ import annotations
 
@@ -30,10 +35,29 @@ def _stats(z: Tensor, labels: Tensor, inv_t: float, with_entropy: bool) -> Tuple
     return lse, logp, -(torch.exp(log_p) * log_p).sum(-1)
 
 
+def _stats_split(z: Tensor, labels: Tensor, inside: Tensor, inv_t: float, with_entropy: bool, group):
+    """`_stats` for a vocabulary split over `group`: z holds this rank's columns, `labels` are local (clamped)
+    and `inside` says which rows' label this rank holds. Eager: collectives sit between the reductions."""
+    import torch.distributed as dist
+
+    zs = z.float() * inv_t
+    zmax = zs.max(-1).values
+    dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
+    e = torch.exp(zs - zmax.unsqueeze(-1))
+    target = torch.where(inside, zs.gather(-1, labels.unsqueeze(-1)).squeeze(-1), 0.0)
+    sums = torch.stack([e.sum(-1), target, (e * zs).sum(-1) if with_entropy else target])
+    dist.all_reduce(sums, group=group)
+    lse = zmax + torch.log(sums[0])
+    # H = lse - E_p[zs], E_p[zs] = sum(e * zs) / sum(e)
+    return lse, sums[1] - lse, (lse - sums[2] / sums[0]) if with_entropy else None
+
+
 def _logit_grad(z: Tensor, labels: Tensor, lse: Tensor, grad_logp: Tensor, inv_t: float,
-                entropy: Optional[Tensor] = None, grad_ent: Optional[Tensor] = None) -> Tensor:
+                entropy: Optional[Tensor] = None, grad_ent: Optional[Tensor] = None,
+                inside: Optional[Tensor] = None) -> Tensor:
     """dL/dz for L = sum(grad_logp * logp) + sum(grad_ent * H), in z's dtype (the matmuls' input dtype).
-    d logp_y / dzs = onehot(y) - p;  dH/dzs = -p (log p + H);  dzs/dz = inv_t."""
+    d logp_y / dzs = onehot(y) - p;  dH/dzs = -p (log p + H);  dzs/dz = inv_t. `inside`: rows whose label is
+    among z's columns (a split vocabulary; None: all)."""
     zs = z.float() * inv_t
     log_p = zs - lse.unsqueeze(-1)
     p = torch.exp(log_p)
@@ -41,6 +65,8 @@ def _logit_grad(z: Tensor, labels: Tensor, lse: Tensor, grad_logp: Tensor, inv_t
     if grad_ent is not None:
         coef = coef + grad_ent.float().unsqueeze(-1) * (log_p + entropy.unsqueeze(-1))
     onehot = torch.arange(z.shape[-1], device=z.device) == labels.unsqueeze(-1)
+    if inside is not None:
+        onehot = onehot & inside.unsqueeze(-1)
     g = torch.where(onehot, grad_logp.float().unsqueeze(-1), 0.0) - p * coef
     return (g * inv_t).to(z.dtype)
 
@@ -57,7 +83,8 @@ def _stats_inplace(z: Tensor, labels: Tensor, inv_t: float, with_entropy: bool):
 
 
 def _logit_grad_inplace(z: Tensor, labels: Tensor, lse: Tensor, grad_logp: Tensor, inv_t: float,
-                        entropy: Optional[Tensor] = None, grad_ent: Optional[Tensor] = None) -> Tensor:
+                        entropy: Optional[Tensor] = None, grad_ent: Optional[Tensor] = None,
+                        inside: Optional[Tensor] = None) -> Tensor:
     """`_logit_grad` eagerly with in-place ops (two fp32 [chunk, V] buffers, like `_stats_inplace`)."""
     g = z.float().mul_(inv_t) if z.dtype != torch.float32 else z * inv_t
     g.sub_(lse.unsqueeze(-1))  # log p
@@ -68,7 +95,7 @@ def _logit_grad_inplace(z: Tensor, labels: Tensor, lse: Tensor, grad_logp: Tenso
         del p
     else:
         g.exp_().mul_(-gl)
-    g.scatter_add_(-1, labels.unsqueeze(-1), gl)
+    g.scatter_add_(-1, labels.unsqueeze(-1), gl if inside is None else gl * inside.unsqueeze(-1))
     return g.mul_(inv_t).to(z.dtype)
 
 
@@ -92,32 +119,45 @@ def _accumulate_weight_grad(acc: Tensor, g: Tensor, h: Tensor) -> None:
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, temperature, with_entropy, compiled):
-        stats_fn = _chunk_fns(compiled)[0]
+    def forward(ctx, hidden, weight, labels, chunk_size, temperature, with_entropy, compiled, group):
         inv_t = 1.0 / temperature
         n = hidden.shape[0]
+        inside = None
+        if group is not None:  # this rank's rows of the vocabulary: [rank * V_local, (rank + 1) * V_local)
+            import torch.distributed as dist
+
+            local = labels - dist.get_rank(group) * weight.shape[0]
+            inside = (local >= 0) & (local < weight.shape[0])
+            labels = local.clamp(0, weight.shape[0] - 1)
+            stats_fn = functools.partial(_stats_split, group=group)
+        else:
+            stats_fn = _chunk_fns(compiled)[0]
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         logp = torch.empty_like(lse)
         ent = torch.empty_like(lse) if with_entropy else None
         for s in range(0, n, chunk_size):
             part = slice(s, s + chunk_size)
             z = hidden[part] @ weight.t()
-            lse[part], logp[part], e = stats_fn(z, labels[part], inv_t, with_entropy)
+            args = (labels[part],) if inside is None else (labels[part], inside[part])
+            lse[part], logp[part], e = stats_fn(z, *args, inv_t, with_entropy)
             if with_entropy:
                 ent[part] = e
             del z
-        ctx.save_for_backward(hidden, weight, labels, lse, *((ent,) if with_entropy else ()))
+        saved_inside = () if inside is None else (inside,)
+        ctx.save_for_backward(hidden, weight, labels, lse, *((ent,) if with_entropy else ()), *saved_inside)
         ctx.chunk_size, ctx.inv_t, ctx.compiled = chunk_size, inv_t, compiled
-        ctx.mark_non_differentiable(labels)
+        ctx.with_entropy, ctx.split = with_entropy, inside is not None
         ctx.set_materialize_grads(False)  # an unused output (entropy with coef 0) costs no backward work
         return (logp, ent) if with_entropy else (logp,)
 
     @staticmethod
     def backward(ctx, grad_logp, grad_ent=None):
-        hidden, weight, labels, lse, *saved_ent = ctx.saved_tensors
+        none = (None,) * 6
         if grad_logp is None and grad_ent is None:
-            return None, None, None, None, None, None, None
-        entropy = saved_ent[0] if saved_ent else None
+            return None, None, *none
+        hidden, weight, labels, lse, *rest = ctx.saved_tensors
+        entropy = rest.pop(0) if ctx.with_entropy else None
+        inside = rest[0] if ctx.split else None
         if grad_logp is None:
             grad_logp = torch.zeros_like(lse)
         if entropy is None:
@@ -131,14 +171,15 @@ class _ChunkedLogProbs(torch.autograd.Function):
             h = hidden[part]
             z = h @ weight.t()
             g = grad_fn(z, labels[part], lse[part], grad_logp[part], ctx.inv_t,
-                        *((entropy[part], grad_ent[part]) if grad_ent is not None else ()))
+                        *((entropy[part], grad_ent[part]) if grad_ent is not None else (None, None)),
+                        *((inside[part],) if inside is not None else ()))
             del z
             if need_h:
                 grad_h[part] = (g @ weight).to(hidden.dtype)
             if need_w:
                 _accumulate_weight_grad(grad_w, g, h.to(g.dtype))
             del g
-        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), *none
 
 
 def chunked_logprobs_entropy(
@@ -149,10 +190,14 @@ def chunked_logprobs_entropy(
     temperature: float = 1.0,
     with_entropy: bool = False,
     compiled: bool = False,
+    group=None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """Log-prob of `labels` under softmax(hidden @ W^T / temperature) and (optionally) the entropy of that
     distribution, per token, in fp32. hidden [N, H], lm_head_weight [V, H], labels [N] (valid ids everywhere:
-    mask afterwards). Differentiable in hidden and weight. `compiled`: the per-chunk math through torch.compile."""
+    mask afterwards). Differentiable in hidden and weight. `compiled`: the per-chunk math through torch.compile.
+    `group`: the vocabulary is split over this process group, `lm_head_weight` being this rank's contiguous slice
+    of its rows (rank r: [r * V_local, (r + 1) * V_local)); every rank returns the same values, and hidden's
+    gradient is this rank's part of the sum over the group."""
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(f"hidden must be [N, H] and labels [N]; got {tuple(hidden.shape)} and {tuple(labels.shape)}")
     if chunk_size <= 0:
@@ -160,5 +205,5 @@ def chunked_logprobs_entropy(
     if temperature <= 0:
         raise ValueError(f"temperature must be positive for log-probs (got {temperature})")
     out = _ChunkedLogProbs.apply(hidden, lm_head_weight, labels.long(), int(chunk_size), float(temperature),
-                                 bool(with_entropy), bool(compiled))
+                                 bool(with_entropy), bool(compiled), group)
     return (out[0], out[1]) if with_entropy else (out[0], None)

@@ -211,15 +211,18 @@ def test_activations_with_and_without_recompute():
     t = tree(MG35, backend__recompute_granularity=None)
     t.update(base)
     tokens = 3072 / 2  # micro batch 1 x 3072 tokens, sequence parallel over TP2
-    assert M.activations_gib(t, lay, shard) == pytest.approx((full_b + lin_b) * tokens / GIB)
+    # the final norm (fp32 input copy and normalised tensor, bf16 output) on this rank's tokens; the head's input:
+    # the 2048 response tokens of the micro batch, gathered over the sequence
+    head = tokens * (4 + 4 + 2) * 128 + 2048 * 2 * 128
+    assert M.activations_gib(t, lay, shard) == pytest.approx(((full_b + lin_b) * tokens + head) / GIB)
     torch_lin = M.megatron_layer_bytes_per_token(m, "linear", "torch")
-    assert M.activations_gib(t, lay, shard, "torch") == pytest.approx((full_b + torch_lin) * tokens / GIB)
+    assert M.activations_gib(t, lay, shard, "torch") == pytest.approx(((full_b + torch_lin) * tokens + head) / GIB)
     t = tree(MG35)  # full, uniform, 1 layer per group
     t.update(base)
-    assert M.activations_gib(t, lay, shard) == pytest.approx((2 * 128 * 2 + 2 * lin_b) * tokens / GIB)
+    assert M.activations_gib(t, lay, shard) == pytest.approx(((2 * 128 * 2 + 2 * lin_b) * tokens + head) / GIB)
     t = tree(MG35, backend__recompute_method="block", backend__recompute_num_layers=1)
     t.update(base)
-    assert M.activations_gib(t, lay, shard) == pytest.approx((128 * 2 + full_b + 2 * lin_b) * tokens / GIB)
+    assert M.activations_gib(t, lay, shard) == pytest.approx(((128 * 2 + full_b + 2 * lin_b) * tokens + head) / GIB)
 
 
 def test_in_flight_micro_batches():
@@ -231,10 +234,15 @@ def test_in_flight_micro_batches():
     assert M.in_flight_micro_batches(t, layout(world=8, tp=2, pp=1)) == 1
 
 
-def test_logits_buffer():
-    assert M.logits_gib(tree(MG35), layout(world=8, tp=2, pp=1)) == pytest.approx(1024 * 248320 / 2 * 10 / GIB)
+def test_megatron_log_prob_head():
+    """The chunked head over response tokens: the fp32 gradient of this TP rank's vocabulary rows and three fp32
+    [chunk, V / tp] tensors; the chunk is at most the micro batch's response tokens (all of them on every TP rank)."""
+    h, v = 2048, 248320
+    assert M.logits_gib(tree(MG35), layout(world=8, tp=2, pp=1)) == pytest.approx(
+        (v / 2 * h * 4 + 3 * 1024 * v / 2 * 4) / GIB)
     short = tree(MG35, data__max_prompt_length=200, data__max_response_length=300)
-    assert M.logits_gib(short, layout(world=8, tp=1, pp=1)) == pytest.approx(500 * 248320 * 10 / GIB)
+    assert M.head_tokens_per_device(short, layout(world=8, tp=2, pp=1)) == 300
+    assert M.logits_gib(short, layout(world=8, tp=1, pp=1)) == pytest.approx((v * h * 4 + 3 * 300 * v * 4) / GIB)
 
 
 def test_reference_model():

@@ -178,19 +178,23 @@ def test_dapo_trains_the_embedded_default_out_of_the_box(tmp_path):
 
 
 def test_the_plan_says_what_runs_through_torch_compile():
-    """On CUDA the FSDP engine compiles its log-prob head and GDN convolution and the hf rollout its decode step by
-    default (backend.compile_layers adds the layers' norms and MLPs); on CPU nothing is compiled; the Megatron engine
-    compiles none of these, and vLLM's own compilation is named apart."""
+    """On CUDA both engines compile their log-prob head, the FSDP engine its GDN convolution too, and the hf rollout
+    its decode step by default (backend.compile_layers adds the FSDP layers' norms and MLPs); on CPU nothing is
+    compiled, and vLLM's own compilation is named apart."""
     gpu = ("model=qwen3_5_0_8b", "model.init=random", "hw=gpu_1x", "rollout=hf")
     plan, text = plan_of(*gpu)
-    assert plan["compile"] == {"log_probs_and_conv": True, "layers": False, "decode": True}
-    assert line(text, "compile") == ("  compile    log-prob head and GDN convolution, decode step (torch.compile: the "
+    assert plan["compile"] == {"log_probs": True, "conv": True, "layers": False, "decode": True}
+    assert line(text, "compile") == ("  compile    log-prob head, GDN convolution, decode step (torch.compile: the "
                                      "first step compiles them)")
     plan, text = plan_of(*gpu, "backend.compile_layers=true", "rollout.compile_decode=false")
-    assert plan["compile"] == {"log_probs_and_conv": True, "layers": True, "decode": False}
+    assert plan["compile"] == {"log_probs": True, "conv": True, "layers": True, "decode": False}
     assert "layer norms and MLPs" in line(text, "compile")
     plan, text = plan_of()
     assert not any(plan["compile"].values()) and "none" in line(text, "compile")
-    plan, text = plan_of("model=qwen3_5_0_8b", "model.init=random", "hw=gpu_1x", "backend=megatron", "rollout=vllm")
+    mg = ("model=qwen3_5_0_8b", "model.init=random", "hw=gpu_1x", "backend=megatron", "rollout=vllm")
+    plan, text = plan_of(*mg)
+    assert plan["compile"] == {"log_probs": True, "conv": False, "layers": False, "decode": False}
+    assert line(text, "compile").startswith("  compile    log-prob head (torch.compile")
+    plan, text = plan_of(*mg, "backend.use_torch_compile=false")
     assert not any(plan["compile"].values())
     assert line(text, "compile") == "  compile    none (qwen35rl's engines run eagerly; vLLM compiles by its own settings)"

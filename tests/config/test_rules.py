@@ -103,8 +103,6 @@ CASES = [
     ("megatron_gdn_kernels_need_fla", "mg_cpu", {"backend__transformer_overrides": {"deterministic_mode": True}},
      {"backend__transformer_overrides": {"deterministic_mode": False}},
      "backend.transformer_overrides.deterministic_mode", ERROR),
-    ("megatron_no_torch_compile", "mg27", {}, {"backend__use_torch_compile": True}, "backend.use_torch_compile",
-     WARNING),
     ("megatron_no_compile_layers", "mg27", {}, {"backend__compile_layers": True}, "backend.compile_layers", WARNING),
     ("megatron_own_checkpoints", "mg27", {}, {"backend__use_dist_checkpointing": True},
      "backend.use_dist_checkpointing", WARNING),

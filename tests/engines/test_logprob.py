@@ -157,3 +157,44 @@ def test_compiled_bf16_head_on_cuda_matches_fp32_reference():
     for got, want in ((gh, rh), (gw, rw)):
         err = (got.float() - want).norm() / want.norm()
         assert err < 1e-2, err
+
+
+def _split_vocab_worker(rank, world, port, hidden, weight, labels, a, b, out):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        h = hidden.clone().requires_grad_(True)
+        w = weight.chunk(world)[rank].clone().requires_grad_(True)
+        logp, ent = chunked_logprobs_entropy(h, w, labels, 5, 0.8, with_entropy=True, group=dist.group.WORLD)
+        (a * logp + b * ent).sum().backward()
+        out[rank] = (logp.detach(), ent.detach(), h.grad, w.grad)
+        dist.barrier()  # a rank that leaves while its peer still talks to it aborts at exit (gloo)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vocab_split_over_two_ranks_matches_the_whole_vocabulary():
+    """Tensor parallelism: each rank holds half of the head's rows; labels fall on both halves."""
+    import torch.multiprocessing as mp
+
+    from qwen35rl.runtime.cluster import free_port
+    from tests.shared_results import result_dict
+
+    hidden, weight, labels = _inputs(n=13, h=6, v=20, dtype=torch.float32, seed=3)
+    assert (labels < 10).any() and (labels >= 10).any()
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(labels.shape, generator=g), torch.randn(labels.shape, generator=g)
+    ref_logp, ref_ent = _reference(hidden, weight, labels, 0.8)
+    rh, rw = torch.autograd.grad((a * ref_logp + b * ref_ent).sum(), (hidden, weight))
+    out = result_dict()
+    mp.start_processes(_split_vocab_worker, nprocs=2, join=True, start_method="spawn",
+                       args=(2, free_port(), hidden.detach(), weight.detach(), labels, a, b, out))
+    for rank in range(2):
+        logp, ent, _, gw = out[rank]
+        torch.testing.assert_close(logp, ref_logp.float(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent, ref_ent.float(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gw, rw.chunk(2)[rank], rtol=1e-4, atol=1e-5)
+    # each rank's hidden gradient is its part: the group's sum is the whole gradient
+    torch.testing.assert_close(out[0][2] + out[1][2], rh, rtol=1e-4, atol=1e-5)

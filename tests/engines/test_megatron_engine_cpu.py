@@ -147,12 +147,13 @@ def _check(init, logp, grads, out):
 
 @pytest.mark.parametrize("model,parallel", [
     ("qwen3_5_tiny", ["parallelism.tp=2"]),
+    ("qwen3_5_tiny", ["parallelism.tp=2", "model.tie_word_embeddings=false"]),  # the output layer's own weight
     ("qwen3_5_tiny", ["parallelism.pp=2"]),
     ("qwen3_5_tiny_moe", ["parallelism.ep=2"]),
     ("qwen3_5_tiny_moe", ["parallelism.tp=2", "parallelism.etp=2"]),
     ("qwen3_5_tiny", ["parallelism.pp=2", "parallelism.vpp=2"]),
     ("qwen3_5_tiny_moe", ["parallelism.pp=2", "parallelism.pipeline_layout=Et|tttL"]),
-], ids=["dense-tp2", "dense-pp2", "moe-ep2", "moe-tp2-etp2", "dense-pp2-vpp2", "moe-pp2-uneven"])
+], ids=["dense-tp2", "dense-tp2-untied", "dense-pp2", "moe-ep2", "moe-tp2-etp2", "dense-pp2-vpp2", "moe-pp2-uneven"])
 def test_engine_matches_transformers(model, parallel):
     _check(*_run_parallel(model, parallel))
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from qwen35rl.algo.core import ACTOR_SUMS, actor_metrics
+from qwen35rl.config.capabilities import compiles_log_probs
 from qwen35rl.config.layout import Layout
 from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
 from qwen35rl.engines.host_offload import HostOffload
@@ -99,7 +100,8 @@ class MegatronTrainEngine(TrainEngine):
         temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         batch_shape = BatchShape(tp=layout.tp, device=self.device, micro_multiple=layout.pp if layout.vpp else 1,
                                  vl_config=built.meta.config if self.vision else None)
-        self.step = Step(self.model, self.ranks, batch_shape, temperature, self.backend.logprob_chunk_size, self.algo)
+        self.step = Step(self.model, self.ranks, batch_shape, temperature, self.backend.logprob_chunk_size, self.algo,
+                         compiles_log_probs(self.backend.use_torch_compile, self.device.type))
 
     # ------------------------------------------------------------------------------------------ ranks
     @property

@@ -11,6 +11,9 @@ layer spec (right for each megatron-core version) and swap in:
 following `layer_types` (HF's `[linear]*3 + [full]` pattern with the last layer full), not megatron's own frequency
 rule. MoE layers come from the local spec: router, SequentialMLP experts, shared expert with its sigmoid gate.
 
+The output layer hands on its input (`hidden_states_out`): the engine's log-prob head applies its weight a chunk
+of response tokens at a time, so no [tokens, vocab] logits exist.
+
 A VL model (`Qwen35VLModel`) adds transformers' vision tower to the first pipeline stage and Qwen3.5's interleaved
 multimodal RoPE to every stage (`vision`).
 
@@ -284,8 +287,32 @@ def build_chunks(config: TransformerConfig, model_cfg: Any, shape: Qwen35Shape, 
             model = GPTModel(position_embedding_type="rope", **kw)
         else:
             model = Qwen35VLModel(vision_tower=vision_tower() if pre_process else None, **kw)
+        if model.post_process:
+            hidden_states_out(model)
         chunks.append(model)
     return chunks
+
+
+def hidden_states_out(model: GPTModel) -> None:
+    """The model returns the output layer's input ([b, s, h], gathered over the sequence) instead of logits.
+    `engines.logprob.chunked_logprobs_entropy` then applies the weight (`step.head_weight`) a chunk of response tokens
+    at a time: bf16 logits of a 16 x 768-token micro batch over the 248k vocabulary take 5.7 GiB, and autograd's
+    slice-by-slice gradient of them three times that. The layer keeps its parameter, so DDP, the optimizer and
+    checkpoints see it unchanged. Under TP the input takes the path ColumnParallelLinear gives it: all-gathered
+    over the sequence with sequence parallelism (its gradient reduce-scattered), else copied into the TP region
+    (its gradient all-reduced), since each rank's vocabulary slice adds its part of that gradient."""
+    from megatron.core import tensor_parallel
+
+    layer = model.output_layer
+
+    def forward(hidden_states, weight=None, runtime_gather_output=None):
+        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+            return hidden_states, None
+        if layer.sequence_parallel:
+            return tensor_parallel.gather_from_sequence_parallel_region(hidden_states), None
+        return tensor_parallel.copy_to_tensor_model_parallel_region(hidden_states), None
+
+    layer.forward = forward
 
 
 def chunk_layer_ids(config: TransformerConfig, chunks: Sequence[GPTModel]) -> List[List[int]]:

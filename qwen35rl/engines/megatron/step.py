@@ -13,13 +13,27 @@ from qwen35rl.algo.core import ACTOR_SUMS, actor_loss
 from qwen35rl.engines.base import Batch
 from qwen35rl.engines.megatron import batches
 from qwen35rl.engines.megatron.batches import BatchShape
+from qwen35rl.engines.logprob import chunked_logprobs_entropy
 from qwen35rl.engines.megatron.ranks import Ranks
-from qwen35rl.engines.megatron.tokens import vocab_parallel_logprobs
+
+
+def head_weight(model: torch.nn.Module) -> Optional[torch.Tensor]:
+    """This rank's vocabulary rows of the output projection ([V / tp, h]: the output layer's, or with tied
+    embeddings the shared one) of a (DDP-wrapped) chunk; None off the last pipeline stage. Duck-typed: this module
+    is imported before megatron may be (the CPU stand-ins go first)."""
+    while not hasattr(model, "post_process") and hasattr(model, "module"):
+        model = model.module
+    if not model.post_process:
+        return None
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
 
 
 @dataclass
 class Step:
-    """`model`: the chunks the schedule runs (DDP-wrapped for the policy); `temperature` divides the logits."""
+    """`model`: the chunks the schedule runs (DDP-wrapped for the policy); `temperature` divides the logits;
+    `compiled`: the log-prob head's chunk math through torch.compile (backend.use_torch_compile)."""
 
     model: Sequence[torch.nn.Module]
     ranks: Ranks
@@ -27,6 +41,7 @@ class Step:
     temperature: float
     logprob_chunk_size: int
     algo: Any
+    compiled: bool = False
 
     # ------------------------------------------------------------------------------------------ the schedule
     def _forward_step(self, loss_fn, data_iterator, model):
@@ -38,10 +53,11 @@ class Step:
                 images = dict(pixel_values=b["images"].pixel_values, image_grid_thw=b["images"].grid_thw,
                               image_mask=b["image_mask"])
         output = model(input_ids=b["input_ids"], position_ids=positions, attention_mask=None, **images)
-        return output, partial(loss_fn, b)
+        return output, partial(loss_fn, b, head_weight(model))
 
     def run(self, prepared: List[Dict[str, Any]], loss_fn, forward_only: bool) -> List[Dict[str, torch.Tensor]]:
-        """megatron's pipeline schedule over `prepared`; `loss_fn(num_micro, batch, logits)` on the last stage.
+        """megatron's pipeline schedule over `prepared`; `loss_fn(num_micro, batch, weight, hidden)` on the last
+        stage (`hidden`: the final hidden states [b, s, h], `weight`: the output projection's rows here).
         Returns the last stage's per-micro-batch results (padding micro batches last)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -54,19 +70,30 @@ class Step:
             num_microbatches=len(ready), seq_length=cols, micro_batch_size=rows, forward_only=forward_only)
 
     # ------------------------------------------------------------------------------------------ losses
-    def _logprobs(self, b, logits, with_entropy: bool):
-        return vocab_parallel_logprobs(logits, b["labels"], self.ranks.tp_group(), self.temperature, with_entropy,
-                                       self.logprob_chunk_size)
+    def _logprobs(self, b, weight, hidden, with_entropy: bool):
+        """Per-position log-probs (and entropy) [b, s], computed at the response positions only (0 elsewhere):
+        the head is a third of a small model's FLOPs, and prompt positions have no use for it."""
+        sel = b["loss_mask"]
+        h = hidden.reshape(-1, hidden.shape[-1])[sel.reshape(-1)]
+        logp, ent = chunked_logprobs_entropy(h, weight, b["labels"][sel], self.logprob_chunk_size, self.temperature,
+                                             with_entropy, self.compiled, self.ranks.tp_group())
 
-    def _logprob_loss(self, with_entropy: bool, num_micro: int, b, logits):
-        logp, ent = self._logprobs(b, logits, with_entropy)
+        def spread(x):
+            out = x.new_zeros(sel.shape)
+            out[sel] = x
+            return out
+
+        return spread(logp), (spread(ent) if ent is not None else None)
+
+    def _logprob_loss(self, with_entropy: bool, num_micro: int, b, weight, hidden):
+        logp, ent = self._logprobs(b, weight, hidden, with_entropy)
         out = {"logp": logp.detach()}
         if ent is not None:
             out["ent"] = ent.detach()
-        return logits.new_zeros(()), out
+        return hidden.new_zeros(()), out
 
-    def train_loss(self, agg: Dict[str, Any], num_micro: int, b, logits):
-        logp, ent = self._logprobs(b, logits, with_entropy=True)
+    def train_loss(self, agg: Dict[str, Any], num_micro: int, b, weight, hidden):
+        logp, ent = self._logprobs(b, weight, hidden, with_entropy=True)
         loss, sums = actor_loss(logp, ent, b["old"], b["ref"], b["advantages"], b["loss_mask"], self.algo, agg)
         # megatron's schedule divides the loss by the number of micro batches; agg_loss already normalises over
         # the global mini batch, so undo it
