@@ -61,19 +61,43 @@ def group(blocks: Sequence[Dict[str, Any]], top: int = 25) -> List[Dict[str, Any
     return sorted(rows, key=lambda r: -r["gib"])[:top]
 
 
+STEP = ("/optimizer/", "/torch/optim/")
+"""Frames of the optimizer step: the passes before it are replayed apart (the step's temporaries can hide the
+backward's peak)."""
+
+
+def before_step(trace: Sequence[Dict[str, Any]]) -> Sequence[Dict[str, Any]]:
+    """The events before the first allocation made under the optimizer step (all of them when there is none)."""
+    for i, ev in enumerate(trace):
+        if ev.get("action") == "alloc" and any(part in str(f.get("filename", "")) for f in ev.get("frames") or []
+                                               for part in STEP):
+            return trace[:i]
+    return trace
+
+
 def summarize(snapshot: Dict[str, Any], baseline: int, device: int = 0, top: int = 25) -> Dict[str, Any]:
     traces = snapshot.get("device_traces") or [[]]
     trace = traces[device] if device < len(traces) else []
     peak, blocks = replay(trace, baseline)
-    return {"baseline_gib": baseline / GIB, "peak_gib": peak / GIB, "events": len(trace),
-            "live_at_peak_gib": (peak - baseline) / GIB, "groups": group(blocks, top)}
+    out = {"baseline_gib": baseline / GIB, "peak_gib": peak / GIB, "events": len(trace),
+           "live_at_peak_gib": (peak - baseline) / GIB, "groups": group(blocks, top)}
+    passes = before_step(trace)
+    if len(passes) < len(trace):
+        pass_peak, pass_blocks = replay(passes, baseline)
+        out["before_step"] = {"peak_gib": pass_peak / GIB, "live_at_peak_gib": (pass_peak - baseline) / GIB,
+                              "groups": group(pass_blocks, top)}
+    return out
 
 
 def text(summary: Dict[str, Any]) -> str:
     lines = [f"peak {summary['peak_gib']:.2f} GiB = baseline {summary['baseline_gib']:.2f} (before recording) + "
              f"{summary['live_at_peak_gib']:.2f} allocated during it ({summary['events']} events)"]
-    for r in summary["groups"]:
-        lines.append(f"{r['gib']:8.3f} GiB {r['blocks']:6d}  {r['where']}  <- {r['caller']}")
+    lines += [f"{r['gib']:8.3f} GiB {r['blocks']:6d}  {r['where']}  <- {r['caller']}" for r in summary["groups"]]
+    passes = summary.get("before_step")
+    if passes:
+        lines.append(f"before the optimizer step: peak {passes['peak_gib']:.2f} GiB = baseline + "
+                     f"{passes['live_at_peak_gib']:.2f}")
+        lines += [f"{r['gib']:8.3f} GiB {r['blocks']:6d}  {r['where']}  <- {r['caller']}" for r in passes["groups"]]
     return "\n".join(lines)
 
 

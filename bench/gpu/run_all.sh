@@ -50,7 +50,8 @@
 #       the CUDA tests of the GDN forward (both fla paths) and convolution, then the GDN q/k norm and gates A/B in
 #       one call (train_phases variants regions,flanorm,fused,qknorm): 0.8B realistic rows with the token budget,
 #       then the 4B at micro 8 with compiled layers
-#   bash bench/gpu/run_all.sh megatron-phases   (carry .whl-gdn .whl-x .kcache; ~9 min; one GPU; MODEL, MICRO)
+#   bash bench/gpu/run_all.sh megatron-phases   (carry .whl-gdn .whl-x .kcache; ~9 min; one GPU; MODEL, MICRO; TESTS=1
+#                                                first the CUDA tests; FSDP=0 without the FSDP side; ran 2026-12-04)
 #       bench/gpu/train_phases.py with backend=megatron (megatron-core 0.19.2 from .whl-x, fla + TileLang, no
 #       offload) on the all-at-cap rows: reference pass and update, then one update under the allocator's history
 #       (what holds the memory at its peak); then the FSDP engine on the same rows
@@ -561,17 +562,26 @@ megatron-phases)  # the Megatron engine's phases (fla + TileLang, chunked head) 
   export PYTHONFAULTHANDLER=1
   mkdir -p "$OUT/phases"
   MODEL=${MODEL:-qwen3_5_0_8b}; MICRO=${MICRO:-16}; tag=${MODEL#qwen3_5_}
+  if [ "${TESTS:-0}" = 1 ]; then  # TESTS=1: first the CUDA tests of the GDN forward, convolution and log-prob head
+    PYTHONPATH=$FLA_PATH timeout -s ABRT 150 python3 -m pytest -q -p no:cacheprovider --tb=short -k cuda \
+      tests/engines/test_gdn_layer.py tests/engines/test_packed_gdn.py tests/engines/test_logprob.py \
+      > "$OUT/gpu-tests.log" 2>&1
+    elapsed "GPU tests (exit $?)"; tail -6 "$OUT/gpu-tests.log" | cut -c1-300
+  fi
   PYTHONPATH=$MCORE_GDN_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left "${MEGATRON_UNTIL:-400}")" \
     python3 bench/gpu/train_phases.py --out "$OUT/phases/megatron_$tag.json" --backend megatron --model "$MODEL" \
-    --micro "$MICRO" --workloads cap --variants built --reps 3 --snapshot "${MEGATRON_SET[@]}" --peak-tflops "$PEAK" \
+    --micro "$MICRO" --workloads cap --variants built --reps "${REPS:-3}" --snapshot "${MEGATRON_SET[@]}" \
+    --peak-tflops "$PEAK" \
     > "$OUT/phases/megatron-$tag.log" 2>&1
   elapsed "Megatron $tag phases, micro $MICRO (exit $?)"
   grep "^phases\|^snapshot\|GiB " "$OUT/phases/megatron-$tag.log" | head -30
-  PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 585)" python3 bench/gpu/train_phases.py \
-    --out "$OUT/phases/fsdp_$tag.json" --model "$MODEL" --micro "$MICRO" --workloads cap --variants built --reps 3 \
-    --peak-tflops "$PEAK" > "$OUT/phases/fsdp-$tag.log" 2>&1
-  elapsed "FSDP $tag phases, micro $MICRO (exit $?)"
-  grep "^phases" "$OUT/phases/fsdp-$tag.log"
+  if [ "${FSDP:-1}" = 1 ]; then  # FSDP=0: the Megatron engine alone
+    PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 585)" python3 bench/gpu/train_phases.py \
+      --out "$OUT/phases/fsdp_$tag.json" --model "$MODEL" --micro "$MICRO" --workloads cap --variants built --reps 3 \
+      --peak-tflops "$PEAK" > "$OUT/phases/fsdp-$tag.log" 2>&1
+    elapsed "FSDP $tag phases, micro $MICRO (exit $?)"
+    grep "^phases" "$OUT/phases/fsdp-$tag.log"
+  fi
   ;;
 budget-4b)  # the 4B phases with the compiled layers' smaller peak: micro 8 instead of 4, host-side profile (1 GPU)
   [ -f /tmp/site-gdn/.tilelang.tar.xz.done ] && [ -d /tmp/site/trl ] || install_gdn

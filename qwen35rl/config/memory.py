@@ -358,28 +358,34 @@ def megatron_attention_bytes_per_token(m: Any) -> float:
 
 
 def megatron_gdn_bytes_per_token(m: Any, kernels: str) -> float:
-    """megatron-core's GatedDeltaNet per token. Around the recurrence (either path): the torch conv1d's input and
-    pre-silu output (conv dim each), the l2norm inputs of q and k and their rstd, sigmoid(beta), the output norm's
-    weighted and gated tensors and the output projection's input in bf16; softplus input and output (value heads),
-    the output norm's fp32 input copy, fp32 gate and silu(gate), and its rstd per head in fp32.
-    torch (`torch_chunk_gated_delta_rule`, `deterministic_mode`: q and k repeated to the value heads nv), per value
-    head in fp32: 7 x dk (padded key, k_beta, k_beta*exp(g), k_cumdecay, scaled q, q*exp(g), the decayed key of
-    the state update), 3 x dv (padded value, v_beta, v_new), 6 x chunk (decay exp and mask, k k^T, the solved
-    matrix, per chunk q k^T and its mask), 4 gates, the row-by-row triangular solve's clones ((chunk^2 - 1) / 3:
-    row i keeps an i x i and an i-wide copy) and one dk x dv recurrent state per chunk. Measured with
-    saved_tensors_hooks on megatron-core 0.16.1 on CPU (2026-12-02, tests/config/test_megatron_activations.py):
-    exact on the 0.8B heads (336.7 KB a layer with its MLP, 5.1x what the fused-module formula
-    `layer_activation_elems_per_token` gave) and with 32 value heads.
-    fla (not measured: fla does not run on CPU): q and k (value heads), v, beta and the [chunk]-wide A in bf16, g in
-    fp32, as the FSDP trainer's fla calibration (`gdn_bytes_per_token`) found fla 0.6 keeps."""
+    """megatron-core's GatedDeltaNet per token.
+    torch (`torch_chunk_gated_delta_rule`, `deterministic_mode`: q and k repeated to the value heads nv). Around
+    the recurrence: the torch conv1d's input and pre-silu output (conv dim each), the l2norm inputs of q and k and
+    their rstd, sigmoid(beta), the output norm's weighted and gated tensors and the output projection's input in
+    bf16; softplus input and output (value heads), the output norm's fp32 input copy, fp32 gate and silu(gate), and
+    its rstd per head in fp32. The recurrence, per value head in fp32: 7 x dk (padded key, k_beta, k_beta*exp(g),
+    k_cumdecay, scaled q, q*exp(g), the decayed key of the state update), 3 x dv (padded value, v_beta, v_new),
+    6 x chunk (decay exp and mask, k k^T, the solved matrix, per chunk q k^T and its mask), 4 gates, the row-by-row
+    triangular solve's clones ((chunk^2 - 1) / 3: row i keeps an i x i and an i-wide copy) and one dk x dv
+    recurrent state per chunk. Measured with saved_tensors_hooks on megatron-core 0.16.1 on CPU (2026-12-02,
+    tests/config/test_megatron_activations.py): exact on the 0.8B heads (336.7 KB a layer with its MLP, 5.1x what
+    the fused-module formula `layer_activation_elems_per_token` gave) and with 32 value heads.
+    fla (fla's causal_conv1d with its silu, fla's l2norm, chunk kernels; megatron-core 0.19.2), in bf16: the
+    in_proj output (conv dim + z + beta and alpha: fla's convolution keeps its input, a view of it), the
+    normalised q and k (key heads), the contiguous q and k (repeated to the value heads), v and z the recurrence
+    and the output norm take, fla's [chunk]-wide A per value head, the recurrence's output and the gated norm's
+    output (the output projection's input); in fp32 the l2norm's rstd (key heads), g, beta and the output norm's
+    rstd (value heads). Read off an H200 allocator history at the update's peak (2026-12-04,
+    bench/results/h200.md): the 0.8B layer's 51.4 KB a token."""
     nk, nv = int(m["linear_num_key_heads"]), int(m["linear_num_value_heads"])
     dk, dv = int(m["linear_key_head_dim"]), int(m["linear_value_head_dim"])
     qk, value_dim = nk * dk, nv * dv
     conv_dim, c = 2 * qk + value_dim, GDN_CHUNK
-    around = BF16 * (2 * conv_dim + 2 * qk + 2 * nk + nv + 3 * value_dim) + FP32 * (3 * nv + 3 * value_dim)
     if kernels == "torch":
+        around = BF16 * (2 * conv_dim + 2 * qk + 2 * nk + nv + 3 * value_dim) + FP32 * (3 * nv + 3 * value_dim)
         return float(around + FP32 * nv * (7 * dk + 3 * dv + 6 * c + 4 + (c * c - 1) / 3 + dk * dv / c))
-    return float(around + BF16 * nv * (2 * dk + dv + 1 + c) + FP32 * nv)
+    kept = (conv_dim + value_dim + 2 * nv) + 2 * qk + 2 * nv * dk + 2 * value_dim + nv * c + 2 * value_dim
+    return float(BF16 * kept + FP32 * (2 * nk + 3 * nv))
 
 
 def megatron_layer_bytes_per_token(m: Any, kind: str, kernels: str) -> float:
@@ -655,8 +661,14 @@ def optimizer_step_gib(cfg: Any, layout: Layout, shard: TrainShard, backward_set
     norm (an fp64 copy of a local gradient and its square: 16 B per element of the largest tensor's shard) and
     AdamW's foreach step (sqrt of the second moments: 4 B per local parameter); it raises the peak only by what
     exceeds the backward's set (`backward_set`: its gradients, gathered units, activations and transient).
-    Megatron's fused, in-place step over its persistent buffers adds nothing."""
-    if _megatron(layout) or _fsdp_on_host(cfg):
+    Megatron: torch's foreach Adam, megatron's choice without Transformer Engine or Apex (the plan cannot see the
+    nodes' packages: assumed), allocates that sqrt for every parameter whose states are on the device (a third of
+    their 12 B); its gradient buffer persists through the step, so only the activations and the transient are
+    gone by then (measured on an H200, 2026-12-04: the 4B's step added 15.7 GiB, its peak)."""
+    if _megatron(layout):
+        freed = backward_set - train_grads_gib(cfg, layout, shard)
+        return max(0.0, optimizer_states_gib(cfg, layout, shard) / 3 - freed)
+    if _fsdp_on_host(cfg):
         return 0.0
     local = shard.trained
     largest = largest_parameter(cfg["model"]) / max(layout.fsdp_size, 1)

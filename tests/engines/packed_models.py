@@ -36,8 +36,9 @@ def next_token_logp(logits, ids):
 def packed_call(model, docs):
     """Per-document next-token log-probs of one packed call, as `PolicyWithLogProbs._hidden(..., pack=True)` makes it
     (with the LM head on top)."""
-    lengths = torch.tensor([len(d) for d in docs])
-    positions = torch.cat([torch.arange(n) for n in lengths])
+    device = docs[0].device
+    lengths = torch.tensor([len(d) for d in docs], device=device)
+    positions = torch.cat([torch.arange(int(n), device=device) for n in lengths])
     kwargs = packed_call_kwargs(lengths)
     logits = model(input_ids=torch.cat(docs)[None], position_ids=positions[None], attention_mask=None, use_cache=False,
                    **kwargs).logits[0]

@@ -39,3 +39,18 @@ def test_the_peak_and_what_is_live_then():
 
 def test_without_a_trace():
     assert summarize({}, baseline=GIB)["peak_gib"] == 1.0
+
+
+def test_the_passes_before_the_optimizer_step_apart():
+    """A step whose temporaries top the backward's peak: the passes' own peak is reported beside it."""
+    adam = "/x/site-packages/torch/optim/adam.py"
+    trace = [
+        _ev("alloc", 1, 4 * GIB, HEAD, STEP),
+        _ev("free_requested", 1, 4 * GIB),
+        _ev("alloc", 2, 6 * GIB, TORCH, adam, "/x/site-packages/megatron/core/optimizer/optimizer.py"),
+    ]
+    s = summarize({"device_traces": [trace]}, baseline=GIB)
+    assert s["peak_gib"] == 7 and s["before_step"]["peak_gib"] == 5
+    assert s["before_step"]["groups"][0]["where"] == "qwen35rl/engines/logprob.py:0 fn0"
+    assert "before the optimizer step: peak 5.00 GiB" in text(s)
+    assert "before_step" not in summarize({"device_traces": [trace[:2]]}, baseline=0)
