@@ -574,7 +574,7 @@ megatron-phases)  # the Megatron engine's phases (fla + TileLang, chunked head) 
     --peak-tflops "$PEAK" \
     > "$OUT/phases/megatron-$tag.log" 2>&1
   elapsed "Megatron $tag phases, micro $MICRO (exit $?)"
-  grep "^phases\|^snapshot\|GiB " "$OUT/phases/megatron-$tag.log" | head -30
+  grep "^phases\|^snapshot\|GiB \|before the optimizer" "$OUT/phases/megatron-$tag.log" | head -60
   if [ "${FSDP:-1}" = 1 ]; then  # FSDP=0: the Megatron engine alone
     PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 585)" python3 bench/gpu/train_phases.py \
       --out "$OUT/phases/fsdp_$tag.json" --model "$MODEL" --micro "$MICRO" --workloads cap --variants built --reps 3 \
