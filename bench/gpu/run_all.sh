@@ -381,7 +381,7 @@ phases)  # where the FSDP engine's training phases spend their time, kernel chan
   mkdir -p "$OUT/phases"
   export PYTHONFAULTHANDLER=1
   # the new kernels against the torch math first (fla's convolution, the compiled bf16 head)
-  PYTHONPATH=$FLA_PATH timeout -s ABRT 120 python3 -m pytest -q -p no:cacheprovider -k "cuda" \
+  PYTHONPATH=$FLA_PATH timeout -k 15 -s ABRT 120 python3 -m pytest -q -p no:cacheprovider -k "cuda" \
     tests/engines/test_packed_gdn.py tests/engines/test_logprob.py > "$LOGS/gpu-tests.log" 2>&1
   elapsed "GPU tests (exit $?): $(tail -1 "$LOGS/gpu-tests.log")"
   PYTHONPATH=$FLA_PATH CUDA_VISIBLE_DEVICES=0 timeout -s ABRT "$(left 575)" python3 bench/gpu/train_phases.py \
@@ -494,7 +494,7 @@ qknorm-pair)  # q/k normalised in the GDN convolution: its CUDA tests, then the 
   env_info > "$OUT/env-compare.txt" 2>&1
   peaks
   export PYTHONFAULTHANDLER=1
-  PYTHONPATH=$FLA_PATH timeout -s ABRT 150 python3 -m pytest -x -q -p no:cacheprovider --tb=short -k cuda \
+  PYTHONPATH=$FLA_PATH timeout -k 15 -s ABRT 150 python3 -m pytest -x -q -p no:cacheprovider --tb=short -k cuda \
     tests/engines/test_gdn_layer.py tests/engines/test_packed_gdn.py tests/engines/test_logprob.py > "$OUT/gpu-tests.log" 2>&1
   elapsed "GPU tests (exit $?)"; tail -15 "$OUT/gpu-tests.log" | cut -c1-300
   BUDGET=(backend.dynamic_batch_size=true backend.max_tokens_per_device=${TOKENS:-24576} backend.compile_layers=true)
@@ -535,7 +535,7 @@ gdn-check)  # the GDN forward's CUDA tests, then its q/k norm and gates A/B on t
   env_info > "$OUT/env-phases.txt" 2>&1
   peaks
   export PYTHONFAULTHANDLER=1
-  PYTHONPATH=$FLA_PATH timeout -s ABRT 120 python3 -m pytest -q -p no:cacheprovider --tb=short -k cuda \
+  PYTHONPATH=$FLA_PATH timeout -k 15 -s ABRT 120 python3 -m pytest -q -p no:cacheprovider --tb=short -k cuda \
     tests/engines/test_gdn_layer.py tests/engines/test_packed_gdn.py tests/engines/test_logprob.py > "$OUT/gpu-tests.log" 2>&1
   elapsed "GPU tests (exit $?)"; tail -8 "$OUT/gpu-tests.log" | cut -c1-300
   mkdir -p "$OUT/phases"
@@ -563,7 +563,7 @@ megatron-phases)  # the Megatron engine's phases (fla + TileLang, chunked head) 
   mkdir -p "$OUT/phases"
   MODEL=${MODEL:-qwen3_5_0_8b}; MICRO=${MICRO:-16}; tag=${MODEL#qwen3_5_}
   if [ "${TESTS:-0}" = 1 ]; then  # TESTS=1: first the CUDA tests of the GDN forward, convolution and log-prob head
-    PYTHONPATH=$FLA_PATH timeout -s ABRT 150 python3 -m pytest -q -p no:cacheprovider --tb=short -k cuda \
+    PYTHONPATH=$FLA_PATH timeout -k 15 -s ABRT 150 python3 -m pytest -q -p no:cacheprovider --tb=short -k cuda \
       tests/engines/test_gdn_layer.py tests/engines/test_packed_gdn.py tests/engines/test_logprob.py \
       > "$OUT/gpu-tests.log" 2>&1
     elapsed "GPU tests (exit $?)"; tail -6 "$OUT/gpu-tests.log" | cut -c1-300

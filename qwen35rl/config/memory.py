@@ -25,8 +25,9 @@ The FSDP and hf terms (transformers modules) were calibrated against `torch.cuda
 (bench/results/h200.md, tests/config/test_memory_calibration.py); per-token activations were counted tensor by
 tensor on the same modules. What a Gated DeltaNet layer keeps depends on its kernels (`gdn_kernels`; Megatron:
 `megatron_gdn_kernels`). Megatron's per-token layer activations were counted with saved_tensors_hooks on
-megatron-core 0.16.1's layers on CPU (tests/config/test_megatron_activations.py; fla's path there is not measured);
-the other Megatron terms and the vLLM terms are not measured."""
+megatron-core 0.16.1's layers on CPU (tests/config/test_megatron_activations.py); its GDN layer on fla was read
+off an H200 allocator history (megatron-core 0.19.2), and its training peaks at TP1 measured there (0.8B, 4B:
+tests/config/test_memory_calibration.py). The vLLM terms are not measured."""
 from __future__ import annotations
 
 import math

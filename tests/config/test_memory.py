@@ -119,7 +119,20 @@ def test_fsdp_optimizer_step():
     small = M.TrainShard(dense=1e8, expert=0, layers=[], largest_unit=0)  # few parameters: the grad norm's copies win
     assert M.optimizer_step_gib(resident, lay, small, 0.0) == pytest.approx((1e8 * 4 + 248320 * 5120 / 8 * 16) / GIB)
     assert M.optimizer_step_gib(tree(FSDP27), lay, SHARD, 0.0) == 0  # offloaded: the step runs on the host
-    assert M.optimizer_step_gib(tree(MG35), layout(), SHARD, 0.0) == 0  # Megatron steps in place
+
+
+def test_megatron_optimizer_step():
+    """torch's foreach Adam allocates a sqrt of the second moments (a third of the 12 B of on-device states); the
+    gradient buffer outlives the backward, so only the rest of the backward's set is free for it."""
+    t, lay = tree(MG35, backend__optimizer_cpu_offload=False), layout()
+    sqrt = M.optimizer_states_gib(t, lay, SHARD) / 3
+    grads = M.train_grads_gib(t, lay, SHARD)
+    assert sqrt > 0 and grads > 0
+    assert M.optimizer_step_gib(t, lay, SHARD, backward_set=grads) == pytest.approx(sqrt)
+    assert M.optimizer_step_gib(t, lay, SHARD, backward_set=grads + sqrt - 1.0) == pytest.approx(1.0)
+    assert M.optimizer_step_gib(t, lay, SHARD, backward_set=grads + sqrt + 1.0) == 0
+    host = tree(MG35, backend__optimizer_cpu_offload=True, backend__optimizer_offload_fraction=1.0)
+    assert M.optimizer_step_gib(host, lay, SHARD, backward_set=M.train_grads_gib(host, lay, SHARD)) == 0
 
 
 def test_train_shard_counts():
@@ -590,3 +603,19 @@ def test_ulysses_sp_splits_layer_activations_and_the_log_prob_head():
     lm_head_grad = M.gib(248320 * 1024 * 4)  # the fp32 [V, h] gradient accumulator is not split
     assert act4 == pytest.approx(act1 / 4, rel=0.05)
     assert head4 - lm_head_grad == pytest.approx((head1 - lm_head_grad) / 4, rel=0.01)
+
+
+def test_megatron_gdn_on_fla_counts_what_the_h200_history_showed():
+    """megatron-core 0.19.2's GatedDeltaNet on fla, per token: on the 0.8B (16 key = 16 value heads of 128) the
+    2026-12-04b allocator history held, per layer, the in_proj output (16448 B), fla's normalised q/k (8192 B) and
+    rstd, the contiguous q, k, v and z (4 x 4096 B), A (2048 B), the recurrence's and the gated norm's outputs
+    (4096 B each); with more value than key heads (4B: 16 / 32) q and k are repeated to the value heads."""
+    m = tree(["model=qwen3_5_0_8b"])["model"]
+    bf16 = 16448 + 8192 + 4 * 4096 + 2048 + 2 * 4096
+    fp32 = 4 * (2 * 16 + 3 * 16)  # l2norm rstd (key heads); g, beta, the output norm's rstd (value heads)
+    assert M.megatron_gdn_bytes_per_token(m, "fla") == bf16 + fp32
+    m4 = tree(["model=qwen3_5_4b"])["model"]
+    nk, nv, d = 16, 32, 128
+    in_proj = 2 * (2 * nk * d + nv * d + nv * d + 2 * nv)
+    repeated = 2 * (2 * nk * d + 2 * nv * d + 2 * nv * d + nv * 64 + 2 * nv * d)
+    assert M.megatron_gdn_bytes_per_token(m4, "fla") == in_proj + repeated + 4 * (2 * nk + 3 * nv)

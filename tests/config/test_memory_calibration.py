@@ -324,3 +324,27 @@ def test_estimate_meets_the_h200_peak_of_fuller_micro_batches(run, model, micro,
     for r in rows:
         assert est == pytest.approx(r["train_peak_gib"], rel=TOLERANCE), r["workload"]
         assert est >= r["train_peak_gib"]
+
+
+RESULTS_0412B = Path(__file__).parents[2] / "bench/gpu/results/2026-12-04b"
+MEGATRON_ON_DEVICE = ["backend.megatron_core_version=0.19.2", "backend.param_offload=false", "backend.grad_offload=false",
+                      "backend.optimizer_offload=false", "backend.optimizer_cpu_offload=false"]
+
+
+@pytest.mark.parametrize("run, model, micro", [
+    ("call2-megatron-0.8b/phases/megatron_0_8b.json", "qwen3_5_0_8b", 16),
+    ("call3-megatron-4b/phases/megatron_4b.json", "qwen3_5_4b", 2),
+], ids=["0.8b-micro-16", "4b-micro-2"])
+def test_megatron_estimate_meets_the_h200_peak(run, model, micro):
+    """The Megatron engine at TP1 on an H200 (fla + TileLang, megatron-core 0.19.2, nothing offloaded, all-at-cap
+    rows, 2026-12-04b): its training peak within 10% of the plan's estimate, and not above it. The 0.8B's peak is
+    its backward (the update's allocator history placed the GDN terms); the 4B's is the optimizer step (torch's
+    foreach Adam)."""
+    from bench.gpu.grpo_h200 import workload
+    from qwen35rl.config.memory import estimate
+
+    cfg = compose(workload(model=model, micro=micro, kl=True, backend="megatron", steps=2) + MEGATRON_ON_DEVICE)
+    est = estimate(cfg, derive_layout(cfg)).train_peak_gib
+    (row,) = json.loads((RESULTS_0412B / run).read_text())
+    assert est == pytest.approx(row["train_peak_gib"], rel=TOLERANCE)
+    assert est >= row["train_peak_gib"]
