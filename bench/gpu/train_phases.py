@@ -84,7 +84,8 @@ def build(args, overrides_extra: List[str], port: int):
     return worker, cfg, ov
 
 
-def measure(worker, cfg, variant: str, args, results: List[Dict[str, Any]], out: str, profile: bool) -> None:
+def measure(worker, cfg, variant: str, args, results: List[Dict[str, Any]], out: str, profile: bool,
+            layers_compiled: bool = False) -> None:
     from qwen35rl.config.layout import derive_layout
     from qwen35rl.config.memory import estimate
     from qwen35rl.engines import gdn_kernels
@@ -92,7 +93,7 @@ def measure(worker, cfg, variant: str, args, results: List[Dict[str, Any]], out:
 
     mem = DeviceMemory()
     m = cfg.model
-    if variant == "regions":  # compiled in place by apply_variant: the estimate of the config that builds it so
+    if layers_compiled:  # compiled in place by `regions` (kept by the variants after it): estimated as built so
         from omegaconf import OmegaConf
 
         cfg = OmegaConf.merge(cfg, {"backend": {"compile_layers": True}})
@@ -195,9 +196,11 @@ def main() -> None:
     results: List[Dict[str, Any]] = []
     port = 29700 + os.getpid() % 500
     worker, cfg, _ = build(args, [], port)
+    layers_compiled = False
     for variant in filter(None, args.variants.split(",")):  # none: only the decode benchmark
         apply_variant(worker, variant)
-        measure(worker, cfg, variant, args, results, args.out, variant in profiled)
+        layers_compiled = layers_compiled or variant == "regions"
+        measure(worker, cfg, variant, args, results, args.out, variant in profiled, layers_compiled)
     if args.plain or args.padded:
         from qwen35rl.engines.fsdp_engine import FsdpTrainEngine
 
