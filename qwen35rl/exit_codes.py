@@ -13,6 +13,7 @@ class ExitCode(IntEnum):
     REWARD_FAILURE = 5
     DISK_FULL = 6
     INTERRUPTED = 130
+    STDOUT_CLOSED = 141
     TERMINATED = 143
 
 
@@ -29,6 +30,9 @@ MEANINGS = {
     ExitCode.DISK_FULL: "no space left on device: what could not be written, the free space and the last complete "
                         "checkpoint are printed (nothing written before is lost)",
     ExitCode.INTERRUPTED: "interrupted (Ctrl-C), after writing a checkpoint",
+    ExitCode.STDOUT_CLOSED: "stdout was closed by its reader (piped into `head`, say): the command stopped writing "
+                            "and exited quietly, any command (128 + SIGPIPE, as the shell reports a command that "
+                            "SIGPIPE ended)",
     ExitCode.TERMINATED: "preempted (SIGTERM), after writing a checkpoint",
 }
 
@@ -42,6 +46,7 @@ EXIT_REWARD_FAILURE = int(ExitCode.REWARD_FAILURE)
 EXIT_DISK_FULL = int(ExitCode.DISK_FULL)
 EXIT_INTERRUPTED = int(ExitCode.INTERRUPTED)
 EXIT_TERMINATED = int(ExitCode.TERMINATED)
+EXIT_STDOUT_CLOSED = int(ExitCode.STDOUT_CLOSED)
 
 
 def table(markdown: bool = False) -> str:

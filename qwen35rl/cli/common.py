@@ -163,6 +163,21 @@ def _completion_usage(command: str) -> str:
             f"  install the completion of this shell: eval \"$(qwen35rl-{command} --shell-completion install=bash)\"")
 
 
+def _held(fn: Callable[[], Any]) -> None:
+    """Run `fn` (Hydra printing an answer) with its stdout held and written when it ends: a closed stdout then
+    raises here, for the console script to end quietly, not inside Hydra, which would report it with a traceback."""
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            fn()
+    finally:
+        sys.stdout.write(buf.getvalue())
+        sys.stdout.flush()
+
+
 def _answered(fn: Callable[[], Any]) -> int:
     """Run Hydra answering one of its flags; its exit code (Hydra ends some answers with sys.exit)."""
     try:
@@ -188,10 +203,7 @@ def start(argv: Sequence[str], command: str = "plan") -> Tuple[Any, Optional[Any
     if args.help:
         from qwen35rl.cli.help import render
 
-        try:
-            print(render(command), flush=True)
-        except BrokenPipeError:  # `--help | head`: the reader has gone
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(render(command), flush=True)
         return args, None, 0
     overrides = list(args.overrides)
     if args.shell_completion:
@@ -199,9 +211,10 @@ def start(argv: Sequence[str], command: str = "plan") -> Tuple[Any, Optional[Any
         if len(given) != 1:
             print(_completion_usage(command), file=sys.stderr)
             return args, None, EXIT_CONFIG
-        return args, None, _answered(lambda: run_hydra(_print_config, args, command))
-    if args.info or args.hydra_help:  # about the composition itself: Hydra answers, broken configs included
-        return args, None, _answered(lambda: run_hydra(_print_config, args, command))
+        return args, None, _answered(lambda: _held(lambda: run_hydra(_print_config, args, command)))
+    if args.info or args.hydra_help:  # about the composition itself: Hydra answers, broken configs included; --info
+        # prints the composed config, so its output goes through the redaction as --cfg's does
+        return args, None, _answered(lambda: print_redacted(lambda: run_hydra(_print_config, args, command), overrides))
     try:
         if args.multirun:
             check_sweep(overrides)
@@ -237,8 +250,8 @@ def secrets_of(overrides: Sequence[str]) -> set:
 
 
 def print_redacted(fn: Callable[[], Any], overrides: Sequence[str]) -> None:
-    """Run `fn` (Hydra printing a config: --cfg job/hydra/all) with its stdout redacted: secret-looking keys show
-    REDACTED, and secret values are scrubbed wherever they appear."""
+    """Run `fn` (Hydra printing a config: --cfg job/hydra/all, --info) with its stdout redacted: secret-looking keys
+    show REDACTED, and secret values are scrubbed wherever they appear."""
     import contextlib
     import io
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from qwen35rl.cli.stdout import console_script
 from qwen35rl.exit_codes import EXIT_CONFIG
 
 EXAMPLES = """examples:
@@ -62,6 +63,7 @@ def _train_command(name: str, out: str, written: List[Path]) -> str:
     return "qwen35rl-train " + " ".join(shlex.quote(a) for a in args)
 
 
+@console_script
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     from qwen35rl.data.prepare import DATASETS, PrepareError, prepare

@@ -146,7 +146,8 @@ def exit_code_lines(command: str) -> List[str]:
         return table().splitlines()
     meaning = {ExitCode.OK: "the plan is valid (with -m: at least one job is)",
                ExitCode.ERROR: MEANINGS[ExitCode.ERROR],
-               ExitCode.CONFIG: "the config is refused or the plan is invalid (the problems are printed)"}
+               ExitCode.CONFIG: "the config is refused or the plan is invalid (the problems are printed)",
+               ExitCode.STDOUT_CLOSED: MEANINGS[ExitCode.STDOUT_CLOSED]}
     return [f"  {int(c):>3}  {m}" for c, m in meaning.items()]
 
 

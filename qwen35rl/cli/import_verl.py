@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from qwen35rl.cli.stdout import console_script
 from qwen35rl.config.problems import EXIT_CONFIG
 from qwen35rl.config.paths import ENV_CONFIG_PATH, config_path_set, extra_config_dirs
 
@@ -135,6 +136,7 @@ def render(r: Dict[str, Any], values: Dict[str, Any], source: str) -> str:
     return "\n".join(lines)
 
 
+@console_script
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from qwen35rl.config.verl.importer import ImportFailure, command, import_launch, write_overlay
     from qwen35rl.config.verl.script import ScriptError, load_source, read_env_file

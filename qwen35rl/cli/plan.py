@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from qwen35rl.cli.common import EXIT_CONFIG, output_format, run_hydra, start
+from qwen35rl.cli.stdout import console_script, writing_stdout
 
 _sweep_results: List[Dict[str, Any]] = []
 
@@ -46,10 +47,12 @@ def _sweep_job(cfg: DictConfig) -> Dict[str, Any]:
     sweep = HydraConfig.get().sweep  # the job's directory as this sweep lays it out (training's sweep has its own)
     plan["output_dir"] = f"{sweep.dir}/{sweep.subdir}"
     _sweep_results.append(plan)
-    emit(plan, str(cfg.format))
+    with writing_stdout():
+        emit(plan, str(cfg.format))
     return plan
 
 
+@console_script
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, cfg, done = start(argv, "plan")

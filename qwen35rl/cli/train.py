@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from qwen35rl.cli.common import EXIT_CONFIG, run_hydra, start
+from qwen35rl.cli.stdout import console_script
 from qwen35rl.config.problems import ERROR, Problem
 
 _exit_codes: List[int] = []
@@ -64,6 +65,7 @@ def _train_job(cfg: DictConfig) -> Dict[str, Any]:
     return {"valid": True, "problems": [p.to_dict() for p in problems], "exit_code": code}
 
 
+@console_script
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, cfg, done = start(argv, "train")  # --help, --cfg, --info, a refused config: answered here, without Ray
