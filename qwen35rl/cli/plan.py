@@ -17,17 +17,21 @@ from qwen35rl.cli.stdout import console_script, writing_stdout
 _sweep_results: List[Dict[str, Any]] = []
 
 
-def emit(plan: Dict[str, Any], fmt: str) -> None:
+def emit(plan: Dict[str, Any], fmt: str, cfg: DictConfig) -> None:
     from qwen35rl.config.plan import render_text
 
     if fmt == "json":
         print(json.dumps(plan), flush=True)
     elif fmt == "verl":
-        from qwen35rl.config.verl.exporter import render
+        from qwen35rl.config.verl.exporter import render, shell_problems
 
-        if "verl" in plan:
+        refused = shell_problems(cfg, plan["verl"]) if "verl" in plan else []
+        if refused:  # what the script cannot hold safely: nothing of it is printed, and the plan is invalid
+            plan["problems"] = plan["problems"] + [p.to_dict() for p in refused]
+            plan["valid"] = False
+        elif "verl" in plan:
             print(render(plan["verl"]), flush=True)
-        if not plan["valid"]:  # the launch still prints; the problems go to stderr and the exit code says it
+        if not plan["valid"]:  # the problems go to stderr and the exit code says it (another one's launch prints)
             print(render_text(plan), file=sys.stderr, flush=True)
     else:
         print(render_text(plan), flush=True)
@@ -48,7 +52,7 @@ def _sweep_job(cfg: DictConfig) -> Dict[str, Any]:
     plan["output_dir"] = f"{sweep.dir}/{sweep.subdir}"
     _sweep_results.append(plan)
     with writing_stdout():
-        emit(plan, str(cfg.format))
+        emit(plan, str(cfg.format), cfg)
     return plan
 
 
@@ -64,7 +68,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0 if any(p["valid"] for p in _sweep_results) else EXIT_CONFIG
     plan = plan_config(cfg)
     plan["output_dir"] = args.run_dir  # where training writes: hydra.run.dir, whatever sets it
-    emit(plan, output_format(args.overrides))
+    emit(plan, output_format(args.overrides), cfg)
     return 0 if plan["valid"] else EXIT_CONFIG
 
 

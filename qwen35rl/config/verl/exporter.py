@@ -1,18 +1,27 @@
 """A composed qwen35rl config -> the verl 0.9.1 launch that runs the same settings: the worker environment, the
 override list of `python3 -m verl.trainer.main_ppo` (verl's key names, `+` where verl's tree lacks the key), and
-every qwen35rl setting verl has no key for. Reads the one table in `keys.py`; imports nothing heavy."""
+every qwen35rl setting verl has no key for. Reads the one table in `keys.py`; imports nothing heavy.
+
+`render` writes a shell script that is safe by construction, whatever an overlay holds: every word is quoted for a
+POSIX shell, every comment line stays one line, and a worker environment name that is not a shell identifier (or a
+NUL character, which no process can receive) is refused (`shell_problems`) rather than written."""
 from __future__ import annotations
 
 import re
 import shlex
 from typing import Any, Dict, Iterator, List, Tuple
 
+from qwen35rl.config.problems import ERROR, Problem
 from qwen35rl.config.verl.keys import (CHOICE_KEYS, IMPLIED, OVERRIDE_TC, UNUSED_BY_BACKEND, VLLM_KWARGS, get,
                                        keys_for, why_not_exported, worker_env)
 
 ENTRY = ["python3", "-m", "verl.trainer.main_ppo"]
 _BARE = re.compile(r"^[A-Za-z_/.][A-Za-z0-9_\-/.+:@]*$")
 _KEYWORDS = {"null", "true", "false", "nan", "inf", "-inf", "+inf"}
+SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+"""What `export NAME=...` accepts as a name; anything else would be parsed as shell code."""
+_BACKSLASHES_BEFORE_INTERPOLATION = re.compile(r"(\\*)\$\{")
+_BACKSLASHES_BEFORE_QUOTE = re.compile(r"(\\+)(?='|\Z)")
 
 
 def hydra_value(v: Any) -> str:
@@ -30,7 +39,17 @@ def hydra_value(v: Any) -> str:
     s = str(v)
     if _BARE.match(s) and s.lower() not in _KEYWORDS and not _numeric(s):
         return s
-    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return _quoted(s)
+
+
+def _quoted(s: str) -> str:
+    """`s` as a single-quoted Hydra string that verl reads back as exactly `s`. Two layers read it: OmegaConf
+    resolves `${...}` (k backslashes before it are k/2 literal ones and, when odd, an escape), so a literal `${`
+    gets its backslashes doubled and one more; Hydra's quoted string takes backslashes literally except a run just
+    before a quote (the closing one included), which it halves, so those runs are doubled and a quote escaped."""
+    s = _BACKSLASHES_BEFORE_INTERPOLATION.sub(lambda m: m.group(1) * 2 + "\\${", s)
+    s = _BACKSLASHES_BEFORE_QUOTE.sub(lambda m: m.group(1) * 2, s)
+    return "'" + s.replace("'", "\\'") + "'"
 
 
 def _numeric(s: str) -> bool:
@@ -112,9 +131,36 @@ def export(cfg: Any) -> Dict[str, Any]:
     return {"argv": argv, "env": env, "not_exported": not_exported}
 
 
+def shell_problems(cfg: Any, exported: Dict[str, Any]) -> List[Problem]:
+    """What `render` cannot write safely, as plan errors: a worker environment name (hw.env, backend.env) that is not
+    a shell identifier, and a NUL character in an exported value. `exported` is what will be rendered (redacted)."""
+    cfg = to_plain(cfg)
+    problems = []
+    for where in ("hw.env", "backend.env"):
+        for name in get(cfg, where) or {}:
+            if not SHELL_NAME.match(str(name)):
+                problems.append(Problem(
+                    "env_name_not_shell_identifier", where,
+                    f"the variable name {str(name)!r} is not a shell identifier: format=verl writes the worker "
+                    f"environment as `export NAME=value` lines, where this name would run as shell code",
+                    f"rename or remove it where it is set (a cluster overlay, an experiment, +{where}.NAME=...): "
+                    f"a name is letters, digits and _, not starting with a digit", ERROR))
+    nul = [k for k, v in exported["env"].items() if "\0" in str(v)]
+    nul += [a.partition("=")[0].lstrip("+") for a in exported["argv"] if "\0" in a]
+    for key in nul:
+        problems.append(Problem("nul_in_exported_value", key, "the value holds a NUL character, which no command "
+                                "line or environment can carry", "remove the NUL character from the value", ERROR))
+    return problems
+
+
 def render(exported: Dict[str, Any]) -> str:
     """The export as a shell script: `export` lines, the launch with one override per line, then a comment block
-    of the settings verl has no key for (grouped by reason)."""
+    of the settings verl has no key for (grouped by reason). ValueError for what `shell_problems` reports."""
+    for name, value in exported["env"].items():
+        if not SHELL_NAME.match(name) or "\0" in str(value):
+            raise ValueError(f"cannot export the worker environment variable {name!r} (see shell_problems)")
+    if any("\0" in a for a in exported["argv"]):
+        raise ValueError("an override holds a NUL character (see shell_problems)")
     lines = ["# verl 0.9.1 launch equivalent of this qwen35rl config (qwen35rl-plan ... format=verl)"]
     lines += [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(exported["env"].items())]
     lines.append(" ".join(ENTRY) + " \\")
@@ -122,10 +168,22 @@ def render(exported: Dict[str, Any]) -> str:
     lines += [f"    {shlex.quote(a)}" + (" \\" if i < len(argv) - 1 else "") for i, a in enumerate(argv)]
     by_why: Dict[str, List[str]] = {}
     for item in exported["not_exported"]:
-        by_why.setdefault(item["why"], []).append(f"{item['key']}={hydra_value(item['value'])}")
+        by_why.setdefault(item["why"], []).append(_setting(item["key"], item["value"]))
     if by_why:
         lines += ["", "# qwen35rl settings verl has no key for:"]
         for why, items in by_why.items():
-            lines.append(f"#   {why}:")
-            lines += [f"#     {x}" for x in items]
+            lines.append(_comment(f"   {why}:"))
+            lines += [_comment(f"     {x}") for x in items]
     return "\n".join(lines)
+
+
+def _setting(key: str, value: Any) -> str:
+    """`key=value` for the comment block: in Hydra's grammar, or as a Python literal (marked so) when that would
+    hold a line break or another character that is not printable."""
+    text = f"{key}={hydra_value(value)}"
+    return text if text.isprintable() else f"{key if key.isprintable() else repr(key)}={value!r}  (Python literal)"
+
+
+def _comment(text: str) -> str:
+    """A `#` line of `text`: a line break in it would end the comment and make the rest a command."""
+    return "#" + (text if text.isprintable() else text.encode("unicode_escape").decode("ascii"))

@@ -120,9 +120,15 @@ def test_plan_prints_verl_launch():
 
 @pytest.mark.parametrize("value", [None, True, False, 0, -1, 1e-06, 0.66, "vllm", "0.18.0", "1e-6", "true", "null",
                                    "a b", "it's", "x=y", "/data/geo3k/train.parquet", "~/data", "${x}", "a,b",
-                                   [1, "two", None], {"a": 1, "b": [True]}, [], "garbage_collection_threshold:0.8"])
+                                   [1, "two", None], {"a": 1, "b": [True]}, [], "garbage_collection_threshold:0.8",
+                                   "a\\b", "C:\\data\\", "\\", "\\\\", "\\'", "it\\'s", "\\${x}", "a\\\\${x}\\",
+                                   "${oc.env:HOME}", "line\nbreak", "tab\tand \"quotes\"", "é ☃ \U0001d518"])
 def test_hydra_value_parses_back(value):
-    assert _same(override_value(f"k={hydra_value(value)}"), value)
+    """What verl's config holds after composing the override (Hydra's quoting, then OmegaConf's `${` escape), and
+    Hydra's parse alone (what the importer reads) where no `${` needs OmegaConf's escape."""
+    if "${" not in str(value):
+        assert _same(override_value(f"k={hydra_value(value)}"), value)
+    assert _same(compose_verl([f"+trainer.k={hydra_value(value)}"])["trainer"]["k"], value)
 
 
 def test_exported_environment_is_redacted_in_the_plan():
