@@ -1,5 +1,7 @@
 """The local cluster watchdog's stop step while processes vanish under it (Ray's own fate sharing takes raylet and
 GCS down at the same moment the watchdog freezes them)."""
+import os
+import select
 import signal
 import subprocess
 
@@ -8,12 +10,10 @@ import pytest
 from qwen35rl.runtime import local_watchdog as wd
 
 
-def dead(pid):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
-    except OSError:
-        return True
+def exits(pidfd, timeout=30):
+    """Whether the process behind `pidfd` exits. kill() returns once SIGKILL is queued; the target dies when it
+    next runs, which on a busy machine is after the caller looks at /proc. A pidfd becomes readable on exit."""
+    return bool(select.select([pidfd], [], [], timeout)[0])
 
 
 @pytest.fixture
@@ -40,24 +40,25 @@ def test_what_was_frozen_is_killed_even_when_a_step_fails(child, monkeypatch):
     assert child.wait(timeout=30) == -signal.SIGKILL
 
 
-def test_stop_takes_in_children_started_before_the_freeze_and_spares_a_reused_pid(tmp_path):
-    parent = subprocess.Popen(["sh", "-c", "sleep 60 & echo $! > " + str(tmp_path / "pid") + "; wait"])
+def test_stop_takes_in_children_started_before_the_freeze_and_spares_a_reused_pid():
+    # the shell prints the child's pid after fork() returned: the child is in the process table from then on
+    parent = subprocess.Popen(["sh", "-c", "sleep 60 >/dev/null & echo $!; wait"], stdout=subprocess.PIPE)
     try:
-        for _ in range(300):
-            if (tmp_path / "pid").exists() and (tmp_path / "pid").read_text().strip():
-                break
-            subprocess.run(["sleep", "0.01"])
-        grandchild = int((tmp_path / "pid").read_text())
-        bystander = subprocess.Popen(["sleep", "60"])
+        grandchild = os.pidfd_open(int(parent.stdout.readline()))   # pins the process: no pid reuse in between
         try:
-            wrong_start = b"0"                          # same pid, another process: not ours to touch
-            assert wd.stop({parent.pid: wd.stat(parent.pid)[1], bystander.pid: wrong_start}) == 2
-            assert parent.wait(timeout=30) == -signal.SIGKILL
-            assert dead(grandchild)
-            assert bystander.poll() is None
+            bystander = subprocess.Popen(["sleep", "60"])
+            try:
+                wrong_start = b"0"                          # same pid, another process: not ours to touch
+                assert wd.stop({parent.pid: wd.stat(parent.pid)[1], bystander.pid: wrong_start}) == 2
+                assert parent.wait(timeout=30) == -signal.SIGKILL
+                assert exits(grandchild)
+                assert bystander.poll() is None
+            finally:
+                bystander.kill()
+                bystander.wait()
         finally:
-            bystander.kill()
-            bystander.wait()
+            os.close(grandchild)
     finally:
         parent.kill()
         parent.wait()
+        parent.stdout.close()
