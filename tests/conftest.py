@@ -29,3 +29,23 @@ def pytest_sessionfinish(session, exitstatus):
     from tests import vllm_build
 
     vllm_build.stop()
+
+
+@pytest.fixture(autouse=True)
+def _logging_restored():
+    """Commands run in-process (a Hydra multirun configures job logging per job) leave file handlers on the root
+    logger pointing into that test's temporary directory; later tests would log into it. Each test gets the logging
+    it started with back."""
+    import logging
+
+    loggers = [logging.getLogger()] + [
+        logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith("qwen35rl")
+    ]
+    saved = [(lg, list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in loggers]
+    yield
+    for lg, handlers, level, propagate, disabled in saved:
+        for h in lg.handlers:
+            if h not in handlers and isinstance(h, logging.FileHandler):
+                h.close()
+        lg.handlers[:] = handlers
+        lg.level, lg.propagate, lg.disabled = level, propagate, disabled
