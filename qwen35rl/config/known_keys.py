@@ -2,7 +2,9 @@
 cluster has started.
 
 - `rollout.engine_kwargs` goes to `vllm.LLM(**kwargs)`, which forwards them to `vllm.engine.arg_utils.EngineArgs`:
-  the field names of that dataclass (vLLM 0.11 - 0.18 lines), minus the ones qwen35rl sets itself.
+  the field names of that dataclass (the union of vLLM 0.11 - 0.18, 0.26 and 0.32), minus the ones qwen35rl sets
+  itself. This frozen list is the fallback where no vLLM is installed: the plan checks against the installed
+  vLLM's own `EngineArgs` when there is one (`vllm_facts.engine_arg_names`).
 - `backend.transformer_overrides` goes to megatron-core's `TransformerConfig` (which includes `ModelParallelConfig`
   and the MoE fields), minus the ones qwen35rl derives from its own config.
 
@@ -47,6 +49,26 @@ mamba_cache_dtype mamba_ssm_cache_dtype mamba_block_size mamba_cache_mode additi
 pt_load_map_location enable_multimodal_encoder_data_parallel logits_processors async_scheduling stream_interval
 kv_sharing_fast_prefill optimization_level kv_offloading_size kv_offloading_backend tokens_only
 weight_transfer_config
+aux_output_config cpu_distributed_timeout_seconds cpu_offload_params custom_histogram_buckets
+data_parallel_multi_port_external_lb dcp_comm_backend dcp_q_replicate device_ids diffusion_config
+distributed_timeout_seconds dp_sync_interval ec_manager_config elastic_ep_max_dp_size enable_batch_sharded_sampling
+enable_bf16x3_router_gemm enable_cumem_allocator enable_elastic_ep enable_ep_weight_filter enable_fault_tolerance
+enable_flashinfer_autotune enable_hc_sp enable_mamba_cache_stochastic_rounding enable_mamba_shared_prefix_checkpoint
+enable_mixed_moe_lora_format enable_moe_shared_loras enable_nccl_comm_suspend enable_return_routed_experts
+enable_shm_tensor_arena enable_trace_replay engram_config fail_on_environ_validation fault_tolerance_config
+gdn_prefill_backend ir_op_priority jit_monitor_mode jit_monitor_verbose kda_decode_backend kda_prefill_backend
+kernel_config kv_cache_dtype_skip_layers language_model_only linear_backend log_config_file log_level logging_config
+long_prefill_token_threshold_adaptive lora_target_modules mamba_backend mamba_cache_philox_rounds mamba_config
+mamba_ssu_algorithm max_lora_cls_labels max_num_active_seqs max_num_queued_reqs max_num_queued_tokens
+max_num_scheduled_tokens mm_device_do_normalize mm_encoder_attn_dtype mm_encoder_fp8_scale_path
+mm_encoder_fp8_scale_save_margin mm_encoder_fp8_scale_save_path mm_hasher_algorithm mm_ipc_gpu_memory_gb
+mm_processor_device mm_tensor_ipc model_class_overrides model_weights moe_backend numa_bind numa_bind_cpus
+numa_bind_nodes offload_backend offload_group_size offload_num_in_group offload_params offload_prefetch_step
+per_request_spec_decode_metrics performance_mode prefill_schedule_interval prefix_cache_retention_interval
+prefix_match_unit quantization_config reasoning_config renderer_num_workers replayssm_buffer_len return_sampling_mask
+safetensors_prefetch_block_size safetensors_prefetch_num_threads scheduler_reserve_full_isl shutdown_timeout
+sleep_mode_offload_cudagraph sleep_preserve_parameter_names sparse_indexer_topk_backend spec_method spec_model
+spec_tokens swa_bounded_replay use_fp64_gumbel use_replayssm video_pruning_method watermark watermark_config
 """.split())
 
 # EngineArgs fields qwen35rl sets from its own config: the key to set instead.

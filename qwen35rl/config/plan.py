@@ -7,7 +7,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen35rl.config import auto_batch, capabilities, layout_search, memory, params, quirks, redact, rules
+from qwen35rl.config import (auto_batch, capabilities, layout_search, memory, params, quirks, redact, rules,
+                             vllm_facts)
 from qwen35rl.config.layout import Layout, derive_layout, is_split, placement, pools_per_node
 from qwen35rl.config.problems import ERROR, WARNING, Problem
 from qwen35rl.config.verl import exporter as verl_exporter
@@ -36,7 +37,9 @@ def resolve_auto(cfg: DictConfig) -> Tuple[DictConfig, List[Any], Optional[auto_
     checkpointing resolved to, a problem when no layout is valid). `parallelism=auto` applies the best searched
     layout, which carries its own micro batch / checkpointing choice (`layout_search.search` chooses per layout);
     otherwise (or when no layout is valid) they are chosen for the config's own layout (`auto_batch`). A value out
-    of its range leaves the config as it is: the gate rules report it and nothing computes with it."""
+    of its range leaves the config as it is: the gate rules report it and nothing computes with it. The vLLM facts
+    come first (`vllm_facts.resolve`: `rollout.vllm_version=auto`, the GDN prefill kernel)."""
+    cfg = vllm_facts.resolve(cfg)
     if rules.gate_problems(memory.as_tree(cfg)):
         return cfg, [], None, []
     candidates: List[Any] = []
@@ -69,10 +72,11 @@ def select_layout(cfg: DictConfig) -> Tuple[DictConfig, List[Any], List[Problem]
 
 def build_plan(cfg: DictConfig) -> Dict[str, Any]:
     """The plan dict. With `parallelism=auto` the best searched layout is applied first (and the top five listed)."""
+    searched_from = cfg
     unsafe = rules.gate_problems(memory.as_tree(cfg))
     if unsafe:  # a value out of its range: nothing below may divide by it or search over it
+        cfg = vllm_facts.resolve(cfg)
         return refused_plan(cfg, rules.check_all(cfg, derive_layout(cfg)) + environment_problems(cfg))
-    searched_from = cfg
     cfg, candidates, choice, problems = resolve_auto(cfg)
     layout = derive_layout(cfg)
     problems += rules.check_all(cfg, layout) + environment_problems(cfg)
@@ -108,8 +112,18 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "auto_candidates": [c.to_dict() for c in candidates[:5]],
         "auto_candidate_count": len(candidates),
         "auto_tested": layout_search.tested_rank(searched_from, candidates) if candidates else None,
+        "vllm": vllm_plan(searched_from, cfg),
         "verl": verl_export(cfg),
     }
+
+
+def vllm_plan(configured: DictConfig, cfg: DictConfig) -> Optional[Dict[str, Any]]:
+    """For a vLLM rollout: the version the plan used and where it came from, the GDN prefill kernel, the rollout
+    checkpoint's form and what the engine arguments were checked against (`configured`: before `resolve_auto`)."""
+    if str(cfg.rollout.engine) != "vllm":
+        return None
+    res = vllm_facts.resolution(configured)
+    return None if res is None else res.to_dict()
 
 
 def placement_plan(cfg: DictConfig, layout: Layout, mem: memory.MemoryEstimate) -> Dict[str, Any]:
@@ -371,6 +385,10 @@ def render_text(plan: Dict[str, Any]) -> str:
                      + ("; the pools overlap: the longer part counts" if c.get("overlapped") else "")
                      + (f"; x{penalty:.2f} for memory headroom under 10%" if penalty > 1.0 else "") + ")")
     lines.append(f"  output     {plan['output_dir']}")
+    v = plan.get("vllm")
+    if v:
+        lines.append(f"  vllm       {v['version']} ({v['source']}); GDN prefill {v['gdn_prefill']}; rollout checkpoint "
+                     f"{v['rollout_checkpoint']}; engine arguments checked against {v['engine_args_from']}")
     for q in plan.get("vllm_quirks", []):
         state = "overridden by rollout.engine_kwargs" if q["overridden"] else "applied"
         lines.append(f"  vllm quirk {q['key']}={q['value']} ({state}): {q['why']}")

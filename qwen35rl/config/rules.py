@@ -903,14 +903,77 @@ def value_in_range(cfg: Any, layout: Layout) -> List[Problem]:
 
 # =========================================================================================== pass-through dicts
 @rule("config")
+def vllm_version_valid(cfg: Any, layout: Layout) -> List[Problem]:
+    """`rollout.vllm_version` is `auto` or a release number: quirks and engine facts compare versions."""
+    from qwen35rl.config import vllm_facts
+
+    v = val(cfg, "rollout.vllm_version")
+    if str(v) == vllm_facts.AUTO or vllm_facts.valid_version(v):
+        return []
+    return _err("vllm_version_valid", "rollout.vllm_version", f"rollout.vllm_version={_shown(v)} is not a vLLM "
+                "release number", "set rollout.vllm_version=auto (the installed vLLM's) or a release such as 0.26.0")
+
+
+@rule("config")
+def vllm_loads_rollout_checkpoint(cfg: Any, layout: Layout) -> List[Problem]:
+    """vLLM releases before 0.27 load no text-only Qwen3.5 checkpoint (`Qwen3_5ForCausalLM`): the rollout then starts
+    from the vision-language form, which a model without a vision tower (or a text-only model.path) cannot give."""
+    from qwen35rl.config import vllm_facts
+
+    if val(cfg, "rollout.engine") != "vllm" or not vllm_facts.valid_version(val(cfg, "rollout.vllm_version")):
+        return []
+    version = str(val(cfg, "rollout.vllm_version"))
+    install = vllm_facts.installed_vllm()
+    same = install is not None and vllm_facts.version_tuple(install.version) == vllm_facts.version_tuple(version)
+    if vllm_facts.loads_text_checkpoint(version, install if same else None):
+        return []
+    path = _get(cfg, "model.path", None)
+    if _get(cfg, "model.init", "pretrained") == "pretrained" and path:
+        archs = _checkpoint_architectures(str(path))
+        if archs and not any(a.endswith("ForConditionalGeneration") for a in archs):
+            return _err("vllm_loads_rollout_checkpoint", "model.path", f"model.path={str(path)!r} is a text-only "
+                        f"checkpoint ({', '.join(archs)}), which vLLM {version} does not load (its Qwen3.5 classes "
+                        f"are the vision-language ones; text-only checkpoints load from "
+                        f"{vllm_facts.TEXT_CHECKPOINT_FROM})", "use the vision-language checkpoint of this model "
+                        f"(text data runs it without images), vLLM >= {vllm_facts.TEXT_CHECKPOINT_FROM}, or rollout=hf")
+        return []
+    if _get(cfg, "model.vision", None) is None:
+        return _err("vllm_loads_rollout_checkpoint", "model", f"model={val(cfg, 'model.name')} has no vision "
+                    f"tower, and vLLM {version} loads only the vision-language form of a Qwen3.5 checkpoint",
+                    f"pick a model with a vision tower (e.g. model=qwen3_5_tiny_vl), vLLM >= "
+                    f"{vllm_facts.TEXT_CHECKPOINT_FROM}, or rollout=hf")
+    return []
+
+
+def _checkpoint_architectures(path: str) -> List[str]:
+    """`architectures` of the checkpoint's config.json here ([] where it cannot be read)."""
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            archs = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [str(a) for a in archs] if isinstance(archs, list) else []
+
+
+@rule("config")
 def engine_kwargs_known(cfg: Any, layout: Layout) -> List[Problem]:
     """`rollout.engine_kwargs` keys are vLLM EngineArgs fields (a typo would fail only on the cluster), whatever
-    engine this run picks (the same overrides often go to a vLLM run next)."""
+    engine this run picks (the same overrides often go to a vLLM run next): the installed vLLM's own fields when it
+    is the configured version, else the names qwen35rl knows from 0.11 - 0.32."""
+    from qwen35rl.config import vllm_facts
+
+    install = vllm_facts.installed_vllm()
+    if install is not None and vllm_facts.version_tuple(install.version) != \
+            vllm_facts.version_tuple(val(cfg, "rollout.vllm_version")):
+        install = None
+    names, origin = vllm_facts.engine_arg_names(install)
     out = []
     for key in val(cfg, "rollout.engine_kwargs") or {}:
-        if key not in known_keys.VLLM_ENGINE_ARGS:
+        if key not in names:
             out += _err("engine_kwargs_known", f"rollout.engine_kwargs.{key}", f"'{key}' is not a vLLM engine "
-                        "argument", did_you_mean(key, known_keys.VLLM_ENGINE_ARGS)
+                        f"argument (checked against {origin})", did_you_mean(key, names)
                         or "see vllm.engine.arg_utils.EngineArgs for the names")
     return out
 

@@ -286,8 +286,10 @@ class RolloutConfig:
     """-1: off."""
     gpu_memory_utilization: float = between(0.0, 1.0, 0.6, low_open=True)
     """Share of device memory vLLM may hold for weights + KV cache + GDN state."""
-    vllm_version: str = "0.18.0"
-    """vLLM version on the cluster; platform quirks depend on it."""
+    vllm_version: str = "auto"
+    """vLLM version on the cluster; platform quirks, the engine-argument check, the rollout checkpoint's class and the
+    GDN prefill kernel depend on it. auto: the vLLM installed where the plan runs, else the device's assumed one
+    (`vllm_facts.ASSUMED`: 0.18.0 on NPU, 0.26.0 elsewhere); the plan says which."""
     max_model_len: Optional[int] = optional(at_least(1, None))
     """Longest sequence of the engine; null: prompt + response length."""
     max_num_batched_tokens: int = at_least(1, 8192)
@@ -500,6 +502,10 @@ class TrainerConfig:
     run_name: str = "${model.name}-${backend.name}-${hw.name}"
     """Names the run directory ${trainer.output_root}/${trainer.run_name}: the same command again resumes."""
     output_root: str = "runs"
+    kernel_cache_dir: Optional[str] = None
+    """Compiled-kernel caches (Triton with its autotuning results, TileLang, torch.compile / Inductor, vLLM's compile
+    cache) shared by the runs that name it, so that only the first start on a machine compiles; null:
+    ${trainer.output_root}/.kernel_cache. Variables the environment already sets win."""
     export_hf: bool = True
     """Export the final policy in Hugging Face format to `final/`."""
     max_keep_checkpoints: int = at_least(0, 2)

@@ -45,7 +45,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import time
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
@@ -55,6 +57,9 @@ from qwen35rl.config.layout import Layout
 from qwen35rl.config.quirks import effective_engine_kwargs
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult
 from qwen35rl.models.special_tokens import special_token_ids
+from qwen35rl.runtime import kernel_cache
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = (
     "rollout.engine=vllm needs vLLM: on GPU clusters `pip install 'qwen35rl[gpu]'` (into the image's torch), on "
@@ -283,7 +288,16 @@ class VllmRolloutEngine(RolloutEngine):
         self._weights_awake = False
         # A process group that exists before the engine is the trainer's (`close` keeps it).
         self._trainer_group = torch.distributed.is_available() and torch.distributed.is_initialized()
+        cold = cfg["hw"]["device"] != "cpu" and kernel_cache.is_cold(dict(os.environ))
+        if cold:  # so that a start of minutes does not look hung
+            log.info("vLLM engine: the kernel caches (%s) are empty, so this start compiles and autotunes kernels "
+                     "(torch.compile, Triton's GDN kernels, CUDA graphs): minutes on a first start, reused by the "
+                     "next runs (trainer.kernel_cache_dir)", os.environ.get("TRITON_CACHE_DIR"))
+        t0 = time.perf_counter()
         self.llm = vllm.LLM(**self.args)
+        self.start_s = time.perf_counter() - t0
+        log.info("vLLM %s engine started in %.0f s (%s kernel caches)", getattr(vllm, "__version__", "?"),
+                 self.start_s, "cold" if cold else "warm")
         _live_engines += 1
         self._dtype = getattr(torch, self.args["dtype"])
         self._keep_dtype = {n.rsplit(".", 1)[-1] for n, p in self._worker().model_runner.model.named_parameters()

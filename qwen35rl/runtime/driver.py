@@ -42,6 +42,7 @@ from qwen35rl.runtime import provenance, quiet, report
 from qwen35rl.runtime.cluster import (EXIT_WORKER_FAILURE, ClusterError, LocalWorkerGroup, WorkerFailure, WorkerGroup,
                                      ray_session, wait_pools)
 from qwen35rl.runtime.flops import mfu, train_flops
+from qwen35rl.runtime.memory_peaks import DEVICE_USED
 from qwen35rl.runtime.platform import Platform, require_stack, resolve_platform
 from qwen35rl.runtime.prefetch import Prefetcher, Rollouts
 from qwen35rl.runtime.preflight import EXIT_PREFLIGHT, PreflightError, run_local_preflight, run_preflight
@@ -830,7 +831,8 @@ class GRPOTrainer:
         phase_peaks: Dict[str, float] = {}  # each phase's peak over every worker of both pools (none on CPU)
         for peaks in (d for g in self.pools for d in g.run("phase_memory_gb")):
             for phase, gb in peaks.items():
-                key = f"perf/max_memory_allocated_gb/{phase}"
+                key = (f"perf/device_memory_used_gb/{phase[len(DEVICE_USED):]}" if phase.startswith(DEVICE_USED)
+                       else f"perf/max_memory_allocated_gb/{phase}")
                 phase_peaks[key] = max(gb, phase_peaks.get(key, 0.0))
         return {
             **phase_peaks,

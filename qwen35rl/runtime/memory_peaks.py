@@ -6,6 +6,11 @@ overall peak is the largest of those windows (and of the time between them), so 
 keeps its meaning. On CPU there is no allocator counter to reset (the resident-set peak only grows): no phase peaks,
 and the overall peak is the process's peak resident set. All in GiB, the plan's unit and verl's for
 `perf/max_memory_allocated_gb`.
+
+Memory that is not the caching allocator's (vLLM's sleep-mode pools, allocated through its own cuMem allocator; the
+CUDA context) is in no allocator counter: each phase also records the device's used memory (total - free, one
+`mem_get_info` at its end), `perf/device_memory_used_gb/<phase>`, the number to hold against the plan's rollout
+estimate under vLLM.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ class MemoryPeaks:
         self.device = device
         self.overall = 0
         self.phases: Dict[str, int] = {}
+        self.used: Dict[str, int] = {}
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -36,6 +42,17 @@ class MemoryPeaks:
             peak = self.device.max_memory_allocated()
             self.phases[name] = max(self.phases.get(name, 0), peak)
             self.overall = max(self.overall, peak)
+            used = self.device_used()
+            if used is not None:
+                self.used[name] = max(self.used.get(name, 0), used)
+
+    def device_used(self) -> Optional[int]:
+        """Bytes in use on the device, by anyone (None where the device module cannot say)."""
+        info = getattr(self.device, "mem_get_info", None)
+        if info is None:
+            return None
+        free, total = info()
+        return int(total - free)
 
     def overall_gb(self) -> float:
         """The run's peak so far: of the device's allocator, on CPU the process's peak resident set."""
@@ -44,7 +61,13 @@ class MemoryPeaks:
         return max(self.overall, self.device.max_memory_allocated()) / GIB
 
     def take_phases_gb(self) -> Dict[str, float]:
-        """Each phase's peak since the last call (GiB), and clears them: one step's phases per call."""
+        """Each phase's peak since the last call (GiB), and clears them: one step's phases per call. The device's used
+        memory at a phase's end comes as `DEVICE_USED + phase`."""
         out = {k: v / GIB for k, v in self.phases.items()}
+        out.update({DEVICE_USED + k: v / GIB for k, v in self.used.items()})
         self.phases.clear()
+        self.used.clear()
         return out
+
+
+DEVICE_USED = "device_used:"

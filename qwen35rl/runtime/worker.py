@@ -26,6 +26,7 @@ from qwen35rl.config.schema import typed
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult, TrainEngine
 from qwen35rl.models.build import trains_vision
 from qwen35rl.runtime import checkpoint as ckpt
+from qwen35rl.runtime import kernel_cache
 from qwen35rl.runtime.batching import Sequences, build_batch, response_values
 from qwen35rl.runtime.cluster import connected_ray, free_port, node_ip
 from qwen35rl.runtime.micro_batches import fixed_groups, token_budget_groups
@@ -66,6 +67,8 @@ class PolicyWorker:
         require_stack(self.platform, self.cfg.rollout.engine)
         self.device = self.platform.torch_device(self.platform.local_device_index(accelerator_ids(self.platform)))
         self.memory = MemoryPeaks(self.platform.device_module())
+        if self.platform.is_accelerator:  # before anything compiles: kernels cached for the next run
+            kernel_cache.apply(self.cfg)
         self.actor: Optional[TrainEngine] = None
         self.ref: Optional[TrainEngine] = None
         self.rollout: Optional[RolloutEngine] = None
@@ -148,7 +151,8 @@ class PolicyWorker:
                 model_dir = self.cfg.model.path
             else:  # vLLM starts from a checkpoint directory: write the random init once, shared by every rank
                 model_dir = str(self.run_dir / ".rollout_init_hf")
-                self.export_hf(model_dir)
+                self.export_hf(model_dir, vision_form=self.text_only and self.cfg.model.vision is not None
+                               and not installed_vllm_loads_text_checkpoint())
             return VllmRolloutEngine(self.cfg, model_dir, self.layout)
         raise NotImplementedError(f"rollout.engine={engine}: expected hf or vllm")
 
@@ -185,7 +189,7 @@ class PolicyWorker:
         if not prompt_ids:
             return RolloutResult(response_ids=[], log_probs=[], finish_reasons=[])
         self._move_trainer_states("to the host", lambda e: e.offload_states())  # backend.*_offload
-        self.rollout.wake_up()
+        self._wake_rollout()
         with self.memory.phase("gen"):
             result = self.rollout.generate(RolloutRequest(prompt_ids=prompt_ids, **params))
         stats = getattr(self.rollout, "stats", None)  # the hf engine's DecodeStats; the vLLM engine has none
@@ -194,6 +198,29 @@ class PolicyWorker:
         if self.cfg.rollout.free_cache_engine:  # give the memory back to the trainer until the next generation
             self.rollout.sleep(self.cfg.rollout.sleep_level)
         return result
+
+    def _wake_rollout(self) -> None:
+        """Wake the rollout engine. Its pools (vLLM's KV cache) come back outside torch's caching allocator: the
+        blocks the trainer's last phase left cached there are returned to the device first, else a wake after a
+        few steps finds the device full of the allocator's cached free blocks (cuMem 'out of memory')."""
+        device = self.platform.device_module() if self.platform.is_accelerator else None
+        if device is not None and getattr(self.rollout, "asleep", False):
+            import gc
+
+            gc.collect()
+            device.empty_cache()
+        try:
+            self.rollout.wake_up()
+        except (RuntimeError, MemoryError) as e:
+            if device is None or "out of memory" not in str(e).lower():
+                raise
+            free, total = device.mem_get_info()
+            raise RuntimeError(
+                f"waking the rollout engine ran out of device memory: {free / 2 ** 30:.1f} of {total / 2 ** 30:.1f} "
+                f"GiB were free before it, {device.memory_reserved() / 2 ** 30:.1f} GiB held by this process's "
+                f"allocator; the engine wants rollout.gpu_memory_utilization="
+                f"{self.cfg.rollout.gpu_memory_utilization} of the device. Lower rollout.gpu_memory_utilization, "
+                f"or offload the trainer's state during generation (backend.param_offload / optimizer_offload)") from e
 
     def sync_weights(self) -> None:
         """Collective: stream the policy's full weights into the rollout engine bucket by bucket (an engine that
@@ -286,11 +313,14 @@ class PolicyWorker:
         if dist.is_initialized():  # a single process without a group (tests) has nobody to wait for
             dist.barrier()
 
-    def export_hf(self, path: str) -> None:
+    def export_hf(self, path: str, vision_form: bool = False) -> None:
         """Collective: gather the full policy; rank 0 writes it in Hugging Face format. From a pretrained checkpoint
         the policy is written over a copy of it (`models.export`), so it loads as that checkpoint's type with what
         training did not hold (a VL vision tower, `mtp.*`, tokenizer, processor, chat template); from a random init,
-        the policy's own model with the tokenizer (and processor)."""
+        the policy's own model with the tokenizer (and processor). `vision_form`: a text-only policy written as the
+        vision-language checkpoint (`Qwen3_5*ForConditionalGeneration`, the text model under
+        `model.language_model.`, a zero vision tower that text prompts never run, and the processor), for vLLM
+        releases that load no text-only Qwen3.5 checkpoint."""
         from qwen35rl.models.build import build_model, generation_config, save_hf
         from qwen35rl.models.export import export_over_source, source_weight_files
 
@@ -307,13 +337,23 @@ class PolicyWorker:
                 if self.cfg.model.tokenizer != "checkpoint":  # the ids the policy learned are this tokenizer's
                     (self.processor or self.tokenizer).save_pretrained(path)
             else:
+                processor = self.processor
+                if vision_form and self.text_only:
+                    from qwen35rl.engines.vllm_rollout import vllm_weight_name
+                    from qwen35rl.models.processor import build_processor
+
+                    model = build_model(self.cfg.model, dtype=self.cfg.model.dtype, device="meta", text_only=False)
+                    state = {vllm_weight_name(n, multimodal=True): t for n, t in state.items()}
+                    processor = build_processor(self.cfg.model, self.tokenizer)
                 missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
                 model.tie_weights()
+                if vision_form and self.text_only:
+                    _zero_meta_vision_tower(model)
                 still_meta = [n for n, p in model.named_parameters() if p.is_meta]
                 if still_meta or unexpected:
                     raise RuntimeError(f"HF export: no weights for {still_meta[:5]}, unknown {unexpected[:5]}")
                 model.generation_config = generation_config(self.cfg.model)
-                save_hf(model, self.tokenizer, path, self.processor)
+                save_hf(model, self.tokenizer, path, processor)
         self._barrier()
 
     # ------------------------------------------------------------------------------------------------ stats
@@ -329,6 +369,30 @@ class PolicyWorker:
             self.sync_group.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def installed_vllm_loads_text_checkpoint() -> bool:
+    """Whether the vLLM of this process loads a text-only `Qwen3_5ForCausalLM` checkpoint (0.26 does not)."""
+    from qwen35rl.config import vllm_facts
+
+    install = vllm_facts.installed_vllm()
+    return install is None or vllm_facts.loads_text_checkpoint(install.version, install)
+
+
+def _zero_meta_vision_tower(model: Any) -> None:
+    """Zeros for the vision tower's parameters and buffers still on `meta` (a text policy has none to give)."""
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            for kind in ("_parameters", "_buffers"):
+                for name, t in list(getattr(module, kind).items()):
+                    if t is None or not t.is_meta:
+                        continue
+                    if "visual" not in module_name:  # a text parameter left out is an error below; buffers
+                        continue                     # (rotary frequencies) are not saved
+
+                    zero = torch.zeros(t.shape, dtype=t.dtype)
+                    getattr(module, kind)[name] = torch.nn.Parameter(zero, requires_grad=False) \
+                        if kind == "_parameters" else zero
 
 
 def hf_rollout_engine(cfg: Any, device: Any, tokenizer: Any, processor: Any, text_only: bool) -> RolloutEngine:

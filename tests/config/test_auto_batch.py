@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 
 from qwen35rl.cli.plan import main
-from qwen35rl.config import auto_batch, layout_search, rules, schema
+from qwen35rl.config import auto_batch, layout_search, rules, schema, vllm_facts
 from qwen35rl.config.compose import compose
 from qwen35rl.config.layout import derive_layout
 from qwen35rl.config.memory import as_tree, estimate
@@ -174,7 +174,8 @@ def test_bad_values_are_refused_naming_the_key(override, message, capsys):
 def test_defaults_are_unchanged_and_need_no_resolution():
     assert schema.FsdpConfig.__dataclass_fields__["micro_batch_size_per_device"].default == 1
     assert schema.FsdpConfig.__dataclass_fields__["gradient_checkpointing"].default is True
-    cfg = compose(SMALL)
+    cfg = vllm_facts.resolve(compose(SMALL))  # rollout.vllm_version=auto is the one default resolved
+    assert vllm_facts.resolve(cfg) is cfg
     same, candidates, choice, problems = resolve_auto(cfg)
     assert same is cfg and choice is None and not candidates and not problems
     assert build_plan(cfg)["batch"]["auto"] is None

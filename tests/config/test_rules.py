@@ -154,6 +154,11 @@ CASES = [
     ("compile_decode_is_hf_only", "mg35", {}, {"rollout__compile_decode": True}, "rollout.compile_decode", WARNING),
     ("engine_kwargs_known", "mg35", {"rollout__engine_kwargs": {"swap_space": 4}},
      {"rollout__engine_kwargs": {"swap_spce": 4}}, "rollout.engine_kwargs.swap_spce", ERROR),
+    ("vllm_version_valid", "tiny", {"rollout__vllm_version": "0.26.0"}, {"rollout__vllm_version": "latest"},
+     "rollout.vllm_version", ERROR),
+    # vLLM 0.26 loads only the vision-language form of a Qwen3.5 checkpoint: the tiny text model has none
+    ("vllm_loads_rollout_checkpoint", "tiny", {"rollout__engine": "vllm", "rollout__vllm_version": "0.27.0"},
+     {"rollout__engine": "vllm", "rollout__vllm_version": "0.26.0"}, "model", ERROR),
     ("engine_kwargs_not_owned", "mg35", {"rollout__engine_kwargs": {"kv_cache_dtype": "auto"}},
      {"rollout__engine_kwargs": {"tensor_parallel_size": 2}}, "rollout.engine_kwargs.tensor_parallel_size", ERROR),
     ("transformer_overrides_known", "mg35", {"backend__transformer_overrides": {"moe_router_dtype": "fp32"}},
