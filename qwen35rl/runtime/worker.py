@@ -336,24 +336,16 @@ class PolicyWorker:
                 export_over_source(state, model, source, path)
                 if self.cfg.model.tokenizer != "checkpoint":  # the ids the policy learned are this tokenizer's
                     (self.processor or self.tokenizer).save_pretrained(path)
+            elif vision_form and self.text_only:
+                write_vision_form(self.cfg.model, state, self.tokenizer, path)
             else:
-                processor = self.processor
-                if vision_form and self.text_only:
-                    from qwen35rl.engines.vllm_rollout import vllm_weight_name
-                    from qwen35rl.models.processor import build_processor
-
-                    model = build_model(self.cfg.model, dtype=self.cfg.model.dtype, device="meta", text_only=False)
-                    state = {vllm_weight_name(n, multimodal=True): t for n, t in state.items()}
-                    processor = build_processor(self.cfg.model, self.tokenizer)
                 missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
                 model.tie_weights()
-                if vision_form and self.text_only:
-                    _zero_meta_vision_tower(model)
                 still_meta = [n for n, p in model.named_parameters() if p.is_meta]
                 if still_meta or unexpected:
                     raise RuntimeError(f"HF export: no weights for {still_meta[:5]}, unknown {unexpected[:5]}")
                 model.generation_config = generation_config(self.cfg.model)
-                save_hf(model, self.tokenizer, path, processor)
+                save_hf(model, self.tokenizer, path, self.processor)
         self._barrier()
 
     # ------------------------------------------------------------------------------------------------ stats
@@ -377,6 +369,28 @@ def installed_vllm_loads_text_checkpoint() -> bool:
 
     install = vllm_facts.installed_vllm()
     return install is None or vllm_facts.loads_text_checkpoint(install.version, install)
+
+
+def write_vision_form(model_cfg: Any, text_state: Dict[str, torch.Tensor], tokenizer: Any, path: str) -> None:
+    """Write a text policy's weights (`text_state`, HF names of the text model) as the vision-language checkpoint
+    of `model_cfg`: the text model under `model.language_model.`, a zero vision tower (text prompts never run it)
+    and the processor. vLLM 0.26 loads a Qwen3.5 checkpoint only in this form."""
+    from qwen35rl.engines.vllm_rollout import vllm_weight_name
+    from qwen35rl.models.build import build_model, generation_config, save_hf
+    from qwen35rl.models.processor import build_processor
+
+    if model_cfg.vision is None:
+        raise ValueError(f"model {model_cfg.name} has no vision tower: no vision-language form to write")
+    model = build_model(model_cfg, dtype=model_cfg.dtype, device="meta", text_only=False)
+    state = {vllm_weight_name(n, multimodal=True): t for n, t in text_state.items()}
+    _, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    _zero_meta_vision_tower(model)
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if still_meta or unexpected:
+        raise RuntimeError(f"HF export: no weights for {still_meta[:5]}, unknown {unexpected[:5]}")
+    model.generation_config = generation_config(model_cfg)
+    save_hf(model, tokenizer, path, build_processor(model_cfg, tokenizer))
 
 
 def _zero_meta_vision_tower(model: Any) -> None:

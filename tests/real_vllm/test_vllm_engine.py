@@ -185,3 +185,27 @@ def test_engine_inside_a_rank_of_the_training_group(tiny_checkpoint):
     assert all(isinstance(total, float) for _, total, _, _ in results), results
     assert results[0][1] == results[1][1] == results[0][2] + results[1][2]
     assert [w for *_, w in results] == [2, 2]
+
+
+def test_vision_form_checkpoint_of_a_text_policy_samples_as_the_text_model(tmp_path):
+    """The rollout checkpoint written for vLLM releases without text-only Qwen3.5 classes (`write_vision_form`):
+    the engine loads it as a vision-language model and, on text prompts, samples with the text model's log-probs."""
+    from qwen35rl.config.compose import compose
+    from qwen35rl.models.build import build_model
+    from qwen35rl.models.tokenizer import build_tokenizer
+    from qwen35rl.runtime.worker import write_vision_form
+
+    cfg = compose(["model=qwen3_5_tiny_vl", "model.init=random", "hw=cpu", "rollout=vllm", "data.max_prompt_length=32",
+                   "data.max_response_length=32", "rollout.enforce_eager=true"])
+    text = build_model(cfg.model, dtype="float32", seed=4, text_only=True).eval()
+    write_vision_form(cfg.model, {n: t.detach().clone() for n, t in text.state_dict().items()},
+                      build_tokenizer(cfg.model), str(tmp_path))
+    engine = VllmRolloutEngine(cfg, str(tmp_path), derive_layout(cfg))
+    try:
+        assert engine.multimodal and engine.args["limit_mm_per_prompt"] == {"image": 0, "video": 0}
+        r = engine.generate(RolloutRequest(prompt_ids=PROMPTS, n=1, temperature=0.5, max_new_tokens=8, seed=1))
+        for prompt, response, log_probs in zip(PROMPTS, r.response_ids, r.log_probs):
+            expected = recompute_log_probs(text, prompt, response, 0.5)
+            assert torch.allclose(torch.tensor(log_probs), expected, atol=LOGPROB_TOL), (log_probs, expected)
+    finally:
+        engine.close()

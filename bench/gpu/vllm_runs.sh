@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# GRPO with the vLLM rollout on one GPU, through qwen35rl-train: the runs of bench/results/vllm_gpu.md.
+# vLLM 0.26.0 (it pins the machine's torch 2.11) comes in back-to-back device calls (the machine stays warm 30 s
+# between calls, and /tmp with it):
+#   bash bench/gpu/vllm_runs.sh stage     (carry .vllm-a)      -> "staged 1/2 parts"
+#   bash bench/gpu/vllm_runs.sh stage     (carry .vllm-b)      -> "staged 2/2 parts"
+#   bash bench/gpu/vllm_runs.sh gdn       (carry .whl-gdn)     fla + TileLang into /tmp/site-gdn
+#   bash bench/gpu/vllm_runs.sh text      (carry .vllm-deps .whl-x)  installs vLLM, Hydra, megatron-core, TRL;
+#        then run A: 0.8B architecture, FSDP + vLLM colocated, GSM8K-shaped text, 50 steps
+#   bash bench/gpu/vllm_runs.sh vl        run B: the same on Geometry3K-shaped images; run C: Megatron TP1 + vLLM
+#   bash bench/gpu/vllm_runs.sh 4b        run D: 4B architecture, FSDP + vLLM, text
+#   bash bench/gpu/vllm_runs.sh peers     bare vLLM generate and TRL's GRPOTrainer (vLLM colocate) on run A's workload
+# Each run's card memory comes from the device (hw.memory_gb), never a constant. Kernel caches live in
+# /tmp/kcache (trainer.kernel_cache_dir) for the whole warm machine: the first engine start compiles, later ones
+# reuse. Results: $OUT/<run>/ (metrics.jsonl, plan.json, the log's tail) and one summary line per run.
+set -u
+stage=${1:?usage: vllm_runs.sh stage|gdn|text|vl|4b|peers}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT=${OUT:-/tmp/out}
+LOGS=/tmp/logs/vllm-$stage
+KCACHE=/tmp/kcache
+RUNS=/tmp/runs
+mkdir -p "$OUT" "$LOGS" "$KCACHE" "$RUNS"
+export PYTHONPATH=/tmp/site:/tmp/site-gdn:$PWD
+t0=$(date +%s)
+elapsed() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+left() { echo $(( ${1:-585} - ($(date +%s) - t0) )); }
+
+card() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch; p = torch.cuda.get_device_properties(0); print(int(p.total_memory / 1e9))"
+}
+
+# $1: run name, $2: time limit (s), then Hydra overrides. The plan of the same overrides goes beside the metrics.
+q_run() {
+  local name=$1 limit=$2; shift 2
+  local dir="$RUNS/$name"
+  mkdir -p "$OUT/$name" && rm -rf "$dir"
+  python3 -m qwen35rl.cli.plan "$@" format=json > "$OUT/$name/plan.json" 2> "$LOGS/$name-plan.log"
+  elapsed "plan $name: exit $? ($(python3 -c "import json; p = json.load(open('$OUT/$name/plan.json')); m = p['memory_gib']; print('valid', p['valid'], 'train', round(m['train_peak'], 1), 'rollout', round(m['rollout_peak'], 1), 'usable', round(m['capacity'], 1), p.get('vllm'))" 2>&1 | tail -1))"
+  timeout -s INT "$limit" python3 -m qwen35rl.cli.train "hydra.run.dir=$dir" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  cp "$dir/metrics.jsonl" "$OUT/$name/" 2>/dev/null
+  tail -c 20000 "$LOGS/$name.log" > "$OUT/$name/log-tail.txt"
+  grep -h "engine started\|kernel caches\|out of memory\|Error\|error:" "$LOGS/$name.log" | cut -c1-400 | tail -8
+  elapsed "run $name: exit $rc, $(grep -c '\[qwen35rl\] step' "$LOGS/$name.log") steps"
+  python3 bench/gpu/vllm_summary.py "$OUT/$name" | tee "$OUT/$name/summary.txt"
+  rm -rf "$dir"
+}
+
+data() {
+  python3 bench/gpu/learnable.py write_gsm8k_like /tmp/data/gsm8k/train.jsonl 2048 \
+    && python3 bench/gpu/learnable.py write_gsm8k_like /tmp/data/gsm8k/test.jsonl 32 1 \
+    && python3 -c "from pathlib import Path; from tests.runtime.geo3k_fixture import write_geo3k
+write_geo3k(Path('/tmp/data/geo3k/train.parquet'), 1024); write_geo3k(Path('/tmp/data/geo3k/test.parquet'), 16, seed=1)" \
+    || { echo "data fixtures failed"; exit 1; }
+}
+
+MEM() { python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory / 1e9))"; }
+# The workload every run shares: random-init weights, byte tokenizer, the digit-share reward (learnable from
+# scratch, bench/gpu/learnable.py), 50 steps, no Ray (one GPU), kernel caches kept on the machine.
+common() {
+  echo model.init=random model.tokenizer=byte hw=gpu_1x "hw.memory_gb=$(MEM)" rollout=vllm \
+    trainer.total_steps=${STEPS:-50} trainer.launcher=local trainer.export_hf=false trainer.test_freq=-1 \
+    trainer.resume=never "trainer.trackers=[console,jsonl]" "trainer.kernel_cache_dir=$KCACHE" \
+    data.reward=bench.gpu.learnable:digit_share backend.lr=2e-5 backend.lr_warmup_steps=0 trainer.seed=1
+}
+TEXT=(data=gsm8k "data.train_files=[/tmp/data/gsm8k/train.jsonl]" "data.val_files=[/tmp/data/gsm8k/test.jsonl]")
+IMAGES=(data=geo3k "data.train_files=[/tmp/data/geo3k/train.parquet]" "data.val_files=[/tmp/data/geo3k/test.parquet]")
+SMALL=(data.train_batch_size=8 algorithm.mini_batch_size=8 rollout.n=8 data.max_prompt_length=256
+       data.max_response_length=128 backend.micro_batch_size_per_device=16)
+MEGATRON=(backend=megatron backend.megatron_core_version=0.19.2 backend.param_offload=false
+          backend.grad_offload=false backend.optimizer_offload=false backend.optimizer_cpu_offload=false)
+
+case "$stage" in
+stage)
+  bash bench/gpu/install-vllm.sh ;;
+gdn)
+  rm -rf /tmp/site-gdn && SITE=/tmp/site-gdn bash bench/gpu/install-wheels.sh .whl-gdn 2>&1 | tail -2 ;;
+text)
+  card
+  bash bench/gpu/install-vllm.sh 2>&1 | tail -3 || exit 1
+  SITE=/tmp/site bash bench/gpu/install-wheels.sh .whl-x 2>&1 | tail -1
+  python3 -c "import vllm, hydra, fla, tilelang, megatron.core, trl; print('imports ok: vllm', vllm.__version__)" 2>&1 | tail -1
+  data
+  q_run text-0.8b "$(left 560)" model=qwen3_5_0_8b backend=fsdp $(common) "${TEXT[@]}" "${SMALL[@]}"
+  ;;
+vl)
+  card
+  q_run images-0.8b-fsdp "$(( $(left 585) / 2 ))" model=qwen3_5_0_8b backend=fsdp $(common) "${IMAGES[@]}" "${SMALL[@]}"
+  q_run images-0.8b-megatron "$(left 575)" model=qwen3_5_0_8b "${MEGATRON[@]}" $(common) "${IMAGES[@]}" "${SMALL[@]}"
+  ;;
+4b)
+  card
+  q_run text-4b-fsdp "$(left 575)" model=qwen3_5_4b backend=fsdp $(common) "${TEXT[@]}" \
+    data.train_batch_size=${B4:-16} algorithm.mini_batch_size=${B4:-16} rollout.n=8 data.max_prompt_length=256 \
+    data.max_response_length=128 backend.micro_batch_size_per_device=16 backend.optimizer_offload=true \
+    rollout.gpu_memory_utilization=0.4
+  ;;
+peers)
+  card
+  python3 bench/gpu/peers.py "${@:2}" 2>&1 | tail -30
+  ;;
+*) echo "unknown stage $stage"; exit 2 ;;
+esac
+elapsed "done"

@@ -1,0 +1,41 @@
+"""The rollout checkpoint of a text policy in the vision-language form (vLLM 0.26 loads no text-only Qwen3.5
+checkpoint): the text model's weights under model.language_model., a zero vision tower, the processor; it computes
+what the text model computes."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qwen35rl.config.compose import compose
+from qwen35rl.models.build import build_model
+from qwen35rl.models.tokenizer import build_tokenizer
+from qwen35rl.runtime.worker import write_vision_form
+
+
+def test_text_policy_written_as_the_vision_language_checkpoint(tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    cfg = compose(["model=qwen3_5_tiny_vl", "model.init=random", "model.dtype=float32", "hw=cpu", "data=synthetic"])
+    text = build_model(cfg.model, dtype="float32", seed=3, text_only=True).eval()
+    write_vision_form(cfg.model, {n: t.detach().clone() for n, t in text.state_dict().items()},
+                      build_tokenizer(cfg.model), str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "vision_config" in config
+    assert (tmp_path / "processor_config.json").exists() or (tmp_path / "preprocessor_config.json").exists()
+    saved = {}
+    for f in tmp_path.glob("*.safetensors"):
+        saved.update(load_file(str(f)))
+    visual = [n for n in saved if n.startswith("model.visual.")]
+    assert visual and all(not saved[n].any() for n in visual)
+    assert not any(n.startswith("model.layers.") for n in saved)  # the text model sits under language_model
+    vl = AutoModelForImageTextToText.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    ids = torch.tensor([[72, 101, 108, 108, 111, 44, 32, 49, 43, 49]])
+    with torch.no_grad():
+        assert torch.allclose(vl(input_ids=ids).logits, text(input_ids=ids).logits, atol=1e-5)
+
+
+def test_a_model_without_a_vision_tower_has_no_such_form(tmp_path):
+    cfg = compose(["model=qwen3_5_tiny", "model.init=random", "hw=cpu"])
+    with pytest.raises(ValueError, match="no vision tower"):
+        write_vision_form(cfg.model, {}, build_tokenizer(cfg.model), str(tmp_path))
