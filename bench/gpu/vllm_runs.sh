@@ -86,6 +86,10 @@ text)
   data
   q_run text-0.8b "$(left 560)" model=qwen3_5_0_8b backend=fsdp $(common) "${TEXT[@]}" "${SMALL[@]}"
   ;;
+images)
+  card
+  q_run images-0.8b-fsdp "$(left 520)" model=qwen3_5_0_8b backend=fsdp $(common) "${IMAGES[@]}" "${SMALL[@]}"
+  ;;
 vl)
   card
   q_run images-0.8b-fsdp "$(( $(left 585) / 2 ))" model=qwen3_5_0_8b backend=fsdp $(common) "${IMAGES[@]}" "${SMALL[@]}"
