@@ -1,9 +1,9 @@
-"""A learnable task for the GPU runs of random-init checkpoints (`bench/gpu/vllm_runs.sh`).
+"""A reward and GSM8K-shaped data for the GPU runs of random-init checkpoints (`bench/gpu/vllm_runs.sh`).
 
-`digit_share` scores a response by the share of its characters that are decimal digits (0 for an empty one): a
-random-init policy writes digits now and then (its byte vocabulary has ten of them), so groups have spread, and
-GRPO raises the reward within tens of steps by making digits likelier. It is a format reward, not a solution
-check: it shows that the rollout engine samples from the policy being trained and that the update moves it.
+`digit_share` scores a response by the share of its characters that are decimal digits (0 for an empty one). It
+has spread only where the policy samples byte tokens: on the 0.8B architecture's 248k vocabulary a random-init
+policy rarely does (the decoded text is nearly empty), and on the H100 runs of 2026-12-05 the reward stayed at
+0-0.03 for 50 steps (bench/results/vllm_gpu.md).
 Use it as `data.reward=bench.gpu.learnable:digit_share` (the project root on the path).
 
 `write_gsm8k_like PATH ROWS [SEED]` writes GSM8K-shaped jsonl rows {question, answer} (short arithmetic word

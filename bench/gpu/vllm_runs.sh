@@ -58,13 +58,15 @@ write_geo3k(Path('/tmp/data/geo3k/train.parquet'), 1024); write_geo3k(Path('/tmp
 }
 
 MEM() { python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory / 1e9))"; }
-# The workload every run shares: random-init weights, byte tokenizer, the digit-share reward (learnable from
-# scratch, bench/gpu/learnable.py), 50 steps, no Ray (one GPU), kernel caches kept on the machine.
+# The workload every run shares: random-init weights, byte tokenizer, the digit-share reward
+# (bench/gpu/learnable.py), 50 steps, no Ray (one GPU), kernel caches kept on the machine, the trainer's own old
+# log-probs (so that the vLLM / trainer log-prob gap is logged).
 common() {
   echo model.init=random model.tokenizer=byte hw=gpu_1x "hw.memory_gb=$(MEM)" rollout=vllm \
     trainer.total_steps=${STEPS:-50} trainer.launcher=local trainer.export_hf=false trainer.test_freq=-1 \
     trainer.resume=never "trainer.trackers=[console,jsonl]" "trainer.kernel_cache_dir=$KCACHE" \
-    data.reward=bench.gpu.learnable:digit_share backend.lr=2e-5 backend.lr_warmup_steps=0 trainer.seed=1
+    data.reward=bench.gpu.learnable:digit_share backend.lr=2e-5 backend.lr_warmup_steps=0 trainer.seed=1 \
+    backend.use_rollout_log_probs=false
 }
 TEXT=(data=gsm8k "data.train_files=[/tmp/data/gsm8k/train.jsonl]" "data.val_files=[/tmp/data/gsm8k/test.jsonl]")
 IMAGES=(data=geo3k "data.train_files=[/tmp/data/geo3k/train.parquet]" "data.val_files=[/tmp/data/geo3k/test.parquet]")
