@@ -920,9 +920,9 @@ def vllm_loads_rollout_checkpoint(cfg: Any, layout: Layout) -> List[Problem]:
     from the vision-language form, which a model without a vision tower (or a text-only model.path) cannot give."""
     from qwen35rl.config import vllm_facts
 
-    if val(cfg, "rollout.engine") != "vllm" or not vllm_facts.valid_version(val(cfg, "rollout.vllm_version")):
+    version = vllm_facts.version_of(cfg)
+    if val(cfg, "rollout.engine") != "vllm" or version is None:
         return []
-    version = str(val(cfg, "rollout.vllm_version"))
     install = vllm_facts.installed_vllm()
     same = install is not None and vllm_facts.version_tuple(install.version) == vllm_facts.version_tuple(version)
     if vllm_facts.loads_text_checkpoint(version, install if same else None):
@@ -958,15 +958,40 @@ def _checkpoint_architectures(path: str) -> List[str]:
 
 
 @rule("config")
+def vllm_prefix_caching_on_gdn(cfg: Any, layout: Layout) -> List[Problem]:
+    """`rollout.enable_prefix_caching` on Qwen3.5's hybrid GDN layers: the plan states what the vLLM found does
+    (`vllm_facts.gdn_prefix_caching`); its 'align' mode needs chunked prefill (vLLM asserts it at start-up)."""
+    from qwen35rl.config import vllm_facts
+
+    version = vllm_facts.version_of(cfg)
+    if val(cfg, "rollout.engine") != "vllm" or not val(cfg, "rollout.enable_prefix_caching") or version is None:
+        return []
+    install = vllm_facts.installed_vllm()
+    mode = vllm_facts.gdn_prefix_caching(version, install)
+    key = "rollout.enable_prefix_caching"
+    if mode == "align" and not val(cfg, "rollout.enable_chunked_prefill"):
+        return _err("vllm_prefix_caching_on_gdn", key, f"vLLM {version} caches the GDN layers' prefix state only in "
+                    "its 'align' mode, which needs chunked prefill (the engine start fails without it)",
+                    "set rollout.enable_chunked_prefill=true, or rollout.enable_prefix_caching=false")
+    what = {"align": "in its experimental 'align' mode: the GDN state is cached only where a scheduler step ends "
+                     "on a block boundary, so the n samples of a prompt share less of their prefill than a "
+                     "transformer's would",
+            "all": "in its 'all' mode (the GDN state at every block boundary)"}.get(
+        mode, "in a way not known here for this release (no vLLM of it installed)")
+    return [Problem("vllm_prefix_caching_on_gdn", key, f"vLLM {version} caches prefixes of Qwen3.5's GDN layers "
+                    f"{what}", "rollout.enable_prefix_caching=false skips it (the default)", WARNING)]
+
+
+@rule("config")
 def engine_kwargs_known(cfg: Any, layout: Layout) -> List[Problem]:
     """`rollout.engine_kwargs` keys are vLLM EngineArgs fields (a typo would fail only on the cluster), whatever
     engine this run picks (the same overrides often go to a vLLM run next): the installed vLLM's own fields when it
     is the configured version, else the names qwen35rl knows from 0.11 - 0.32."""
     from qwen35rl.config import vllm_facts
 
-    install = vllm_facts.installed_vllm()
-    if install is not None and vllm_facts.version_tuple(install.version) != \
-            vllm_facts.version_tuple(val(cfg, "rollout.vllm_version")):
+    install, version = vllm_facts.installed_vllm(), vllm_facts.version_of(cfg)
+    if install is not None and (version is None
+                                or vllm_facts.version_tuple(install.version) != vllm_facts.version_tuple(version)):
         install = None
     names, origin = vllm_facts.engine_arg_names(install)
     out = []

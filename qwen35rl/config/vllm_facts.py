@@ -244,3 +244,31 @@ def resolve(cfg: Any) -> Any:
             cfg.rollout.engine_kwargs = with_gdn_prefill(
                 {k: v for k, v in cfg.rollout.engine_kwargs.items()}, gdn)
     return cfg
+
+
+# ------------------------------------------------------------------------------------ prefix caching on GDN
+ALIGN_MODE_FROM = "0.26.0"
+"""From this release (checked in 0.26 and 0.32) prefix caching on a hybrid GDN model runs in vLLM's 'align' mamba
+cache mode for Qwen3.5 (its classes do not declare the 'all' mode's support): the recurrent state is cached only
+where a scheduler step ends on a block boundary, the feature is marked experimental, and vLLM asserts that chunked
+prefill is on. Earlier releases are not known here."""
+
+
+def gdn_prefix_caching(version: str, install: Optional[VllmInstall]) -> Optional[str]:
+    """What `enable_prefix_caching` does for Qwen3.5's GDN layers in this vLLM: 'all', 'align', or None (not
+    known). Read from the installed source when it is this release, else from the version bound."""
+    if install is not None and version_tuple(install.version) == version_tuple(version):
+        cache = _read(os.path.join(install.path, "config", "cache.py")) or ""
+        if "mamba_cache_mode" not in cache:
+            return None
+        model = _read(os.path.join(install.path, "model_executor", "models", "qwen3_5.py")) or ""
+        return "all" if "SupportsMambaPrefixCaching" in model else "align"
+    return None if version_below(version, ALIGN_MODE_FROM) else "align"
+
+
+def version_of(cfg: Any) -> Optional[str]:
+    """The config's vLLM release (`auto` resolved as `resolve_version` does); None when it is not a version."""
+    configured = cfg["rollout"]["vllm_version"]
+    if str(configured) != AUTO and not valid_version(configured):
+        return None
+    return resolve_version(configured, str(cfg["hw"]["device"]), installed_vllm())[0]

@@ -152,6 +152,11 @@ CASES = [
     ("value_in_range", "tiny", {"rollout__gpu_memory_utilization": 1.0}, {"rollout__gpu_memory_utilization": 1.5},
      "rollout.gpu_memory_utilization", ERROR),
     ("compile_decode_is_hf_only", "mg35", {}, {"rollout__compile_decode": True}, "rollout.compile_decode", WARNING),
+    # prefix caching on GDN layers runs in vLLM's 'align' mode, which asserts chunked prefill at start-up
+    ("vllm_prefix_caching_on_gdn", "tiny", {"rollout__engine": "vllm", "rollout__enable_prefix_caching": False,
+     "rollout__enable_chunked_prefill": False},
+     {"rollout__engine": "vllm", "rollout__enable_prefix_caching": True, "rollout__enable_chunked_prefill": False},
+     "rollout.enable_prefix_caching", ERROR),
     ("engine_kwargs_known", "mg35", {"rollout__engine_kwargs": {"swap_space": 4}},
      {"rollout__engine_kwargs": {"swap_spce": 4}}, "rollout.engine_kwargs.swap_spce", ERROR),
     ("vllm_version_valid", "tiny", {"rollout__vllm_version": "0.26.0"}, {"rollout__vllm_version": "latest"},

@@ -136,3 +136,27 @@ def test_the_resolved_config_carries_the_backend_and_keeps_other_settings():
     assert dict(resolved.rollout.engine_kwargs.additional_config) == {"foo": 1, "gdn_prefill_backend": "triton"}
     assert vllm_facts.resolve(resolved) is resolved
     assert cfg.rollout.vllm_version == "auto"  # the composed config is not changed
+
+
+@pytest.mark.parametrize("version,mode", [("0.18.0", None), ("0.26.0", "align"), ("0.33.0", "align")])
+def test_prefix_caching_on_gdn_by_version_without_vllm(version, mode):
+    assert vllm_facts.gdn_prefix_caching(version, None) == mode
+
+
+def test_prefix_caching_on_gdn_read_from_the_installed_source(installed):
+    found = installed("0.40.0")
+    assert vllm_facts.gdn_prefix_caching("0.40.0", found) is None  # no mamba cache modes in this source
+    cache = found.path + "/config"
+    import os
+    os.makedirs(cache)
+    open(cache + "/cache.py", "w").write("mamba_cache_mode = 'none'\n")
+    assert vllm_facts.gdn_prefix_caching("0.40.0", found) == "align"
+    open(found.path + "/model_executor/models/qwen3_5.py", "w").write("class X(SupportsMambaPrefixCaching): pass\n")
+    assert vllm_facts.gdn_prefix_caching("0.40.0", found) == "all"
+
+
+def test_the_plan_states_what_prefix_caching_does_on_gdn():
+    t = as_tree(compose(["hw=gpu_1x", "model=qwen3_5_0_8b", "rollout=vllm", "rollout.vllm_version=0.26.0",
+                         "rollout.enable_prefix_caching=true"]))
+    [p] = rules.vllm_prefix_caching_on_gdn(t, derive_layout(t))
+    assert p.severity == "warning" and "'align' mode" in p.message and "0.26.0" in p.message
