@@ -11,6 +11,7 @@ from qwen35rl.config import (auto_batch, capabilities, layout_search, memory, pa
                              vllm_facts)
 from qwen35rl.config.layout import Layout, derive_layout, is_split, placement, pools_per_node
 from qwen35rl.config.problems import ERROR, WARNING, Problem
+from qwen35rl.config.run_summary import render_lines as run_lines, run_summary
 from qwen35rl.config.verl import exporter as verl_exporter
 
 
@@ -113,6 +114,7 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "auto_candidate_count": len(candidates),
         "auto_tested": layout_search.tested_rank(searched_from, candidates) if candidates else None,
         "vllm": vllm_plan(searched_from, cfg),
+        "run": run_summary(cfg),
         "verl": verl_export(cfg),
     }
 
@@ -353,6 +355,7 @@ def render_text(plan: Dict[str, Any]) -> str:
         f" ({'VALID' if plan['valid'] else 'INVALID'})",
         f"  model      {_fmt_count(p['total'])} total, {_fmt_count(p['active'])} active"
         f" (text {_fmt_count(p['text'])}, vision {_fmt_count(p['vision'])}, MTP {_fmt_count(p['mtp'])})",
+        *(run_lines(plan["run"], (plan.get("cost") or {}).get("score")) if plan.get("run") else []),
         f"  hardware   {plan['nodes']} node(s) x {plan['devices_per_node']} {plan['device']} = {world}",
         f"  train      {train}   [layout: {plan['layout_name']}]",
         f"  rollout    {plan['rollout_engine']} TP{r['tp']} DP{r['dp']} EP{r['ep']}",
