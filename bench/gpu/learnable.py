@@ -6,6 +6,10 @@ policy rarely does (the decoded text is nearly empty), and on the H100 runs of 2
 0-0.03 for 50 steps (bench/results/vllm_gpu.md).
 Use it as `data.reward=bench.gpu.learnable:digit_share` (the project root on the path).
 
+`decoded_length` has spread there: the byte tokenizer decodes only its 266 ids and drops the rest of the 248k, so
+a random-init policy's 128-token response decodes to ~0.13 characters on average, some responses to a few; the
+reward (characters decoded, up to 32, over 32) is learned by making byte tokens likelier.
+
 `write_gsm8k_like PATH ROWS [SEED]` writes GSM8K-shaped jsonl rows {question, answer} (short arithmetic word
 problems), as data=gsm8k reads them."""
 import json
@@ -20,6 +24,10 @@ THINGS = ["apples", "books", "coins", "pens", "stones"]
 def digit_share(response_text: str, answer: str = "", example=None) -> float:
     text = response_text.strip()
     return sum(c.isdigit() for c in text) / len(text) if text else 0.0
+
+
+def decoded_length(response_text: str, answer: str = "", example=None) -> float:
+    return min(len(response_text), 32) / 32.0
 
 
 def write_gsm8k_like(path: Path, rows: int, seed: int = 0) -> Path:

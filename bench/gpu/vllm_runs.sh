@@ -5,16 +5,20 @@
 #   bash bench/gpu/vllm_runs.sh stage     (carry .vllm-a)      -> "staged 1/2 parts"
 #   bash bench/gpu/vllm_runs.sh stage     (carry .vllm-b)      -> "staged 2/2 parts"
 #   bash bench/gpu/vllm_runs.sh gdn       (carry .whl-gdn)     fla + TileLang into /tmp/site-gdn
-#   bash bench/gpu/vllm_runs.sh text      (carry .vllm-deps .whl-x)  installs vLLM, Hydra, megatron-core, TRL;
-#        then run A: 0.8B architecture, FSDP + vLLM colocated, GSM8K-shaped text, 50 steps
-#   bash bench/gpu/vllm_runs.sh vl        run B: the same on Geometry3K-shaped images; run C: Megatron TP1 + vLLM
+#   bash bench/gpu/vllm_runs.sh install   (carry .vllm-deps .whl-x, and .kcache-vllm if an earlier session brought
+#        one back) installs vLLM, Hydra, megatron-core, TRL; then a 2-step run that compiles the kernels (a cold
+#        vLLM start took 194 s on an H100) and brings the caches back as $OUT/kcache-vllm.tar.gz (unpack into
+#        .kcache-vllm/ and carry it next time)
+#   bash bench/gpu/vllm_runs.sh text      run A: 0.8B architecture, FSDP + vLLM colocated, GSM8K-shaped text, 50 steps
+#   bash bench/gpu/vllm_runs.sh images    run B: the same on Geometry3K-shaped images
+#   bash bench/gpu/vllm_runs.sh megatron  run C: Megatron TP1 + vLLM on the images
 #   bash bench/gpu/vllm_runs.sh 4b        run D: 4B architecture, FSDP + vLLM, text
 #   bash bench/gpu/vllm_runs.sh peers     bare vLLM generate and TRL's GRPOTrainer (vLLM colocate) on run A's workload
 # Each run's card memory comes from the device (hw.memory_gb), never a constant. Kernel caches live in
 # /tmp/kcache (trainer.kernel_cache_dir) for the whole warm machine: the first engine start compiles, later ones
 # reuse. Results: $OUT/<run>/ (metrics.jsonl, plan.json, the log's tail) and one summary line per run.
 set -u
-stage=${1:?usage: vllm_runs.sh stage|gdn|text|vl|4b|peers}
+stage=${1:?usage: vllm_runs.sh stage|gdn|install|text|images|megatron|4b|peers}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-/tmp/out}
@@ -58,14 +62,14 @@ write_geo3k(Path('/tmp/data/geo3k/train.parquet'), 1024); write_geo3k(Path('/tmp
 }
 
 MEM() { python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).total_memory / 1e9))"; }
-# The workload every run shares: random-init weights, byte tokenizer, the digit-share reward
+# The workload every run shares: random-init weights, byte tokenizer, the decoded-length reward
 # (bench/gpu/learnable.py), 50 steps, no Ray (one GPU), kernel caches kept on the machine, the trainer's own old
 # log-probs (so that the vLLM / trainer log-prob gap is logged).
 common() {
   echo model.init=random model.tokenizer=byte hw=gpu_1x "hw.memory_gb=$(MEM)" rollout=vllm \
     trainer.total_steps=${STEPS:-50} trainer.launcher=local trainer.export_hf=false trainer.test_freq=-1 \
     trainer.resume=never "trainer.trackers=[console,jsonl]" "trainer.kernel_cache_dir=$KCACHE" \
-    data.reward=bench.gpu.learnable:digit_share backend.lr=2e-5 backend.lr_warmup_steps=0 trainer.seed=1 \
+    data.reward=bench.gpu.learnable:decoded_length backend.lr=2e-5 backend.lr_warmup_steps=0 trainer.seed=1 \
     backend.use_rollout_log_probs=false
 }
 TEXT=(data=gsm8k "data.train_files=[/tmp/data/gsm8k/train.jsonl]" "data.val_files=[/tmp/data/gsm8k/test.jsonl]")
@@ -80,22 +84,30 @@ stage)
   bash bench/gpu/install-vllm.sh ;;
 gdn)
   rm -rf /tmp/site-gdn && SITE=/tmp/site-gdn bash bench/gpu/install-wheels.sh .whl-gdn 2>&1 | tail -2 ;;
-text)
+install)
   card
   bash bench/gpu/install-vllm.sh 2>&1 | tail -3 || exit 1
   SITE=/tmp/site bash bench/gpu/install-wheels.sh .whl-x 2>&1 | tail -1
   python3 -c "import vllm, hydra, fla, tilelang, megatron.core, trl; print('imports ok: vllm', vllm.__version__)" 2>&1 | tail -1
   data
-  q_run text-0.8b "$(left 560)" model=qwen3_5_0_8b backend=fsdp $(common) "${TEXT[@]}" "${SMALL[@]}"
+  [ -f .kcache-vllm/kcache-vllm.tar.gz ] && tar xzf .kcache-vllm/kcache-vllm.tar.gz -C "$KCACHE" && echo "kernel caches carried in"
+  STEPS=2 q_run warmup "$(left 540)" model=qwen3_5_0_8b backend=fsdp $(common) "${TEXT[@]}" "${SMALL[@]}"
+  # what the next machine needs to start warm: Triton's compiled kernels and autotuning results, vLLM's compile
+  # cache (Inductor's and TileLang's are rebuilt from these quickly)
+  (cd "$KCACHE" && tar czf "$OUT/kcache-vllm.tar.gz" triton vllm 2>/dev/null); ls -la "$OUT/kcache-vllm.tar.gz"
+  ;;
+text)
+  card
+  q_run text-0.8b "$(left 585)" model=qwen3_5_0_8b backend=fsdp $(common) "${TEXT[@]}" "${SMALL[@]}"
   ;;
 images)
   card
-  q_run images-0.8b-fsdp "$(left 520)" model=qwen3_5_0_8b backend=fsdp $(common) "${IMAGES[@]}" "${SMALL[@]}"
+  q_run images-0.8b-fsdp "$(left 585)" model=qwen3_5_0_8b backend=fsdp $(common) "${IMAGES[@]}" "${SMALL[@]}"
   ;;
-vl)
+megatron)
   card
-  q_run images-0.8b-fsdp "$(( $(left 585) / 2 ))" model=qwen3_5_0_8b backend=fsdp $(common) "${IMAGES[@]}" "${SMALL[@]}"
-  q_run images-0.8b-megatron "$(left 575)" model=qwen3_5_0_8b "${MEGATRON[@]}" $(common) "${IMAGES[@]}" "${SMALL[@]}"
+  q_run images-0.8b-megatron "$(left 585)" model=qwen3_5_0_8b "${MEGATRON[@]}" $(common) "${IMAGES[@]}" "${SMALL[@]}" \
+    rollout.gpu_memory_utilization=0.5
   ;;
 4b)
   card
@@ -105,8 +117,15 @@ vl)
     rollout.gpu_memory_utilization=0.4
   ;;
 peers)
+  # run A's workload: 8 prompts x 8, prompts of 256 tokens, responses of 128; vLLM at the same memory share
   card
-  python3 bench/gpu/peers.py "${@:2}" 2>&1 | tail -30
+  W=(--model qwen3_5_0_8b --prompts 8 --n 8 --prompt-len 256 --response-len 128 --gpu-memory-utilization 0.6)
+  python3 bench/gpu/peers.py bare-vllm "${W[@]}" --model-dir /tmp/peers/ckpt08 --write-model \
+    --out "$OUT/peers/bare.json" --timeout "$(( $(left 585) / 3 ))" 2>&1 | tail -12
+  elapsed "bare vLLM against qwen35rl's engine done"
+  timeout "$(left 580)" python3 bench/gpu/peers.py trl-vllm "${W[@]}" --micro 16 --steps ${TRL_STEPS:-8} \
+    --work-dir /tmp/peers/trl --out "$OUT/peers/trl.json" 2>&1 | tail -12
+  elapsed "TRL (vLLM colocate) done"
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac
