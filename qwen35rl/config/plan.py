@@ -343,6 +343,10 @@ def _placement_lines(plan: Dict[str, Any]) -> List[str]:
 
 
 def render_text(plan: Dict[str, Any]) -> str:
+    if plan.get("world_size") is None:  # refused_plan: a value out of range, nothing was computed with it
+        return "\n".join([f"qwen35rl plan: {plan['model']} on {plan['hw']} with {plan['backend']} (INVALID)",
+                          "  not planned: no layout, batch or memory arithmetic over the value(s) out of range "
+                          "below", *_problem_lines(plan)])
     t, r, b, m, p = plan["train"], plan["rollout"], plan["batch"], plan["memory_gib"], plan["params"]
     train = " ".join(f"{k.upper()}{v}" for k, v in t.items() if v is not None)
     n = b.get("responses_per_prompt")
@@ -410,8 +414,14 @@ def render_text(plan: Dict[str, Any]) -> str:
             lines.append(f"  tested layout {tested['name']} {where} (score {_score(tested.get('score'))});"
                          " its settings outside parallelism are kept")
             lines.append(f"    {' '.join(tested['overrides'])}")
+    lines += _problem_lines(plan)
+    return "\n".join(lines)
+
+
+def _problem_lines(plan: Dict[str, Any]) -> List[str]:
+    lines = []
     for prob in plan["problems"]:
         lines.append(f"  {prob['severity']}: [{prob['code']}] {prob['key']}: {prob['message']}")
         if prob.get("hint"):
             lines.append(f"      hint: {prob['hint']}")
-    return "\n".join(lines)
+    return lines

@@ -198,3 +198,11 @@ def test_the_plan_says_what_runs_through_torch_compile():
     plan, text = plan_of(*mg, "backend.use_torch_compile=false")
     assert not any(plan["compile"].values())
     assert line(text, "compile") == "  compile    none (qwen35rl's engines run eagerly; vLLM compiles by its own settings)"
+
+
+def test_a_value_out_of_range_prints_no_arithmetic_over_it(capsys):
+    from qwen35rl.cli.plan import main as plan_main
+
+    assert plan_main(["rollout.n=0"]) == 2
+    out = capsys.readouterr().out
+    assert "[value_in_range] rollout.n" in out and "None" not in out and "not planned" in out
