@@ -1249,9 +1249,14 @@ def path_findings(cfg: Any) -> List[Tuple[str, str, str, str]]:
                     f"tokenizer ({', '.join(BUILTIN_TOKENIZERS)}) nor a directory here",
                     did_you_mean(tok, BUILTIN_TOKENIZERS) or "give a tokenizer directory, or model.tokenizer=byte"))
     if path is not None and init == "pretrained" and "://" not in str(path) and not os.path.isdir(str(path)):
+        hint = "give the Hugging Face checkpoint directory, or model.init=random"
+        if re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)) and not str(path).startswith("."):
+            name = str(path).split("/")[1]
+            hint = (f"give the checkpoint directory; if '{path}' is a Hugging Face hub id, qwen35rl does not fetch it "
+                    f"(the nodes need not reach the hub): `huggingface-cli download {path} --local-dir "
+                    f"/shared/models/{name}` where the nodes can read it, then model.path=/shared/models/{name}")
         out.append(("checkpoint_dir_missing", "model.path", f"model.init=pretrained loads model.path={path!r}, "
-                    "which is not a directory here", "give the Hugging Face checkpoint directory, or "
-                    "model.init=random"))
+                    "which is not a directory here", hint))
     for key in ("data.train_files", "data.val_files"):
         for f in _get(cfg, key, None) or []:
             if "://" not in str(f) and not os.path.exists(str(f)):

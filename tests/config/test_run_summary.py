@@ -32,3 +32,10 @@ def test_a_synthetic_task_and_a_missing_file_are_told_as_such(tmp_path, capsys):
     plan(["data=gsm8k", f"data.train_files=[{tmp_path}/none.parquet]", "model.init=random", "trainer.total_steps=null"])
     out = capsys.readouterr().out
     assert f"train {tmp_path}/none.parquet;" in out and "epoch(s) over the train files" in out
+
+
+def test_a_hub_id_as_model_path_says_how_to_get_the_directory(capsys):
+    assert plan(["model.init=pretrained", "model.path=Qwen/Qwen3.5-0.8B"]) == 2
+    out = capsys.readouterr().out
+    assert "[checkpoint_dir_missing]" in out
+    assert "huggingface-cli download Qwen/Qwen3.5-0.8B --local-dir /shared/models/Qwen3.5-0.8B" in out
