@@ -159,6 +159,9 @@ def load_splits(spec: Spec, source: Optional[str], splits: Sequence[str],
     if source and (source.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", source)):
         raise PrepareError(f"--source {source}: no such directory here (nor a hub id like {spec.hub_id})")
     try:
+        unreachable = _hub_unreachable()
+        if unreachable:  # datasets would retry for half a minute before saying so
+            raise ConnectionError(unreachable)
         loaded = datasets.load_dataset(hub_id, spec.hub_config, cache_dir=cache_dir)
     except Exception as e:  # noqa: BLE001 - any failure to fetch is said the same way, with the way out
         what = f"{hub_id}" + (f" (config {spec.hub_config})" if spec.hub_config else "")
@@ -176,6 +179,29 @@ def load_splits(spec: Spec, source: Optional[str], splits: Sequence[str],
     if missing:
         raise PrepareError(f"{hub_id} has no split {', '.join(missing)} (it has {', '.join(loaded)})")
     return {split: loaded[split] for split in splits}
+
+
+HUB_PROBE_S = 3.0
+"""Seconds to wait for a TCP connection to the hub before saying it cannot be reached."""
+
+
+def _hub_unreachable() -> Optional[str]:
+    """Why the hub (HF_ENDPOINT, default huggingface.co) cannot be reached from here, in one quick TCP connection;
+    None when it can, or when the hub is switched off (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE: datasets reads its
+    cache then)."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(v, "").lower() in ("1", "true", "yes") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return None
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=HUB_PROBE_S).close()
+    except OSError as e:
+        return f"cannot connect to {host}:{port} within {HUB_PROBE_S:g} s ({e})"
+    return None
 
 
 # -------------------------------------------------------------------------------------------------- writing

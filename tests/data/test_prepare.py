@@ -201,6 +201,18 @@ def test_unreachable_hub_says_to_use_source(tmp_path):
     assert "Traceback" not in err and not (tmp_path / "data").exists()
 
 
+def test_an_unreachable_hub_is_said_at_once_without_retries(tmp_path):
+    """Not offline, but nothing answers at the hub's address: one quick connection says so (datasets alone retried
+    for half a minute first)."""
+    env = {k: v for k, v in _env(tmp_path).items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env["HF_ENDPOINT"] = "http://127.0.0.1:9"  # the discard port: nothing listens there
+    run = subprocess.run([*DATA_CMD, "prepare", "gsm8k", "--out", str(tmp_path / "data")], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "cannot connect to 127.0.0.1:9" in run.stderr and "--source DIR" in run.stderr
+    assert "Traceback" not in run.stderr and not (tmp_path / "data").exists()
+
+
 # ----------------------------------------------------------------------------------------- the plan's hint
 def _missing(cfg):
     return [(key, hint) for code, key, _, hint in rules.path_findings(cfg) if code == "data_file_missing"]
