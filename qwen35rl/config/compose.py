@@ -647,6 +647,48 @@ def _translate(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
                        hint="check the overrides; HYDRA_FULL_ERROR=1 shows where it failed")
 
 
+def _packaged_callbacks() -> Dict[str, Any]:
+    tree = OmegaConf.load(config_dir() / "config.yaml")
+    return OmegaConf.to_container(OmegaConf.select(tree, "hydra.callbacks") or OmegaConf.create(), resolve=False)
+
+
+def _callback_file(name: str) -> Optional[Path]:
+    """The overlay file that sets `hydra.callbacks.<name>`, if one does."""
+    for root in reversed(extra_config_dirs()):
+        for f in sorted(root.rglob("*.yaml")):
+            try:
+                tree = OmegaConf.to_container(OmegaConf.load(f), resolve=False)
+            except Exception:  # a broken file is reported where it is composed
+                continue
+            callbacks = (tree.get("hydra") or {}).get("callbacks") if isinstance(tree, dict) else None
+            if isinstance(callbacks, dict) and name in callbacks:
+                return f
+    return None
+
+
+def check_callbacks(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """Hydra imports and calls the `_target_` of every `hydra.callbacks` entry in each sweep and training run, and
+    overlays are shared between teams: only the packaged callbacks and those the command line sets itself run."""
+    node = OmegaConf.select(cfg, "hydra.callbacks")
+    given = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else {}
+    keys = [o.lstrip("+~").partition("=")[0] for o in overrides]
+    if "hydra.callbacks" in keys:
+        return
+    typed = {k.split(".")[2] for k in keys if k.startswith("hydra.callbacks.") and k.count(".") >= 2}
+    own = _packaged_callbacks()
+    for name, spec in given.items():
+        if name in typed or own.get(name) == spec:
+            continue
+        path = _callback_file(str(name))
+        where = f" in {path}" if path else " in a config file"
+        raise ConfigError(f"hydra.callbacks.{name}", f"a config overlay may not set Hydra callbacks (set{where}): "
+                          "Hydra would import and call its _target_ in every sweep and training run",
+                          value=str(spec.get("_target_")) if isinstance(spec, dict) else str(spec),
+                          hint=f"remove hydra.callbacks from {path or 'the overlay'}; to run a callback, set it on "
+                          f"the command line yourself: +hydra.callbacks.{name}._target_=...",
+                          code="overlay_callback")
+
+
 def compose(overrides: Sequence[str] = (), *, resolve: bool = True) -> DictConfig:
     """The resolved run config for command-line overrides (no sweeps). Raises ConfigError."""
     return _compose(overrides, resolve, None)[0]
@@ -671,6 +713,7 @@ def _compose(overrides: Sequence[str], resolve: bool, job_name: Optional[str]) -
     try:
         cfg = _hydra_compose(overrides, job_name)
         if job_name is not None:
+            check_callbacks(cfg, overrides)
             run_dir = _run_dir_of(cfg)
             from omegaconf import open_dict
 
@@ -693,4 +736,4 @@ def check_sweep(overrides: Sequence[str]) -> None:
     parsed = parse_overrides(normalize_overrides(overrides))
     check_group_choices(parsed)
     for variant in single_overrides(parsed):
-        compose(variant)
+        _compose(variant, True, "plan")  # the hydra node kept: its callbacks are checked

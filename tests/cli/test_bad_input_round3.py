@@ -1,0 +1,75 @@
+"""Issue 37's corpus of bad inputs, through the console scripts: overlays, values that look like secrets or
+interpolations, architectures, versions, sweeps, rewards, data files and the other tools. Each ends in exit code 2
+with one block naming the key or file and the fix, no traceback, nothing written."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+ENV.pop("QWEN35RL_CONFIG_PATH", None)
+
+
+def script(cmd, *args, cwd, env=None, timeout=180):
+    return subprocess.run([str(BIN / cmd), *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          env={**ENV, **(env or {})}, timeout=timeout)
+
+
+def refused(r, *fragments):
+    text = r.stdout + r.stderr
+    assert r.returncode == 2, text
+    assert "Traceback" not in text, text
+    for f in fragments:
+        assert f in text, (f, text)
+
+
+# ------------------------------------------------------------------------------------------------ overlays
+def _overlay(root: Path, rel: str, text: str) -> Path:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+_CALLBACK = """# @package _global_
+hydra:
+  callbacks:
+    pwn:
+      _target_: os.system
+      command: "touch {mark}"
+"""
+_SUMMARY_SWAPPED = """# @package _global_
+hydra:
+  callbacks:
+    sweep_summary:
+      _target_: builtins.print
+"""
+
+
+@pytest.mark.parametrize("argv", [["cluster=evil"], ["-m", "cluster=evil", "rollout.n=2,4"]])
+def test_overlay_callbacks_are_refused(tmp_path, argv):
+    mark = tmp_path / "PWNED"
+    path = _overlay(tmp_path / "conf", "cluster/evil.yaml", _CALLBACK.format(mark=mark))
+    runs = tmp_path / "runs"
+    r = script("qwen35rl-plan", *argv, f"trainer.output_root={runs}", cwd=tmp_path,
+               env={"QWEN35RL_CONFIG_PATH": str(tmp_path / "conf")})
+    refused(r, "hydra.callbacks.pwn", str(path), "remove hydra.callbacks")
+    assert not mark.exists() and not runs.exists()
+
+
+def test_overlay_may_not_swap_the_packaged_callback(tmp_path):
+    path = _overlay(tmp_path / "conf", "hw/mine.yaml", "# @package _global_\nhw:\n  name: mine\n" +
+                    _SUMMARY_SWAPPED.split("\n", 1)[1])
+    r = script("qwen35rl-train", "-m", "hw=mine", "rollout.n=2,4", f"trainer.output_root={tmp_path / 'runs'}",
+               cwd=tmp_path, env={"QWEN35RL_CONFIG_PATH": str(tmp_path / "conf")})
+    refused(r, "hydra.callbacks.sweep_summary", str(path))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_packaged_callback_still_runs(tmp_path):
+    r = script("qwen35rl-plan", "-m", "rollout.n=4,8", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert any((tmp_path / "sweep").glob("*summary*")), list((tmp_path / "sweep").iterdir())
