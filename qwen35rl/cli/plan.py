@@ -19,6 +19,9 @@ _sweep_results: List[Dict[str, Any]] = []
 
 def emit(plan: Dict[str, Any], fmt: str, cfg: DictConfig) -> None:
     from qwen35rl.config.plan import render_text
+    from qwen35rl.config.redact import redact_urls
+
+    plan.update(redact_urls(plan))  # a URL's password in any value (an address, a path) is not printed
 
     if fmt == "json":
         print(json.dumps(plan), flush=True)

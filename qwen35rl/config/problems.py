@@ -22,11 +22,15 @@ class Problem:
     severity: str = ERROR
 
     def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+        from qwen35rl.config.redact import redact_urls
+
+        return redact_urls(asdict(self))  # a message may quote an address with its password
 
     def render(self) -> str:
+        from qwen35rl.config.redact import redact_url
+
         head = f"{self.severity}: [{self.code}] {self.key}: {self.message}"
-        return head + (f"\n  hint: {self.hint}" if self.hint else "")
+        return redact_url(head + (f"\n  hint: {self.hint}" if self.hint else ""))
 
 
 def errors(problems: List[Problem]) -> List[Problem]:

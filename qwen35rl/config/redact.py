@@ -6,7 +6,7 @@ tracker / hub credentials (`SECRET_NAMES`, any case), or
   - for a config key (the last part of a dotted key, lower case): is `token`, or ends in api/access/auth/secret/
     private + _key or _token. Ordinary config keys such as data.prompt_key or a tokenizer's pad_token stay visible.
 A secret value is shown as `REDACTED`. In any other value, a URL's password (`scheme://user:password@host`) is
-replaced the same way. Text (a log line, a file) is scrubbed of the
+replaced the same way (in a plan, `redact_urls`, whatever the key). Text (a log line, a file) is scrubbed of the
 secret values themselves (`scrub`), wherever they appear.
 
 Stdlib only: the plan imports it.
@@ -41,6 +41,16 @@ def is_secret_name(name: Any) -> bool:
 def redact_url(value: str) -> str:
     """`scheme://user:password@host...` with the password replaced; other text unchanged."""
     return _URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED + m.group("at"), value)
+
+
+def redact_urls(obj: Any) -> Any:
+    """A copy of `obj` (a plan: dicts and lists of plain values) with a URL's password replaced in every string,
+    whatever its key: a plan prints values of any key (an address, a path, a problem's message)."""
+    if isinstance(obj, Mapping):
+        return {k: redact_urls(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(redact_urls(v) for v in obj)
+    return redact_url(obj) if isinstance(obj, str) else obj
 
 
 def redact_value(name: Any, value: Any) -> Any:

@@ -73,3 +73,27 @@ def test_packaged_callback_still_runs(tmp_path):
     r = script("qwen35rl-plan", "-m", "rollout.n=4,8", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
     assert "Traceback" not in r.stderr, r.stderr
     assert any((tmp_path / "sweep").glob("*summary*")), list((tmp_path / "sweep").iterdir())
+
+
+# ------------------------------------------------------------------------------------- URL passwords, `\${`
+_URLS = ["ray_address=ray://user:hunter22@head:10001", "data.system_prompt=see https://u:sekret99@hf.co/x"]
+
+
+@pytest.mark.parametrize("fmt", ["text", "json", "verl"])
+def test_url_passwords_never_print(tmp_path, fmt):
+    r = script("qwen35rl-plan", *_URLS, f"format={fmt}", cwd=tmp_path)
+    text = r.stdout + r.stderr
+    assert "Traceback" not in text and "REDACTED" in text, text
+    assert "hunter22" not in text and "sekret99" not in text, text
+
+
+def test_url_password_in_valid_verl_export(tmp_path):
+    r = script("qwen35rl-plan", _URLS[1], "format=verl", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "https://u:REDACTED@hf.co/x" in r.stdout and "sekret99" not in r.stdout + r.stderr
+
+
+def test_train_problems_hide_url_passwords(tmp_path):
+    r = script("qwen35rl-train", _URLS[0], f"trainer.output_root={tmp_path / 'runs'}", cwd=tmp_path)
+    refused(r, "ray_address", "REDACTED")
+    assert "hunter22" not in r.stdout + r.stderr and not (tmp_path / "runs").exists()
