@@ -9,10 +9,11 @@ import json
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from qwen35rl.cli.common import EXIT_CONFIG, output_format, run_hydra, start
 from qwen35rl.cli.stdout import console_script, writing_stdout
+from qwen35rl.config.compose import resolve_in_place
 
 _sweep_results: List[Dict[str, Any]] = []
 
@@ -49,7 +50,7 @@ def plan_config(cfg: DictConfig) -> Dict[str, Any]:
 def _sweep_job(cfg: DictConfig) -> Dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
 
-    OmegaConf.resolve(cfg)
+    resolve_in_place(cfg)  # a literal ${ in a value stays literal
     plan = plan_config(cfg)
     sweep = HydraConfig.get().sweep  # the job's directory as this sweep lays it out (training's sweep has its own)
     plan["output_dir"] = f"{sweep.dir}/{sweep.subdir}"

@@ -15,10 +15,11 @@ __doc__ += _exit_code_table() + "\n"
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from qwen35rl.cli.common import EXIT_CONFIG, run_hydra, start
 from qwen35rl.cli.stdout import console_script
+from qwen35rl.config.compose import resolve_in_place
 from qwen35rl.config.problems import ERROR, Problem
 
 _exit_codes: List[int] = []
@@ -48,7 +49,7 @@ def _train_job(cfg: DictConfig) -> Dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
     from qwen35rl.config.plan import select_layout
 
-    OmegaConf.resolve(cfg)
+    resolve_in_place(cfg)  # a literal ${ in a value stays literal
     cfg, _, problems = select_layout(cfg)
     problems += launch_problems(cfg)
     errors = [p for p in problems if p.severity == ERROR]

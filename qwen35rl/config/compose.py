@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from omegaconf import DictConfig, OmegaConf, errors as oc_errors
+from omegaconf import DictConfig, ListConfig, OmegaConf, errors as oc_errors, read_write
 
 from qwen35rl.config.paths import config_dir, extra_config_dirs
 from qwen35rl.config.store import register
@@ -689,6 +689,30 @@ def check_callbacks(cfg: DictConfig, overrides: Sequence[str]) -> None:
                           code="overlay_callback")
 
 
+def _escaped(text: str) -> str:
+    """`text` as a string node that reads back as `text`: each `${` escaped (backslashes before it doubled)."""
+    return re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", text)
+
+
+def resolve_in_place(cfg: DictConfig) -> None:
+    """OmegaConf.resolve, then a literal `${` that a value held (written `\\${`) escaped again: resolving drops the
+    escape, and every later read would resolve the text a second time (an interpolation error, or another key's
+    value)."""
+    OmegaConf.resolve(cfg)
+
+    def walk(node: Any) -> None:
+        for key in list(node.keys() if isinstance(node, DictConfig) else range(len(node))):
+            child = node._get_node(key)
+            if isinstance(child, (DictConfig, ListConfig)):
+                if not child._is_none() and not child._is_missing():
+                    walk(child)
+            elif isinstance(child._value(), str) and "${" in child._value():
+                node[key] = _escaped(child._value())
+
+    with read_write(cfg):
+        walk(cfg)
+
+
 def compose(overrides: Sequence[str] = (), *, resolve: bool = True) -> DictConfig:
     """The resolved run config for command-line overrides (no sweeps). Raises ConfigError."""
     return _compose(overrides, resolve, None)[0]
@@ -721,7 +745,7 @@ def _compose(overrides: Sequence[str], resolve: bool, job_name: Optional[str]) -
                 del cfg["hydra"]
         check_additions(cfg, parsed)
         if resolve:
-            OmegaConf.resolve(cfg)
+            resolve_in_place(cfg)
     except ConfigError:
         raise
     except Exception as e:  # every hydra/omegaconf failure becomes one clear block

@@ -97,3 +97,27 @@ def test_train_problems_hide_url_passwords(tmp_path):
     r = script("qwen35rl-train", _URLS[0], f"trainer.output_root={tmp_path / 'runs'}", cwd=tmp_path)
     refused(r, "ray_address", "REDACTED")
     assert "hunter22" not in r.stdout + r.stderr and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("fmt", ["text", "json", "verl"])
+def test_literal_interpolation_text_stays_literal(tmp_path, fmt):
+    r = script("qwen35rl-plan", r"data.system_prompt=cost \${x} ok", f"format={fmt}", cwd=tmp_path)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_literal_interpolation_text_in_a_sweep(tmp_path):
+    r = script("qwen35rl-plan", "-m", r"data.system_prompt=cost \${x} ok", "rollout.n=4,8",
+               f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path)
+    assert "Traceback" not in r.stderr and "InterpolationKeyError" not in r.stderr, r.stderr
+
+
+def test_resolved_config_keeps_the_literal():
+    from omegaconf import OmegaConf
+
+    from qwen35rl.config.compose import _escaped, compose
+
+    cfg = compose([r"data.system_prompt=a \${x} ok", "data.val_size=4"])
+    assert cfg.data.system_prompt == r"a ${x} ok"
+    assert OmegaConf.to_container(cfg, resolve=True)["data"]["system_prompt"] == r"a ${x} ok"
+    for text in (r"${a}", r"x\${b}", "\\\\${c} ${d}"):  # backslashes before the ${ come back too
+        assert OmegaConf.create({"v": _escaped(text)}).v == text
