@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 from qwen35rl.config.problems import ERROR, Problem
 from qwen35rl.config.verl.keys import (CHOICE_KEYS, IMPLIED, OVERRIDE_TC, UNUSED_BY_BACKEND, VLLM_KWARGS, get,
-                                       keys_for, why_not_exported, worker_env)
+                                       keys_for, needs_plus, why_not_exported, worker_env)
 
 ENTRY = ["python3", "-m", "verl.trainer.main_ppo"]
 _BARE = re.compile(r"^[A-Za-z_/.][A-Za-z0-9_\-/.+:@]*$")
@@ -113,11 +113,11 @@ def export(cfg: Any) -> Dict[str, Any]:
             put(name, value, k.plus)
     kwargs = effective_engine_kwargs(cfg)
     for key, value in _flatten("", kwargs):
-        put(f"{VLLM_KWARGS}.{key}", value, plus=True)
+        put(f"{VLLM_KWARGS}.{key}", value, plus=needs_plus(VLLM_KWARGS, key))
     covered |= {"rollout.engine_kwargs", "hw.vllm_quirks"}
     if backend == "megatron":
         for key, value in _flatten("", get(cfg, "backend.transformer_overrides") or {}):
-            put(f"{OVERRIDE_TC}.{key}", value, plus=True)
+            put(f"{OVERRIDE_TC}.{key}", value, plus=needs_plus(OVERRIDE_TC, key))
         covered.add("backend.transformer_overrides")
     if get(cfg, "model.path"):
         covered |= {"model.hf_id", "model.name"}

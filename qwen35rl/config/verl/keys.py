@@ -419,6 +419,21 @@ CHOICE_KEYS: Dict[str, str] = {
 }
 """verl keys that pick qwen35rl's `hw=` / `backend=` option rather than set a value."""
 
+IN_VERL_TREE: Dict[str, Tuple[str, ...]] = {
+    OVERRIDE_TC: ("recompute_granularity", "recompute_modules", "recompute_method", "recompute_num_layers",
+                  "attention_backend"),
+    VLLM_KWARGS: (),
+    OVERRIDE_OPT: (),
+}
+"""The keys verl 0.9.1's tree already holds under each pass-through prefix (tested against the tree): those are
+exported without `+` (Hydra refuses `+key` for a key the tree has), every other one with it."""
+
+
+def needs_plus(prefix: str, key: str) -> bool:
+    """Whether `prefix.key` is absent from verl 0.9.1's tree (exported as `+prefix.key=...`)."""
+    return key.split(".", 1)[0] not in IN_VERL_TREE.get(prefix, ())
+
+
 PASS_THROUGH: Dict[str, str] = {
     f"{VLLM_KWARGS}.": "rollout.engine_kwargs.",
     f"{OVERRIDE_TC}.": "backend.transformer_overrides.",
