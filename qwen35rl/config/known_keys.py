@@ -180,4 +180,8 @@ MEGATRON_OWNED: Dict[str, str] = {
     "linear_conv_kernel_dim": "model.linear_conv_kernel_dim",
     "layernorm_epsilon": "model.rms_norm_eps",
     "mtp_num_layers": "model.mtp_num_hidden_layers",
+    "linear_attention_freq": "model.full_attention_interval",  # the layer pattern, one entry per layer
+    "moe_layer_freq": "every layer of a Qwen3.5 MoE model is an MoE layer",
+    "mrope_section": "model.mrope_section",
+    "attention_output_gate": "model.attn_output_gate",
 }

@@ -121,3 +121,52 @@ def test_resolved_config_keeps_the_literal():
     assert OmegaConf.to_container(cfg, resolve=True)["data"]["system_prompt"] == r"a ${x} ok"
     for text in (r"${a}", r"x\${b}", "\\\\${c} ${d}"):  # backslashes before the ${ come back too
         assert OmegaConf.create({"v": _escaped(text)}).v == text
+
+
+# ---------------------------------------------------------------------------------- architectures, versions
+ARCH = [  # (overrides, key the error names)
+    ("model=qwen3_5_tiny_moe model.num_experts_per_tok=9", "model.num_experts_per_tok"),
+    ("model=qwen3_5_tiny_moe model.num_experts_per_tok=0", "model.num_experts_per_tok"),
+    ("model=qwen3_5_tiny_moe model.num_experts=0", "model.num_experts"),
+    ("model.num_key_value_heads=3", "model.num_key_value_heads"),
+    ("model.linear_num_value_heads=3", "model.linear_num_value_heads"),
+    ("model.mrope_section=[3,3,3]", "model.mrope_section"), ("model.mrope_section=[2,2]", "model.mrope_section"),
+    ("model=qwen3_5_tiny_vl model.mrope_section=[4,0,1]", "model.mrope_section"),
+    ("model.partial_rotary_factor=0.3", "model.partial_rotary_factor"),
+    ("model.vocab_size=100", "model.vocab_size"), ("model=qwen3_5_0_8b model.tokenizer=qwen model.vocab_size=1000",
+                                                  "model.vocab_size"),
+    ("backend=megatron +backend.transformer_overrides.linear_attention_freq=[1,0,1]",
+     "backend.transformer_overrides.linear_attention_freq"),
+    ("backend=megatron model=qwen3_5_tiny_moe +backend.transformer_overrides.moe_layer_freq=[1,0,1]",
+     "backend.transformer_overrides.moe_layer_freq"),
+    ("backend=megatron model=qwen3_5_tiny_vl +backend.transformer_overrides.mrope_section=[1,1]",
+     "backend.transformer_overrides.mrope_section"),
+]
+
+
+@pytest.mark.parametrize("line,key", ARCH, ids=[a for a, _ in ARCH])
+def test_impossible_architectures_are_refused(line, key, capsys):
+    from qwen35rl.cli.plan import main
+
+    assert main(line.split(" ")) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and f"{key}:" in out + err, out + err
+    assert "hint: try" in out + err or "hint:" in out + err
+
+
+def test_vocab_below_a_tokenizer_directory(tmp_path, capsys):
+    import json
+
+    from qwen35rl.cli.plan import main
+
+    vocab = {f"t{i}": i for i in range(300)}
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}, "added_tokens": [{"id": 400}]}))
+    assert main([f"model.tokenizer={tmp_path}", "model.vocab_size=320"]) == 2
+    assert "try model.vocab_size=401" in capsys.readouterr().out
+
+
+def test_train_refuses_an_impossible_architecture(tmp_path):
+    r = script("qwen35rl-train", "model.num_key_value_heads=3", f"trainer.output_root={tmp_path / 'runs'}",
+               cwd=tmp_path)
+    refused(r, "model.num_key_value_heads", "try model.num_key_value_heads=4")
+    assert not (tmp_path / "runs").exists()

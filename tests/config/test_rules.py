@@ -191,6 +191,8 @@ CASES = [
      {"backend__optimizer_cpu_offload": False}, "parallelism", ERROR),
     ("rollout_memory_fits", "mg35", {"rollout__gpu_memory_utilization": 0.3}, {"rollout__gpu_memory_utilization": 0.1},
      "rollout.gpu_memory_utilization", ERROR),
+    ("architecture_consistent", "tiny", {"model__num_key_value_heads": 1}, {"model__num_key_value_heads": 3},
+     "model.num_key_value_heads", ERROR),
 ]
 
 
