@@ -916,6 +916,26 @@ def vllm_version_valid(cfg: Any, layout: Layout) -> List[Problem]:
 
 
 @rule("config")
+def megatron_core_version_valid(cfg: Any, layout: Layout) -> List[Problem]:
+    """`backend.megatron_core_version` is a release the Megatron backend supports: its version facts (GDN packing
+    and CP, expert gradients) are compared against it."""
+    from qwen35rl.config import megatron_versions as mv
+    from qwen35rl.config.vllm_facts import valid_version  # a release number, whichever package's
+
+    if not _megatron(layout):
+        return []
+    v, oldest = val(cfg, "backend.megatron_core_version"), ".".join(map(str, mv.MIN_SUPPORTED))
+    hint = f"set the cluster's megatron-core release, e.g. backend.megatron_core_version={oldest}.0 (pip show megatron-core)"
+    if not valid_version(v):
+        return _err("megatron_core_version_valid", "backend.megatron_core_version", f"backend.megatron_core_version="
+                    f"{_shown(v) or repr('')} is not a megatron-core release number", hint)
+    if quirks.version_tuple(v)[:2] < mv.MIN_SUPPORTED:
+        return _err("megatron_core_version_valid", "backend.megatron_core_version", f"megatron-core {v} is older "
+                    f"than {oldest}, the oldest the Qwen3.5 backend supports (GDN layers)", hint)
+    return []
+
+
+@rule("config")
 def vllm_loads_rollout_checkpoint(cfg: Any, layout: Layout) -> List[Problem]:
     """vLLM releases before 0.27 load no text-only Qwen3.5 checkpoint (`Qwen3_5ForCausalLM`): the rollout then starts
     from the vision-language form, which a model without a vision tower (or a text-only model.path) cannot give."""

@@ -191,6 +191,8 @@ CASES = [
      {"backend__optimizer_cpu_offload": False}, "parallelism", ERROR),
     ("rollout_memory_fits", "mg35", {"rollout__gpu_memory_utilization": 0.3}, {"rollout__gpu_memory_utilization": 0.1},
      "rollout.gpu_memory_utilization", ERROR),
+    ("megatron_core_version_valid", "mg35", {"backend__megatron_core_version": "0.19.2"},
+     {"backend__megatron_core_version": "banana"}, "backend.megatron_core_version", ERROR),
     ("architecture_consistent", "tiny", {"model__num_key_value_heads": 1}, {"model__num_key_value_heads": 3},
      "model.num_key_value_heads", ERROR),
 ]
