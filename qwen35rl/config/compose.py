@@ -574,8 +574,49 @@ def _set_in_file(path: Optional[Path], full_key: str) -> List[Tuple[str, Optiona
     return []
 
 
+def _yaml_error(exc: BaseException) -> Optional[ConfigError]:
+    """A config file that is not YAML (a parse error, a control character): the error names its file and line."""
+    import yaml
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+            mark, since = exc.problem_mark, exc.context_mark
+            what = str(exc.problem or exc.context)
+            if exc.context and exc.problem:
+                opened = f" from line {since.line + 1}, column {since.column + 1}" if since is not None else ""
+                what += f" ({exc.context}{opened})"
+            return ConfigError(f"{mark.name}:{mark.line + 1}", f"not valid YAML at line {mark.line + 1}, column "
+                               f"{mark.column + 1}: {what}", hint=f"fix line {mark.line + 1} of {mark.name}",
+                               code="config_file_invalid")
+        if isinstance(exc, yaml.reader.ReaderError):
+            char = f"U+{exc.character:04X}" if isinstance(exc.character, int) else repr(exc.character)
+            return ConfigError(str(exc.name), f"not a YAML text file: {exc.reason} ({char} at offset {exc.position})",
+                               hint=f"fix or remove {exc.name}", code="config_file_invalid")
+        if isinstance(exc, UnicodeDecodeError):  # names no file: the one on the search path that is not UTF-8
+            path = next((f for root in search_dirs() for f in sorted(root.rglob("*.yaml")) if not _utf8(f)), None)
+            return ConfigError(str(path or "?"), f"not a UTF-8 text file: {exc.reason} (byte {exc.start})",
+                               hint=f"save {path or 'the config file'} as UTF-8, or remove it", code="config_file_invalid")
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _utf8(path: Path) -> bool:
+    try:
+        path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    except OSError:  # unreadable: not this error
+        pass
+    return True
+
+
 def _translate(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
     """Map hydra/omegaconf exceptions onto a ConfigError with the key, value, allowed and a hint."""
+    from_yaml = _yaml_error(exc)
+    if from_yaml is not None:
+        return from_yaml
     cause = exc
     while getattr(cause, "__cause__", None) is not None and not isinstance(cause, oc_errors.OmegaConfBaseException):
         cause = cause.__cause__
@@ -645,6 +686,39 @@ def _translate(exc: BaseException, overrides: Sequence[str]) -> ConfigError:
                            hint="fix that file; HYDRA_FULL_ERROR=1 shows where it failed")
     return ConfigError(full_key or "?", text.splitlines()[0] if text else type(exc).__name__,
                        hint="check the overrides; HYDRA_FULL_ERROR=1 shows where it failed")
+
+
+def missing_values(node: Any, prefix: str = "") -> List[str]:
+    """Dotted keys left at `???` (a mandatory schema field no config file set), without resolving anything."""
+    out: List[str] = []
+    for key in list(node.keys() if isinstance(node, DictConfig) else range(len(node))):
+        path, child = f"{prefix}{key}", node._get_node(key)
+        if path == "hydra":
+            continue
+        if isinstance(child, (DictConfig, ListConfig)):
+            if not child._is_none() and not child._is_missing() and not child._is_interpolation():
+                out += missing_values(child, path + ".")
+        if child._value() == "???":
+            out.append(path)
+    return out
+
+
+def check_missing(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """A mandatory value no file set (a hardware overlay without `device`, say) is named with the option's file,
+    before anything reads it (omegaconf would raise MissingMandatoryValue from deep inside the plan or the run)."""
+    missing = missing_values(cfg)
+    if not missing:
+        return
+    key = missing[0]
+    group = key.partition(".")[0]
+    choices = OmegaConf.select(cfg, "hydra.runtime.choices") or {}
+    option = choices.get(group) if group in GROUPS else None
+    path = _source_path(f"{group}/{option}") if option else None
+    where = f" (the {group} option '{option}', {path}, does not set it)" if path else ""
+    leaf = key.rpartition(".")[2]
+    fix = f"add `{leaf}: ...` to {path}, or set it: {key}=..." if path else f"set it: {key}=..."
+    also = f"; also missing: {', '.join(missing[1:6])}" if len(missing) > 1 else ""
+    raise ConfigError(key, f"is a mandatory value and has none{where}{also}", hint=fix, code="missing_value")
 
 
 def _packaged_callbacks() -> Dict[str, Any]:
@@ -736,6 +810,7 @@ def _compose(overrides: Sequence[str], resolve: bool, job_name: Optional[str]) -
     run_dir = None
     try:
         cfg = _hydra_compose(overrides, job_name)
+        check_missing(cfg, overrides)
         if job_name is not None:
             check_callbacks(cfg, overrides)
             run_dir = _run_dir_of(cfg)

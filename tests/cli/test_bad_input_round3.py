@@ -61,9 +61,8 @@ def test_overlay_callbacks_are_refused(tmp_path, argv):
 
 
 def test_overlay_may_not_swap_the_packaged_callback(tmp_path):
-    path = _overlay(tmp_path / "conf", "hw/mine.yaml", "# @package _global_\nhw:\n  name: mine\n" +
-                    _SUMMARY_SWAPPED.split("\n", 1)[1])
-    r = script("qwen35rl-train", "-m", "hw=mine", "rollout.n=2,4", f"trainer.output_root={tmp_path / 'runs'}",
+    path = _overlay(tmp_path / "conf", "cluster/swap.yaml", _SUMMARY_SWAPPED)
+    r = script("qwen35rl-train", "-m", "cluster=swap", "rollout.n=2,4", f"trainer.output_root={tmp_path / 'runs'}",
                cwd=tmp_path, env={"QWEN35RL_CONFIG_PATH": str(tmp_path / "conf")})
     refused(r, "hydra.callbacks.sweep_summary", str(path))
     assert not (tmp_path / "runs").exists()
@@ -174,3 +173,54 @@ def test_train_refuses_an_impossible_architecture(tmp_path):
                cwd=tmp_path)
     refused(r, "model.num_key_value_heads", "try model.num_key_value_heads=4")
     assert not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------------------------ overlays: mandatory fields, bad YAML
+_HW = {"name": "mine", "device": "cuda", "nodes": 1, "devices_per_node": 8, "memory_gb": 80, "peak_tflops": 989,
+       "ray_resource": "GPU", "collective_backend": "nccl"}
+
+
+@pytest.mark.parametrize("missing", sorted(_HW))
+def test_hw_overlay_missing_a_mandatory_field(tmp_path, missing, capsys, monkeypatch):
+    from qwen35rl.cli.plan import main
+
+    if missing in ("nodes", "devices_per_node"):  # these have defaults
+        return
+    path = _overlay(tmp_path, "hw/mine.yaml", "".join(f"{k}: {v}\n" for k, v in _HW.items() if k != missing))
+    monkeypatch.setenv("QWEN35RL_CONFIG_PATH", str(tmp_path))
+    assert main(["hw=mine"]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and "MissingMandatoryValue" not in err
+    assert f"config error at 'hw.{missing}'" in err and str(path) in err and f"add `{missing}: ...`" in err
+
+
+def test_train_with_an_overlay_missing_a_field(tmp_path):
+    _overlay(tmp_path / "conf", "hw/mine.yaml", "".join(f"{k}: {v}\n" for k, v in _HW.items() if k != "device"))
+    r = script("qwen35rl-train", "hw=mine", f"trainer.output_root={tmp_path / 'runs'}", cwd=tmp_path,
+               env={"QWEN35RL_CONFIG_PATH": str(tmp_path / "conf")})
+    refused(r, "hw.device", "hw/mine.yaml")
+    assert not (tmp_path / "runs").exists()
+
+
+MALFORMED = [  # (file text, what the error says)
+    ("ray_address: auto\ntrainer:\n  output_root: [unclosed\n", ":4': not valid YAML at line 4"),
+    ("ray_address: auto\n  bad_indent: 1\n", ":2': not valid YAML at line 2, column 13"),
+    ("hw: {nodes: 2\n", ":2': not valid YAML at line 2"),
+    ("\t\0junk", "not a YAML text file"),
+    (b"a: \xff\xfe\n", "not a UTF-8 text file"),
+]
+
+
+@pytest.mark.parametrize("text,says", MALFORMED, ids=range(len(MALFORMED)))
+@pytest.mark.parametrize("sweep", [False, True])
+def test_malformed_overlay_names_file_and_line(tmp_path, text, says, sweep, capsys, monkeypatch):
+    from qwen35rl.cli.plan import main
+
+    path = tmp_path / "cluster" / "bad.yaml"
+    path.parent.mkdir()
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    monkeypatch.setenv("QWEN35RL_CONFIG_PATH", str(tmp_path))
+    assert main(["-m", "cluster=bad", "rollout.n=2,4"] if sweep else ["cluster=bad"]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and "error at '?'" not in err, err
+    assert str(path) in err and says in err, err
