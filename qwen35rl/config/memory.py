@@ -761,9 +761,51 @@ def host_offloaded_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
     return host + (gib(shard.held * BF16) if kl_on(cfg) and offloaded_ref else 0.0)
 
 
+AUTO = "auto"
+AUTO_POOL_MAX = 0.9
+"""The largest share of the device an `auto` vLLM pool takes (vLLM's own default gpu_memory_utilization)."""
+AUTO_POOL_HEADROOM = 0.10
+"""Share of the usable memory an `auto` pool leaves free beside what the trainer keeps: the estimate's margin, and
+`layout_search.MIN_HEADROOM`, below which the search penalises a layout."""
+
+
+def pool_is_auto(cfg: Any) -> bool:
+    return str(cfg["rollout"]["gpu_memory_utilization"]) == AUTO
+
+
+def nominal_gib(cfg: Any) -> float:
+    return float(cfg["hw"]["memory_gb"]) * 1e9 / GIB
+
+
 def vllm_pool_gib(cfg: Any) -> float:
-    """vLLM claims gpu_memory_utilization of the device's nominal memory for weights, activations and cache."""
-    return float(cfg["rollout"]["gpu_memory_utilization"]) * float(cfg["hw"]["memory_gb"]) * 1e9 / GIB
+    """vLLM claims gpu_memory_utilization of the device's nominal memory for weights, activations and cache. `auto`:
+    here the most it may take (`AUTO_POOL_MAX`, or the usable memory less the headroom when that is less);
+    `assemble` sizes it from what the trainer leaves (`auto_pool_gib`)."""
+    if pool_is_auto(cfg):
+        return min(AUTO_POOL_MAX * nominal_gib(cfg), capacity_gib(cfg))
+    return float(cfg["rollout"]["gpu_memory_utilization"]) * nominal_gib(cfg)
+
+
+def auto_pool_gib(cfg: Any, kept: float, minimal: float) -> float:
+    """`rollout.gpu_memory_utilization=auto`: the pool from the memory the trainer leaves during the rollout
+    (`kept`): the usable memory less `AUTO_POOL_HEADROOM` less `kept`, at most `AUTO_POOL_MAX` of the device; where
+    that cannot hold the engine (`minimal`: weights, activations, one sequence), every byte left. Whole hundredths
+    of the device (the value the plan writes into the config), at least one."""
+    nominal, cap = nominal_gib(cfg), capacity_gib(cfg)
+    pool = min(AUTO_POOL_MAX * nominal, (1.0 - AUTO_POOL_HEADROOM) * cap - kept)
+    if pool < minimal:
+        pool = cap - kept
+    return max(math.floor(pool / nominal * 100 + 1e-9), 1) / 100 * nominal
+
+
+def auto_pool_fraction(cfg: Any, layout: Layout) -> float:
+    """The gpu_memory_utilization an `auto` pool resolves to under `layout` (sized as for vLLM whatever the engine:
+    the value the verl export and the engine read)."""
+    tree = as_tree(cfg)
+    if tree["rollout"]["engine"] != "vllm":
+        tree = {**tree, "rollout": {**tree["rollout"], "engine": "vllm"}}
+    est = estimate(tree, layout)
+    return round(est.rollout_pool_gib / nominal_gib(tree), 2)
 
 
 def rollout_max_model_len(cfg: Any) -> int:
@@ -951,8 +993,16 @@ def assemble(cfg: Any, train: Dict[str, float], rollout: Dict[str, float]) -> Me
     kept = terms["rollout/kept_by_trainer"]
     cap = capacity_gib(cfg)
     if "rollout/pool" in terms:
-        pool, per_seq = terms["rollout/pool"], terms["rollout/sequence_cache"]
+        per_seq = terms["rollout/sequence_cache"]
         minimal = terms["rollout/weights"] + terms["rollout/activations"] + per_seq
+        if pool_is_auto(cfg):
+            awake = terms.get("train/sleeping_engine", 0.0) > 0  # free_cache_engine off: the pool stays in training
+            beside = max(kept, train_peak - terms["train/sleeping_engine"]) if awake else kept
+            terms["rollout/pool"] = auto_pool_gib(cfg, beside, minimal)
+            if awake:
+                terms["train/sleeping_engine"] = terms["rollout/pool"]
+                train_peak = sum(v for k, v in terms.items() if k.startswith("train/"))
+        pool = terms["rollout/pool"]
         sequences = max(0, int((pool - minimal + per_seq) // per_seq)) if per_seq > 0 else None
         rollout_peak = kept + pool
     else:

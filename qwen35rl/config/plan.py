@@ -60,6 +60,9 @@ def resolve_auto(cfg: DictConfig) -> Tuple[DictConfig, List[Any], Optional[auto_
             cfg.placement.rollout_devices = size
     if auto_batch.auto_keys(cfg):
         cfg, choice = auto_batch.resolve(cfg)
+    if memory.pool_is_auto(cfg):  # the vLLM pool from what this layout's trainer leaves on the device
+        cfg = cfg.copy()
+        cfg.rollout.gpu_memory_utilization = memory.auto_pool_fraction(cfg, derive_layout(cfg))
     return cfg, candidates, choice, problems
 
 

@@ -284,8 +284,10 @@ class RolloutConfig:
     top_p: float = between(0.0, 1.0, 1.0, low_open=True)
     top_k: int = at_least(1, -1, also=(-1,))
     """-1: off."""
-    gpu_memory_utilization: float = between(0.0, 1.0, 0.6, low_open=True)
-    """Share of device memory vLLM may hold for weights + KV cache + GDN state."""
+    gpu_memory_utilization: Any = _ranged(AUTO, 0.0, 1.0, True, False, (AUTO,))
+    """Share of device memory vLLM may hold for weights + KV cache + GDN state. `auto` (the default): sized from what
+    the trainer leaves on the device during the rollout, 10% of the usable memory kept free, at most 0.9
+    (`memory.auto_pool_gib`); the plan writes the number it resolves to into the config."""
     vllm_version: str = "auto"
     """vLLM version on the cluster; platform quirks, the engine-argument check, the rollout checkpoint's class and the
     GDN prefill kernel depend on it. auto: the vLLM installed where the plan runs, else the device's assumed one
@@ -345,8 +347,10 @@ class AlgorithmConfig:
     adv_estimator: str = "grpo"
     norm_adv_by_std: bool = True
     """false: Dr.GRPO (A = s - mean)."""
-    mini_batch_size: int = at_least(1, 16)
-    """Prompts per optimizer step (global). One rollout batch gives train_batch_size / mini_batch_size steps."""
+    mini_batch_size: int = at_least(1, "${qwen35rl_batch:mini,64,16}")
+    """Prompts per optimizer step (global). One rollout batch gives train_batch_size / mini_batch_size steps.
+    Default: 16, or the smallest multiple of the prompts whose responses split over DP x micro batch above it
+    (`qwen35rl/config/batch_scale.py`: it grows with DP on many devices)."""
     ppo_epochs: int = at_least(1, 1, high=1000)
     clip_ratio_low: float = between(0.0, 1.0, 0.2, high_open=True)
     clip_ratio_high: float = at_least(0.0, 0.2, high=INF)
@@ -393,8 +397,11 @@ class DataConfig:
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     image_key: str = "images"
-    train_batch_size: int = at_least(1, 64)
-    """Prompts per step (global); each is sampled rollout.n times."""
+    train_batch_size: int = at_least(1, "${qwen35rl_batch:train,64,16}")
+    """Prompts per step (global); each is sampled rollout.n times. Default: 4 mini batches (64 prompts where 16 split
+    over DP; `qwen35rl/config/batch_scale.py`)."""
+    shuffle: bool = True
+    """Shuffle the train set each epoch (seeded by trainer.seed); false: the file's order."""
     val_batch_size: int = at_least(1, 64)
     max_prompt_length: int = at_least(1, 1024)
     max_response_length: int = at_least(1, 2048)

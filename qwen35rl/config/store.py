@@ -12,6 +12,9 @@ def register() -> None:
     global _done
     if _done:
         return
+    from qwen35rl.config import batch_scale
+
+    batch_scale.register()  # ${qwen35rl_batch:...}: the batch sizes' defaults
     cs = ConfigStore.instance()
     cs.store(name="schema", node=schema.RunConfig)
     cs.store(group="schema/backend", name="fsdp", node=schema.FsdpConfig)

@@ -120,6 +120,16 @@ def engine_env(cfg: Any) -> Dict[str, str]:
     return env
 
 
+def pool_fraction(cfg: Any, layout: Layout) -> float:
+    """rollout.gpu_memory_utilization; `auto` (a config the plan has not resolved) sized as the plan sizes it."""
+    value = cfg["rollout"]["gpu_memory_utilization"]
+    if str(value) == "auto":
+        from qwen35rl.config.memory import auto_pool_fraction
+
+        return auto_pool_fraction(cfg, layout)
+    return float(value)
+
+
 def engine_args_from_config(cfg: Any, layout: Layout, model_dir: str) -> Dict[str, Any]:
     """`vllm.LLM(**args)` for one rollout replica of the resolved config `cfg` (a DictConfig or plain dict tree)."""
     r, data, hw = cfg["rollout"], cfg["data"], cfg["hw"]
@@ -132,7 +142,7 @@ def engine_args_from_config(cfg: Any, layout: Layout, model_dir: str) -> Dict[st
         dtype=engine_dtype(cfg),
         seed=int(cfg["trainer"]["seed"]),
         tensor_parallel_size=layout.rollout_tp,
-        gpu_memory_utilization=float(r["gpu_memory_utilization"]),
+        gpu_memory_utilization=pool_fraction(cfg, layout),
         max_model_len=int(max_model_len),
         max_num_batched_tokens=int(r["max_num_batched_tokens"]),
         max_num_seqs=int(r["max_num_seqs"]),

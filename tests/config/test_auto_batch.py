@@ -174,10 +174,16 @@ def test_bad_values_are_refused_naming_the_key(override, message, capsys):
 def test_defaults_are_unchanged_and_need_no_resolution():
     assert schema.FsdpConfig.__dataclass_fields__["micro_batch_size_per_device"].default == 1
     assert schema.FsdpConfig.__dataclass_fields__["gradient_checkpointing"].default is True
-    cfg = vllm_facts.resolve(compose(SMALL))  # rollout.vllm_version=auto is the one default resolved
+    cfg = vllm_facts.resolve(compose(SMALL))  # rollout.vllm_version=auto is one default resolved
     assert vllm_facts.resolve(cfg) is cfg
     same, candidates, choice, problems = resolve_auto(cfg)
-    assert same is cfg and choice is None and not candidates and not problems
+    assert choice is None and not candidates and not problems
+    # the other: the vLLM pool (rollout.gpu_memory_utilization=auto), sized for this layout; nothing else changes
+    assert cfg.rollout.gpu_memory_utilization == "auto" and 0 < same.rollout.gpu_memory_utilization <= 0.9
+    same.rollout.gpu_memory_utilization = "auto"
+    assert same == cfg
+    resolved = resolve_auto(cfg)[0]
+    assert resolve_auto(resolved)[0] is resolved
     assert build_plan(cfg)["batch"]["auto"] is None
 
 
