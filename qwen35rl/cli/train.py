@@ -66,6 +66,20 @@ def _train_job(cfg: DictConfig) -> Dict[str, Any]:
     return {"valid": True, "problems": [p.to_dict() for p in problems], "exit_code": code}
 
 
+def _run_dir_refused(args: Any) -> bool:
+    """The run directory cannot be made here (a file or a read-only directory in its way): said, before Hydra
+    would fail making it."""
+    from qwen35rl.config.paths import unwritable_dir
+
+    why = unwritable_dir(args.run_dir)
+    if why:
+        given = any(o.lstrip("+").startswith("hydra.run.dir=") for o in args.overrides)
+        key = "hydra.run.dir" if given else "trainer.output_root"
+        print(f"qwen35rl: config error at '{key}': the run directory {args.run_dir} cannot be made: {why}\n"
+              f"  hint:    set {key} to a directory you can write", file=sys.stderr)
+    return bool(why)
+
+
 @console_script
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -74,6 +88,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return done
     if not args.multirun:
         from qwen35rl.config.plan import select_layout
+
+        if _run_dir_refused(args):
+            return EXIT_CONFIG
 
         cfg, _, problems = select_layout(cfg)
         errors = [p for p in problems + launch_problems(cfg) if p.severity == ERROR]

@@ -300,7 +300,7 @@ def check_group_choices(parsed) -> None:
                 raise ConfigError(o.key_or_group, "is an internal config tree, not a group to choose",
                                   hint=f"choose one of the groups: {', '.join(GROUPS)}")
             continue
-        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.value()]
+        values = sweep_values(o, group) if o.is_sweep_override() else [o.value()]
         options = available_options(group)
         for v in values:
             if v is None or (group == "cluster" and str(v) == "null"):
@@ -312,6 +312,34 @@ def check_group_choices(parsed) -> None:
                                   code="unknown_group_option")
 
 
+def sweep_values(o: Any, group: Optional[str] = None) -> List[str]:
+    """The values a sweep override takes, as strings; a ConfigError for a sweep of no values, a range with step 0,
+    or a glob() outside a config group (Hydra raises IndexError / ValueError / HydraException for these)."""
+    from hydra.core.override_parser.types import Glob
+
+    key = o.get_key_element()
+    if isinstance(o.value(), Glob):
+        if group is None and _group_of(o.key_or_group) is None:
+            raise ConfigError(key, "glob() picks among the options of a config group, and this is not a group",
+                              value=o.input_line, hint=f"list the values: {key}=a,b,c, or use range(start,stop,step)",
+                              code="sweep_invalid")
+        options = o.value().filter(available_options(group or o.key_or_group))
+        values = [str(v) for v in options]
+    else:
+        try:
+            values = [str(v) for v in o.sweep_string_iterator()]
+        except ValueError as e:  # range(a,b,0)
+            raise ConfigError(key, f"this sweep cannot be expanded: {e}", value=o.input_line,
+                              hint=f"give range() a non-zero step, e.g. {key}=range(2,10,2)", code="sweep_invalid") from None
+    if not values and isinstance(o.value(), Glob):
+        raise ConfigError(key, "this glob() matches no option of the group", value=o.input_line,
+                          allowed=available_options(group or o.key_or_group), code="sweep_invalid")
+    if not values:
+        raise ConfigError(key, "this sweep has no values (an empty range or list)", value=o.input_line,
+                          hint=f"e.g. {key}=range(2,10,2) or {key}=a,b", code="sweep_invalid")
+    return values
+
+
 def single_overrides(parsed) -> List[List[str]]:
     """For a sweep: the override lists to compose so that every swept value is checked once."""
     base = []
@@ -319,7 +347,7 @@ def single_overrides(parsed) -> List[List[str]]:
     for o in parsed:
         key = o.get_key_element()
         if o.is_sweep_override():
-            vals = [str(v) for v in o.sweep_string_iterator()]
+            vals = sweep_values(o)
             base.append(f"{key}={vals[0]}")
             sweeps.append((key, vals))
         else:
@@ -836,3 +864,29 @@ def check_sweep(overrides: Sequence[str]) -> None:
     check_group_choices(parsed)
     for variant in single_overrides(parsed):
         _compose(variant, True, "plan")  # the hydra node kept: its callbacks are checked
+    check_sweep_dir(single_overrides(parsed)[0])
+
+
+def check_sweep_dir(overrides: Sequence[str]) -> None:
+    """The sweep directory (`hydra.sweep.dir`, by default under trainer.output_root) can be made here: Hydra makes
+    it before the first job, and a file or a read-only directory in its way would end the sweep in a traceback."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from qwen35rl.config.paths import unwritable_dir
+
+    cfg = _hydra_compose(overrides, "plan")
+    holder = HydraConfig.instance()
+    before = holder.cfg
+    try:
+        holder.set_config(cfg)
+        where = str(OmegaConf.select(cfg, "hydra.sweep.dir"))
+    except Exception:  # a pattern that does not resolve before the sweep: Hydra reports it
+        return
+    finally:
+        holder.cfg = before
+    why = unwritable_dir(where)
+    if why:
+        given = any(o.lstrip("+").startswith("hydra.sweep.dir=") for o in overrides)
+        key = "hydra.sweep.dir" if given else "trainer.output_root"
+        raise ConfigError(key, f"the sweep directory {where} cannot be made: {why}", value=where,
+                          hint=f"set {key} to a directory you can write", code="sweep_dir_unwritable")

@@ -37,3 +37,16 @@ def config_path_set(value: Optional[str]) -> Iterator[None]:
             os.environ.pop(ENV_CONFIG_PATH, None)
         else:
             os.environ[ENV_CONFIG_PATH] = old
+
+
+def unwritable_dir(path: str) -> Optional[str]:
+    """Why the directory `path` cannot be made here (its nearest existing ancestor is a file, or not writable), or
+    None when it can."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{probe} is not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None

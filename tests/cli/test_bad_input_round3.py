@@ -224,3 +224,45 @@ def test_malformed_overlay_names_file_and_line(tmp_path, text, says, sweep, caps
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err and "error at '?'" not in err, err
     assert str(path) in err and says in err, err
+
+
+# ---------------------------------------------------------------------------------------------------- sweeps
+SWEEPS = [  # (argv after -m, key, what the error says)
+    ("rollout.n=range(0)", "rollout.n", "has no values"), ("rollout.n=range(8,2)", "rollout.n", "has no values"),
+    ("rollout.n=range(2,8,0)", "rollout.n", "non-zero step"), ("rollout.n=glob(*)", "rollout.n", "not a group"),
+    ("model=glob(nothing*)", "model", "matches no option"),
+]
+
+
+@pytest.mark.parametrize("line,key,says", SWEEPS, ids=[s[0] for s in SWEEPS])
+@pytest.mark.parametrize("cmd", ["plan", "train"])
+def test_bad_sweeps_are_refused(line, key, says, cmd, tmp_path, capsys):
+    from qwen35rl.cli.plan import main as plan_main
+    from qwen35rl.cli.train import main as train_main
+
+    main = plan_main if cmd == "plan" else train_main
+    assert main(["-m", line, f"trainer.output_root={tmp_path / 'runs'}"]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and f"config error at '{key}'" in err and says in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_glob_sweep_over_a_group_plans(tmp_path):
+    r = script("qwen35rl-plan", "-m", "model=glob(qwen3_5_tiny_vl*)", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+               cwd=tmp_path)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "model=qwen3_5_tiny_vl " in r.stderr and "model=qwen3_5_tiny_vl_moe" in r.stderr
+
+
+@pytest.mark.parametrize("cmd,argv,key", [
+    ("qwen35rl-plan", ["-m", "rollout.n=4,8", "hydra.sweep.dir={file}/x"], "hydra.sweep.dir"),
+    ("qwen35rl-plan", ["-m", "rollout.n=4,8", "trainer.output_root={file}"], "trainer.output_root"),
+    ("qwen35rl-train", ["-m", "rollout.n=4,8", "trainer.output_root={file}/deeper"], "trainer.output_root"),
+    ("qwen35rl-train", ["hydra.run.dir={file}/x"], "hydra.run.dir"),
+])
+def test_output_directory_under_a_file(tmp_path, cmd, argv, key):
+    file = tmp_path / "a_file"
+    file.write_text("")
+    r = script(cmd, *[a.format(file=file) for a in argv], cwd=tmp_path)
+    refused(r, f"config error at '{key}'", f"{file} is not a directory")
+    assert file.read_text() == "" and sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
