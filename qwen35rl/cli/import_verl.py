@@ -149,7 +149,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env = read_env_file(args.env) if args.env else {}
         launch = load_source(args.source, device=args.device, env=env, devices_per_node=args.devices_per_node)
         imp = import_launch(launch.argv, launch.env, device=args.device, name=args.name, fallback_name=Path(args.source).stem,
-                            model=args.model, hw=args.hw, data=args.data)
+                            model=args.model, hw=args.hw, data=args.data, entry=launch.entry)
         directory = out_dir(args.out)
         overlay, hw_overlay = write_overlay(imp, directory, args.source, force=args.force)
     except (ImportFailure, ScriptError) as e:

@@ -171,6 +171,10 @@ class HwConfig:
     when `rollout.vllm_version` < below_version (null: always)."""
     megatron_quirks: Dict[str, Any] = field(default_factory=dict)
     """Transformer-config settings this platform needs (MindSpeed on Ascend)."""
+    mindspeed: Dict[str, Any] = field(default_factory=dict)
+    """MindSpeed feature switches (Ascend, backend=megatron), passed as they are to MindSpeed's `repatch` after the
+    ones `megatron_quirks` derive (e.g. use_fused_rmsnorm, use_fused_swiglu, context_parallel_algo): MindSpeed's
+    arguments, not megatron-core TransformerConfig fields. Not read off NPU."""
     multi_node_rollout_tp: bool = False
     """Allow one rollout TP group to span nodes."""
 

@@ -209,7 +209,7 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) 
 
     try:  # prompts that cannot make a batch are the config's problem: said before Ray, exit 2
         train_set = prompts("train")
-        loader = PromptLoader(train_set, cfg.data.train_batch_size, seed=cfg.trainer.seed)
+        loader = PromptLoader(train_set, cfg.data.train_batch_size, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         validating = cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train
         val_set = prompts("val") if validating else []
     except (DataError, ValueError) as e:

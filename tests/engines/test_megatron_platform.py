@@ -128,3 +128,12 @@ def test_engine_without_megatron_names_the_install():
     cfg = compose(["model=qwen3_5_tiny", "backend=megatron", "hw=cpu"])
     with pytest.raises(ImportError, match=r"pip install 'qwen35rl\[gpu\]'"):
         MegatronTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device="cpu")
+
+
+def test_hw_mindspeed_switches_reach_repatch():
+    """hw.mindspeed (MindSpeed switches imported from verl's NPU scripts) is added to what the quirks derive."""
+    settings = ascend.with_switches(ascend.quirk_settings({"gdn_naive_l2norm": True}),
+                                    {"use_fused_rmsnorm": True, "context_parallel_algo": "kvallgather_cp_algo"})
+    assert settings.mindspeed == {"use_naive_l2norm": True, "use_fused_rmsnorm": True,
+                                  "context_parallel_algo": "kvallgather_cp_algo"}
+    assert ascend.with_switches(settings, None) is settings

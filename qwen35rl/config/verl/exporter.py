@@ -72,7 +72,7 @@ def _leaves(prefix: str, d: Any) -> Iterator[Tuple[str, Any]]:
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v and key not in ("hw.env", "backend.env", "rollout.engine_kwargs",
-                                                     "backend.transformer_overrides"):
+                                                     "backend.transformer_overrides", "hw.mindspeed"):
             yield from _leaves(key + ".", v)
         else:
             yield key, v
@@ -119,6 +119,9 @@ def export(cfg: Any) -> Dict[str, Any]:
         for key, value in _flatten("", get(cfg, "backend.transformer_overrides") or {}):
             put(f"{OVERRIDE_TC}.{key}", value, plus=needs_plus(OVERRIDE_TC, key))
         covered.add("backend.transformer_overrides")
+        for key, value in _flatten("", get(cfg, "hw.mindspeed") or {}):  # verl hands these to MindSpeed on NPU
+            put(f"{OVERRIDE_TC}.{key}", value, plus=needs_plus(OVERRIDE_TC, key))
+        covered.add("hw.mindspeed")
     if get(cfg, "model.path"):
         covered |= {"model.hf_id", "model.name"}
     env = worker_env(cfg)

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from qwen35rl.config.verl.keys import (ACTOR, CHOICE_KEYS, MODEL, OVERRIDE_TC, PASS_THROUGH, ROLLOUT, UNSET, Key,
+from qwen35rl.config.verl.keys import (ACTOR, CHOICE_KEYS, MODEL, OVERRIDE_TC, PASS_THROUGH, ROLLOUT, UNSET,
+                                       VLLM_KWARGS, Key,
                                        NotCarried,
                                        effective_remove_padding, env_reason, get, keys_for, why_not_carried,
                                        worker_env)
@@ -112,6 +113,66 @@ def _plain(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
     return v
+
+
+# ------------------------------------------------------------------------------------------- what is refused
+ENTRY_MODULE = "verl.trainer.main_ppo"
+CONFIG_NAMES = ("ppo_trainer", "ppo_megatron_trainer")
+STRATEGIES = ("fsdp", "fsdp2", "megatron")
+_OTHER_MODELS = re.compile(r"(llama|mistral|mixtral|deepseek|glm|kimi|gemma|phi|internvl|minicpm|gpt|ernie|"
+                           r"intern|baichuan|yi_|seed|moonlight|longcat)")
+
+
+def refuse_unsupported(launch: VerlLaunch, entry: str = "") -> None:
+    """ImportFailure (exit 2) for a launch qwen35rl does not run, rather than importing part of it as something
+    else: another verl entry point or config, a training strategy other than FSDP2 or Megatron, distillation,
+    video data."""
+    module = next((w for w in entry.split() if w.startswith("verl.")), "")
+    if module and module != ENTRY_MODULE:
+        raise ImportFailure("SOURCE", f"the script runs {module}, not {ENTRY_MODULE}: qwen35rl imports GRPO-family "
+                            "runs of verl's PPO trainer only", "import a main_ppo launch")
+    if launch.config_name and launch.config_name not in CONFIG_NAMES:
+        raise ImportFailure("--config-name", f"verl's {launch.config_name} config has no qwen35rl counterpart",
+                            f"qwen35rl imports launches of {' or '.join(CONFIG_NAMES)}")
+    for key, value in launch.values.items():
+        parts = key.split(".")
+        if "megatron_lite" in parts or (parts[-1] == "strategy" and str(value) not in STRATEGIES) or (
+                key == "model_engine" and str(value) not in ("dp", "fsdp", "megatron")):
+            raise ImportFailure(key, f"verl's {value if 'megatron_lite' not in parts else 'megatron_lite'} "
+                                "strategy has no qwen35rl counterpart", "qwen35rl trains with FSDP2 (backend=fsdp) "
+                                "or Megatron (backend=megatron): import a script of one of those engines")
+        if parts[0] == "distillation" and value not in (False, None):
+            raise ImportFailure(key, "a distillation run (a teacher model's log-probs in the loss): qwen35rl trains "
+                                "GRPO-family objectives only", "import a GRPO / DAPO / Dr.GRPO script")
+        words = [key.lower()] + [str(v).lower() for v in (value if isinstance(value, list) else [value])
+                                 if key in ("data.train_files", "data.val_files")]
+        if any("video" in w for w in words):
+            raise ImportFailure(key, "video data: qwen35rl trains on text and image prompts",
+                                "import a text or image (geo3k-style) script")
+
+
+def check_qwen35(path: Any) -> None:
+    """ImportFailure when the checkpoint is known not to be a Qwen3.5 model (its config.json here, else its name),
+    whatever --model says: --model picks among Qwen3.5 options for a checkpoint whose name tells nothing."""
+    if not path:
+        return
+    local = Path(os.path.expanduser(str(path))) / "config.json"
+    if local.is_file():
+        try:
+            hf = json.loads(local.read_text())
+        except (OSError, ValueError):
+            hf = {}
+        kind = " ".join([str(hf.get("model_type", ""))] + [str(a) for a in hf.get("architectures", []) or []]).lower()
+        if kind.strip() and "qwen3_5" not in kind:
+            raise ImportFailure(f"{MODEL}.path", f"{path} is a {hf.get('model_type') or kind} checkpoint, not "
+                                "Qwen3.5: qwen35rl trains Qwen3.5 models only", "import a Qwen3.5 script")
+        return
+    name = _norm(str(path).rstrip("/").rsplit("/", 1)[-1])
+    m = re.search(r"qwen(\d+(?:_\d+)?)", name)
+    if (m and m.group(1) != "3_5") or (not m and _OTHER_MODELS.search(name)):
+        raise ImportFailure(f"{MODEL}.path", f"{path} names a model other than Qwen3.5: qwen35rl trains Qwen3.5 "
+                            "models only (--model does not change what the checkpoint is)",
+                            "import a Qwen3.5 script")
 
 
 # ------------------------------------------------------------------------------------------- picking options
@@ -277,7 +338,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def import_launch(argv: Sequence[str], env: Optional[Dict[str, str]] = None, device: str = "gpu",
                   name: Optional[str] = None, model: Optional[str] = None, hw: Optional[str] = None,
-                  data: Optional[str] = None, fallback_name: Optional[str] = None) -> Imported:
+                  data: Optional[str] = None, fallback_name: Optional[str] = None, entry: str = "") -> Imported:
     """The composition of a verl launch (nothing is written: see `write_overlay`)."""
     from omegaconf import OmegaConf
 
@@ -285,11 +346,13 @@ def import_launch(argv: Sequence[str], env: Optional[Dict[str, str]] = None, dev
 
     launch = read_launch(argv)
     values = dict(launch.values)
+    refuse_unsupported(launch, entry)
     backend = pick_backend(launch)
     dev = str(values.get("trainer.device") or {"gpu": "cuda", "npu": "npu", "cpu": "cpu"}.get(device, device))
     nodes = int(values.get("trainer.nnodes", 1) or 1)
     per_node = int(values.get("trainer.n_gpus_per_node", 8) or 8)
     hw_name, hw_base = pick_hw(dev, nodes, per_node, hw)
+    check_qwen35(values.get(f"{MODEL}.path"))
     model_name, model_how = pick_model(values.get(f"{MODEL}.path"), model)
     data_name, data_how = pick_data(values, data)
     groups = {"model": model_name, "backend": backend, "hw": hw_base or hw_name, "data": data_name}
@@ -397,11 +460,20 @@ def _carry(k: Key, values: Dict[str, Any], base: Dict[str, Any], out: Imported) 
     return set(present)
 
 
+VLLM_FIRST_CLASS = ("max_model_len", "gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs",
+                    "enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "cudagraph_capture_sizes")
+"""vLLM engine arguments qwen35rl sets through a rollout key of its own (known_keys.VLLM_OWNED): a script's
+`engine_kwargs.vllm.<name>` (which verl's vLLM server applies over its own setting) carries to that key."""
+
+
 def _pass_through(values: Dict[str, Any], base: Dict[str, Any], backend: str, consumed: set, out: Imported) -> None:
+    from qwen35rl.config.known_keys import MEGATRON_TRANSFORMER_CONFIG, VLLM_OWNED
     from qwen35rl.config.quirks import effective_engine_kwargs
 
     current = {"rollout.engine_kwargs.": effective_engine_kwargs(base),
-               "backend.transformer_overrides.": get(base, "backend.transformer_overrides") or {}}
+               "backend.transformer_overrides.": get(base, "backend.transformer_overrides") or {},
+               "hw.mindspeed.": get(base, "hw.mindspeed") or {}}
+    npu = get(base, "hw.device") == "npu"
     for key, value in values.items():
         if key in consumed:
             continue
@@ -412,12 +484,48 @@ def _pass_through(values: Dict[str, Any], base: Dict[str, Any], backend: str, co
                 break
             rest = key[len(prefix):]
             consumed.add(key)
+            if prefix == f"{VLLM_KWARGS}." and rest in VLLM_FIRST_CLASS:
+                _carry_first_class(key, value, VLLM_OWNED[rest], values, base, out)
+                break
+            if prefix == f"{OVERRIDE_TC}." and rest == "sequence_parallel":
+                tp = int(values.get(f"{ACTOR}.megatron.tensor_model_parallel_size",
+                                    get(base, "parallelism.tp", 1)) or 1)
+                if bool(value) == (tp > 1):
+                    out.defaults.append(key)
+                else:
+                    out.not_carried.append({"key": key, "value": value, "why": "qwen35rl turns Megatron sequence "
+                                            f"parallel on exactly when TP > 1 (TP is {tp} here)"})
+                break
+            if prefix == f"{OVERRIDE_TC}." and npu and rest.split(".")[0] not in MEGATRON_TRANSFORMER_CONFIG:
+                target = "hw.mindspeed."  # a MindSpeed switch: verl hands the whole dict to MindSpeed on NPU
             if _same(get(current[target], rest, UNSET), value):
                 out.defaults.append(key)
             else:
                 out.carried[key] = target + rest
                 out.overlay[target + rest] = value
             break
+
+
+def _carry_first_class(key: str, value: Any, qwen: str, values: Dict[str, Any], base: Dict[str, Any],
+                       out: Imported) -> None:
+    """An engine argument verl's vLLM server takes over the rollout setting of the same name: carried to
+    qwen35rl's rollout key; the rollout setting, if the script also gave it another value, is reported overridden."""
+    first = f"{ROLLOUT}.{qwen.split('.', 1)[1]}"
+    if first in values and first in out.carried and not _same(values[first], value):
+        del out.carried[first]
+        out.not_carried.append({"key": first, "value": values[first], "why": f"{key} overrides it in verl's "
+                                f"vLLM engine (qwen35rl has one {qwen}, it takes {key}'s value)"})
+    elif first in values and first in out.defaults and not _same(values[first], value):
+        out.defaults.remove(first)
+        out.not_carried.append({"key": first, "value": values[first], "why": f"{key} overrides it in verl's "
+                                f"vLLM engine (qwen35rl has one {qwen}, it takes {key}'s value)"})
+    out.verl_defaults.pop(first, None)
+    if _same(get(base, qwen, UNSET), value):
+        out.defaults.append(key)
+        out.overlay.pop(qwen, None)
+    else:
+        out.carried[key] = qwen
+        out.overlay[qwen] = value
 
 
 def _carry_env(env: Dict[str, str], base: Dict[str, Any], out: Imported) -> None:

@@ -165,6 +165,15 @@ def _rollout_dp_to_qwen(v: Any, ctx: Any) -> Any:
     return int(v) if ep > 1 else None
 
 
+def _metric_to_qwen(v: Any, ctx: Any) -> Any:
+    """verl's filter_groups.metric: `reward` (the reward as the trainer uses it, shaping included) and `score`
+    (the reward function's score) are qwen35rl's two group-filter signals of the same names."""
+    if v not in ("reward", "score"):
+        raise NotCarried(f"verl's filter_groups.metric={v!r}: qwen35rl filters groups on the reward function's "
+                         "score (score) or the shaped reward (reward)")
+    return v
+
+
 def _rollout_is_to_verl(v: Any, cfg: Any) -> Any:
     """verl's rollout_correction.rollout_is: token | sequence, null for off."""
     return None if v == "off" else v
@@ -260,6 +269,7 @@ KEYS: List[Key] = [
     Key("data.truncation", "data.truncation", verl_default="error"),
     Key("data.filter_overlong_prompts", "data.filter_overlong_prompts", verl_default=False),
     Key("data.seed", "data.seed"),
+    Key("data.shuffle", "data.shuffle", verl_default=True),
     # rollout
     Key(f"{ROLLOUT}.name", "rollout.engine"),
     Key(f"{ROLLOUT}.n", "rollout.n", verl_default=1),
@@ -302,6 +312,7 @@ KEYS: List[Key] = [
     Key("algorithm.filter_groups.enable", "algorithm.dynamic_sampling.enable", verl_default=False),
     Key("algorithm.filter_groups.max_num_gen_batches", "algorithm.dynamic_sampling.max_rounds",
         to_verl=lambda v, c: int(v) + 1, to_qwen=lambda v, x: max(int(v) - 1, 0)),
+    Key("algorithm.filter_groups.metric", "algorithm.dynamic_sampling.metric", to_qwen=_metric_to_qwen),
     Key("algorithm.rollout_correction.bypass_mode", "backend.use_rollout_log_probs", verl_default=False),
     # truncated importance sampling by the rollout policy: the same weights (old / behaviour, capped) on both sides
     Key("algorithm.rollout_correction.rollout_is", "algorithm.rollout_is", verl_default=None,
@@ -388,8 +399,11 @@ KEYS: List[Key] = [
     Key(f"{OVERRIDE_TC}.moe_aux_loss_coeff", "backend.moe_aux_loss_coeff", MEGATRON, plus=True),
     Key(f"{OVERRIDE_TC}.moe_z_loss_coeff", "backend.moe_z_loss_coeff", MEGATRON, plus=True),
     Key(f"{OVERRIDE_TC}.moe_token_dispatcher_type", "backend.moe_token_dispatcher_type", MEGATRON, plus=True),
+    # MindSpeed switches (Ascend) that qwen35rl's platform quirks name; other MindSpeed switches: hw.mindspeed
     Key(f"{OVERRIDE_TC}.use_flash_attn", "hw.megatron_quirks.use_flash_attn", MEGATRON, plus=True,
         export_when=_quirk("use_flash_attn")),
+    Key(f"{OVERRIDE_TC}.use_naive_l2norm", "hw.megatron_quirks.gdn_naive_l2norm", MEGATRON, plus=True,
+        export_when=_quirk("gdn_naive_l2norm")),
     # the trainer loop
     Key("trainer.total_epochs", "trainer.total_epochs", verl_default=30),
     Key("trainer.total_training_steps", "trainer.total_steps", verl_default=None),
@@ -439,7 +453,9 @@ PASS_THROUGH: Dict[str, str] = {
     f"{OVERRIDE_TC}.": "backend.transformer_overrides.",
 }
 """verl prefixes whose remaining keys go into a qwen35rl pass-through dict under the same name (after the table's
-own entries under the prefix); the plan checks the names."""
+own entries under the prefix); the plan checks the names. On NPU an override_transformer_config key that is not a
+megatron-core TransformerConfig field is a MindSpeed switch (verl hands the dict to MindSpeed there): it goes to
+hw.mindspeed. vLLM arguments qwen35rl sets through a rollout key of its own go to that key."""
 
 NOT_CARRIED: Dict[str, str] = {
     "hydra.": "Hydra's own settings for verl's process (qwen35rl sets its run directory itself)",
@@ -508,7 +524,6 @@ NOT_CARRIED: Dict[str, str] = {
     "data.return_multi_modal_inputs": "verl-internal",
     "data.dataloader_num_workers": "qwen35rl tokenizes in the driver",
     "data.filter_overlong_prompts_workers": "qwen35rl filters in the driver",
-    "data.shuffle": "qwen35rl always shuffles the train set, seeded by data.seed",
     "data.reward_fn_key": "qwen35rl scores every row with data.reward",
     "data.custom_cls.": "qwen35rl reads parquet/jsonl rows itself (data.prompt_key, data.answer_key)",
     "data.tokenizer": "qwen35rl uses the checkpoint's tokenizer (model.tokenizer)",
@@ -517,7 +532,6 @@ NOT_CARRIED: Dict[str, str] = {
     "algorithm.kl_penalty": "qwen35rl has no in-reward KL controller (algorithm.use_kl_in_reward)",
     "algorithm.gamma": "GRPO advantages do not discount",
     "algorithm.lam": "GRPO advantages have no GAE lambda",
-    "algorithm.filter_groups.metric": "qwen35rl filters groups on the reward score",
     "algorithm.rollout_correction.": "no counterpart in qwen35rl (bypass_mode is backend.use_rollout_log_probs, "
                                      "rollout_is / rollout_is_threshold are algorithm.rollout_is / "
                                      "rollout_is_threshold)",
@@ -531,7 +545,7 @@ NOT_CARRIED: Dict[str, str] = {
     "ray_kwargs.": "launcher plumbing: qwen35rl starts or joins Ray itself (ray_address)",
     "global_profiler.": "no counterpart in qwen35rl",
     "transfer_queue.": "no counterpart in qwen35rl",
-    "distillation.": "no counterpart in qwen35rl",
+    "distillation.": "no counterpart in qwen35rl (an enabled distillation is refused)",
 }
 """verl keys (exact, or a prefix ending with '.') the importer does not carry, with why; the longest match wins."""
 
@@ -603,12 +617,16 @@ NOT_EXPORTED: Dict[str, str] = {
     "hw.env": "exported as the worker environment",
     "hw.vllm_quirks": "exported as rollout engine_kwargs while they apply",
     "hw.megatron_quirks.": "a MindSpeed patch qwen35rl applies on Ascend (no verl key)",
+    "hw.mindspeed": "MindSpeed switches act on the Megatron engine on Ascend (exported there as "
+                    "override_transformer_config entries)",
     "hw.": "a hardware fact of qwen35rl's plan (memory, FLOP/s, Ray resource, collectives)",
     "backend.megatron_core_version": "a fact of the cluster image (qwen35rl's plan applies its version facts)",
     "backend.bf16": "verl's Megatron engine trains in bf16",
     "backend.mixed_precision": "verl picks dtypes itself",
     "backend.logprob_chunk_size": "no counterpart in verl",
-    "backend.grad_offload": "verl 0.9.1 has no Megatron grad offload (the 0.8.0 line's actor.megatron.grad_offload)",
+    "backend.grad_offload": "verl 0.9.1's Megatron param_offload offloads the gradients with the parameters; "
+                            "grad_offload unlike param_offload has no verl 0.9.1 key (the 0.8.0 line's and "
+                            "newer lines' actor.megatron.grad_offload)",
     "backend.env": "exported as the worker environment",
     "backend.transformer_overrides": "exported as override_transformer_config entries",
     "backend.gradient_checkpointing": "verl's Megatron recomputes by override_transformer_config.recompute_*",
@@ -617,7 +635,6 @@ NOT_EXPORTED: Dict[str, str] = {
     "rollout.engine_kwargs": "exported as engine_kwargs.vllm entries",
     "rollout.": "no counterpart in verl (qwen35rl's transformers rollout or engine detail)",
     "algorithm.name": "qwen35rl's algorithm= preset name",
-    "algorithm.dynamic_sampling.metric": "verl filters groups on its filter_groups.metric",
     "algorithm.max_staleness": "verl's main_ppo trains on-policy; its one-step-off and fully async trainers (other "
                                "entry points with their own config) bound staleness",
     "algorithm.overlong_shaping.": "verl's DAPO recipe sets it in its reward manager, outside the main config tree",
@@ -637,6 +654,8 @@ IMPLIED: Dict[str, Callable[[Any], bool]] = {
     "placement.mode": lambda c: get(c, "placement.mode") == "colocated",
     "placement.rollout_devices": lambda c: get(c, "placement.mode") == "colocated",
     "algorithm.max_staleness": lambda c: int(get(c, "algorithm.max_staleness", 0) or 0) == 0,
+    "backend.grad_offload": lambda c: get(c, "backend.name") == "megatron" and (
+        bool(get(c, "backend.grad_offload")) == bool(get(c, "backend.param_offload"))),
 }
 """qwen35rl settings that verl's main_ppo runs as they are without a key of its own, while the predicate holds (its
 hybrid engine colocates, it trains on-policy); otherwise they are listed with `NOT_EXPORTED`'s reason."""

@@ -6,7 +6,7 @@ where it takes effect:
 - MindSpeed features, passed to `mindspeed.megatron_adaptor.repatch`: `use_flash_attn` (its fused attention replaces
   megatron's DotProductAttention, so the model keeps that class as core attention), `gdn_naive_l2norm` (MindSpeed's
   `use_naive_l2norm`: GDN's q/k L2 norm in plain torch ops instead of the fla kernel),
-  `moe_token_dispatcher_type`.
+  `moe_token_dispatcher_type`; and any other MindSpeed switch `hw.mindspeed` names (passed as it is).
 - TransformerConfig fields: `moe_token_dispatcher_type`; `use_ascend_gdn_kernels` false runs megatron-core's own
   torch GDN recurrence (`deterministic_mode`) instead of MindSpeed's Ascend GDN kernels.
 - weight loading: `hf_bridge` (HF checkpoints go through `mapping`, the only loader; false is refused) and
@@ -69,6 +69,18 @@ def quirk_settings(quirks: Optional[Mapping[str, Any]]) -> AscendSettings:
                           megatron_core_attention=bool(mindspeed.get("use_flash_attn", False)))
 
 
+def with_switches(settings: AscendSettings, switches: Optional[Mapping[str, Any]]) -> AscendSettings:
+    """`settings` with `hw.mindspeed`'s feature switches added (they win over what the quirks derive)."""
+    import dataclasses
+
+    extra = {str(k): v for k, v in dict(switches or {}).items()}
+    if not extra:
+        return settings
+    mindspeed = {**settings.mindspeed, **extra}
+    return dataclasses.replace(settings, mindspeed=mindspeed,
+                               megatron_core_attention=bool(mindspeed.get("use_flash_attn", False)))
+
+
 def require_ascend_stack(find_spec: Callable[[str], Any] = importlib.util.find_spec) -> None:
     """ImportError naming what to install when torch_npu or MindSpeed is missing."""
     missing = [name for name in ("torch_npu", "mindspeed") if find_spec(name) is None]
@@ -107,6 +119,6 @@ def prepare_platform(hw: Any, parallel: Mapping[str, Any]) -> AscendSettings:
     run's parallel sizes under TransformerConfig names); elsewhere nothing (the quirks describe the NPU platform)."""
     if str(hw.device) != "npu":
         return AscendSettings()
-    settings = quirk_settings(hw.get("megatron_quirks"))
+    settings = with_switches(quirk_settings(hw.get("megatron_quirks")), hw.get("mindspeed"))
     adapt_megatron(settings, parallel)
     return settings

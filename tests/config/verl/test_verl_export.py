@@ -110,7 +110,9 @@ def test_plan_prints_verl_launch():
     assert "export HCCL_CONNECT_TIMEOUT=1500" in out and "python3 -m verl.trainer.main_ppo \\" in out
     assert "    model_engine=megatron \\" in out
     assert "+actor_rollout_ref.rollout.engine_kwargs.vllm.mm_processor_cache_gb=0" in out
-    assert "# qwen35rl settings verl has no key for:" in out and "backend.grad_offload=True" in out
+    assert "# qwen35rl settings verl has no key for:" in out
+    # verl 0.9.1's param_offload offloads the gradients too: grad_offload=True goes with param_offload=True
+    assert "actor_rollout_ref.actor.megatron.param_offload=True" in out and "backend.grad_offload" not in out
     js = subprocess.run(args + ["format=json"], capture_output=True, text=True, env=env, timeout=120)
     plan = json.loads(js.stdout)
     assert plan["verl"]["argv"][0] == "model_engine=megatron"
@@ -137,3 +139,14 @@ def test_exported_environment_is_redacted_in_the_plan():
     plan = build_plan(compose(REFS[0] + ["+hw.env.WANDB_API_KEY=s3cr3t-value", "+hw.env.NCCL_DEBUG=WARN"]))
     assert plan["verl"]["env"]["NCCL_DEBUG"] == "WARN"
     assert "s3cr3t-value" not in json.dumps(plan)
+
+
+def test_grad_offload_rides_on_param_offload():
+    """verl 0.9.1 has no grad_offload key; its Megatron param_offload moves the gradients with the parameters."""
+    groups = ["model=qwen3_5_122b_a10b", "backend=megatron", "hw=h20_4node"]
+    same = export(compose(groups + ["backend.param_offload=true", "backend.grad_offload=true"]))
+    assert "actor_rollout_ref.actor.megatron.param_offload=True" in same["argv"]
+    assert not [x for x in same["not_exported"] if x["key"] == "backend.grad_offload"]
+    differ = export(compose(groups + ["backend.param_offload=true", "backend.grad_offload=false"]))
+    listed = [x for x in differ["not_exported"] if x["key"] == "backend.grad_offload"]
+    assert listed and "param_offload" in listed[0]["why"]
