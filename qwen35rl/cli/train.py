@@ -80,6 +80,22 @@ def _run_dir_refused(args: Any) -> bool:
     return bool(why)
 
 
+def _reward_refused(name: str) -> bool:
+    """A custom reward is loaded once here, before Hydra makes the run directory: one that does not load (or exits
+    while being imported) is refused with nothing written. The plan only looks it up."""
+    if ":" not in name:
+        return False
+    from qwen35rl.rewards.registry import get_reward_fn
+
+    try:
+        get_reward_fn(name)
+    except ValueError as e:
+        print(f"qwen35rl: error: [reward_not_loadable] data.reward: {e}\n  hint: a built-in reward, an importable "
+              "`pkg.module:function` or `path/to/file.py:function`; nothing was started", file=sys.stderr)
+        return True
+    return False
+
+
 @console_script
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -96,6 +112,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         errors = [p for p in problems + launch_problems(cfg) if p.severity == ERROR]
         if errors:
             _print_problems(errors)
+            return EXIT_CONFIG
+        if _reward_refused(str(cfg.data.reward)):
             return EXIT_CONFIG
     _exit_codes.clear()
     run_hydra(_train_job, args, "train")

@@ -266,3 +266,34 @@ def test_output_directory_under_a_file(tmp_path, cmd, argv, key):
     r = script(cmd, *[a.format(file=file) for a in argv], cwd=tmp_path)
     refused(r, f"config error at '{key}'", f"{file} is not a directory")
     assert file.read_text() == "" and sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+# --------------------------------------------------------------------------------------------------- rewards
+_SCORE = "def score(response, answer, example):\n    return 1.0 if answer in response else 0.0\n"
+
+
+def test_reward_from_a_file_trains_as_the_plan_says(tmp_path):
+    reward = tmp_path / "my_reward.py"
+    reward.write_text(_SCORE)
+    argv = [f"data.reward={reward}:score", f"trainer.output_root={tmp_path / 'runs'}"]
+    assert script("qwen35rl-plan", *argv, cwd=tmp_path).returncode == 0
+    r = script("qwen35rl-train", *argv, "trainer.total_steps=1", "trainer.test_freq=-1", "trainer.save_freq=-1",
+               cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    metrics = [line for p in (tmp_path / "runs").rglob("metrics.jsonl") for line in p.read_text().splitlines()]
+    assert metrics and '"reward/failed": 0.0' in metrics[0]  # the scoring workers loaded the file too
+
+
+@pytest.mark.parametrize("body,says", [
+    ("import sys\nsys.exit(0)\n" + _SCORE, "called sys.exit(0) while being imported"),
+    ("raise RuntimeError('boom')\n", "RuntimeError: boom"),
+    (_SCORE.replace("def score", "def other"), "has no attribute 'score'"),
+])
+@pytest.mark.parametrize("as_module", [False, True])
+def test_reward_that_does_not_load_is_refused_before_anything(tmp_path, body, says, as_module):
+    (tmp_path / "bad_reward_mod.py").write_text(body)
+    name = "bad_reward_mod:score" if as_module else f"{tmp_path / 'bad_reward_mod.py'}:score"
+    r = script("qwen35rl-train", f"data.reward={name}", f"trainer.output_root={tmp_path / 'runs'}", cwd=tmp_path,
+               env={"PYTHONPATH": str(tmp_path)})
+    refused(r, "reward_not_loadable", "data.reward", says)
+    assert not (tmp_path / "runs").exists()
