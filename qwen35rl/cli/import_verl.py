@@ -136,6 +136,21 @@ def render(r: Dict[str, Any], values: Dict[str, Any], source: str) -> str:
     return "\n".join(lines)
 
 
+def _written(write: Any, directory: Path, failure: Any) -> Any:
+    """`write()` of the overlays under `directory`, a refusal naming --out when they cannot go there (a file in the
+    way, a read-only directory, a full disk)."""
+    from qwen35rl.config.paths import unwritable_dir
+
+    why = unwritable_dir(str(directory))
+    if why is None:
+        try:
+            return write()
+        except OSError as e:
+            why = f"{e.strerror or e} ({e.filename or directory})"
+    raise failure("--out", f"the overlay cannot be written under {directory}: {why}",
+                  "pass --out DIR, a directory you can write")
+
+
 @console_script
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from qwen35rl.config.verl.importer import ImportFailure, command, import_launch, write_overlay
@@ -151,7 +166,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         imp = import_launch(launch.argv, launch.env, device=args.device, name=args.name, fallback_name=Path(args.source).stem,
                             model=args.model, hw=args.hw, data=args.data, entry=launch.entry)
         directory = out_dir(args.out)
-        overlay, hw_overlay = write_overlay(imp, directory, args.source, force=args.force)
+        overlay, hw_overlay = _written(lambda: write_overlay(imp, directory, args.source, force=args.force),
+                                       directory, ImportFailure)
     except (ImportFailure, ScriptError) as e:
         print(e.render() if hasattr(e, "render") else f"qwen35rl-import: {e}", file=sys.stderr)
         if args.format == "json":

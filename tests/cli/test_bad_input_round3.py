@@ -297,3 +297,30 @@ def test_reward_that_does_not_load_is_refused_before_anything(tmp_path, body, sa
                env={"PYTHONPATH": str(tmp_path)})
     refused(r, "reward_not_loadable", "data.reward", says)
     assert not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------------------------------------------------ other tools
+VERL_FIXTURE = Path(__file__).resolve().parents[1] / "config" / "verl" / "fixtures" / "fsdp_27b.sh"
+
+
+@pytest.mark.parametrize("argv,key,says", [
+    (["--name", "../../escaped"], None, None),  # the name is a file name: written inside --out
+    (["--name", ".."], "--name", "has no letter or digit"),
+    (["--name", ""], "--name", "has no letter or digit"),
+    (["--out", "{file}"], "--out", "is not a directory"),
+    (["--out", "{file}/deeper"], "--out", "is not a directory"),
+])
+def test_import_names_and_out(tmp_path, argv, key, says):
+    file = tmp_path / "a_file"
+    file.write_text("")
+    out = tmp_path / "out"
+    argv = [a.format(file=file) for a in argv]
+    r = script("qwen35rl-import", "verl", VERL_FIXTURE, *(argv if "--out" in argv else [*argv, "--out", out]),
+               cwd=tmp_path)
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    if key is None:
+        assert "Traceback" not in r.stderr, r.stderr
+        assert written == ["a_file", "out/experiment/escaped.yaml"], written
+        return
+    refused(r, f"cannot import '{key}'", says)
+    assert written == ["a_file"] and file.read_text() == ""

@@ -367,6 +367,9 @@ def import_launch(argv: Sequence[str], env: Optional[Dict[str, str]] = None, dev
     picked = {"model": model_how, "backend": _backend_how(launch, backend),
               "hw": f"{nodes} node(s) x {per_node} {dev} device(s)" + (f" (new overlay on {hw_base})" if hw_base else ""),
               "data": data_how}
+    if name is not None and not _norm(name):  # '..', '.', '': no file name (and nothing to compose by)
+        raise ImportFailure("--name", f"{name!r} has no letter or digit to name experiment/NAME.yaml by",
+                            "pass --name with letters or digits, e.g. --name my_run")
     out = Imported(name=_norm(name) if name else _default_name(values, fallback_name), groups=groups, picked=picked, overlay={},
                    verl_values=dict(launch.values))
     out.new_hw = new_hw
