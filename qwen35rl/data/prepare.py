@@ -143,6 +143,20 @@ def _local_files(spec: Spec, source: Path, splits: Sequence[str]) -> Dict[str, L
     return files
 
 
+def _check_parquet(path: str) -> None:
+    """A parquet file starts and ends with the magic bytes PAR1: a shard that does not is named, not a traceback."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+            f.seek(max(os.path.getsize(path) - 4, 0))
+            tail = f.read(4)
+    except OSError as e:
+        raise PrepareError(f"--source: cannot read {path} ({e.strerror or e})") from None
+    if head != b"PAR1" or tail != b"PAR1":
+        raise PrepareError(f"--source: {path} is not a parquet file (no PAR1 magic bytes); give a copy of the hub "
+                           "repository's parquet files as they are")
+
+
 def load_splits(spec: Spec, source: Optional[str], splits: Sequence[str],
                 cache_dir: Optional[str] = None) -> Dict[str, Any]:
     """split -> a `datasets.Dataset`, from the hub (source None or a hub id) or a local directory."""
@@ -153,7 +167,13 @@ def load_splits(spec: Spec, source: Optional[str], splits: Sequence[str],
             raise PrepareError(f"--source {source}: not a directory (give the directory of the hub repository's "
                                f"files, e.g. one holding {spec.folder}/train-00000-of-00001.parquet)")
         files = _local_files(spec, local, splits)
-        loaded = datasets.load_dataset("parquet", data_files=files, cache_dir=cache_dir)
+        for f in (f for shards in files.values() for f in shards):
+            _check_parquet(f)
+        try:
+            loaded = datasets.load_dataset("parquet", data_files=files, cache_dir=cache_dir)
+        except Exception as e:  # noqa: BLE001 - a shard the reader refuses: said with the files, no traceback
+            raise PrepareError(f"--source {source}: the parquet files could not be read ({type(e).__name__}: "
+                               f"{e}); give a copy of the hub repository's files as they are") from None
         return {split: loaded[split] for split in splits}
     hub_id = source or spec.hub_id
     if source and (source.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", source)):
@@ -276,6 +296,9 @@ def prepare(name: str, out: str = "data", source: Optional[str] = None, splits: 
         raise PrepareError(f"{target} exists and is not empty ({', '.join(sorted(p.name for p in target.iterdir()))}): "
                            f"pass --force to replace its {', '.join(s + '.parquet' for s in splits)}, or choose "
                            "another --out")
+    _check_writable(target, "--out", out)
+    if cache_dir:
+        _check_writable(Path(cache_dir).expanduser(), "--cache-dir", cache_dir)
     loaded = load_splits(spec, source, splits, cache_dir=cache_dir)
     source_dir = Path(source).expanduser() if source and Path(source).expanduser().is_dir() else None
     converted = {split: convert_split(spec, loaded[split], split, source_dir) for split in splits}
@@ -283,15 +306,31 @@ def prepare(name: str, out: str = "data", source: Optional[str] = None, splits: 
     import pyarrow.parquet as pq
 
     schema = _schema(spec)
-    target.mkdir(parents=True, exist_ok=True)
     written = []
-    for split, rows in converted.items():
-        path = target / f"{split}.parquet"
-        tmp = path.with_name(f".{path.name}.tmp")
-        pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp)
-        os.replace(tmp, path)
-        written.append(Written(split, path, len(rows)))
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        for split, rows in converted.items():
+            path = target / f"{split}.parquet"
+            tmp = path.with_name(f".{path.name}.tmp")
+            try:
+                pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            written.append(Written(split, path, len(rows)))
+    except OSError as e:  # a full disk, a directory made read-only meanwhile
+        raise PrepareError(f"--out {out}: cannot write {e.filename or target} ({e.strerror or e})"
+                           + (f"; written before it: {', '.join(str(w.path) for w in written)}" if written else "")) from None
     return written
+
+
+def _check_writable(path: Path, flag: str, given: str) -> None:
+    """`path` (a directory to write) can be made here; checked before anything is loaded."""
+    from qwen35rl.config.paths import unwritable_dir
+
+    why = unwritable_dir(str(path))
+    if why:
+        raise PrepareError(f"{flag} {given}: {path} cannot be made: {why} (choose a directory you can write)")
 
 
 # ------------------------------------------------------------------------------------------- plan's hint

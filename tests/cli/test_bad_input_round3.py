@@ -324,3 +324,33 @@ def test_import_names_and_out(tmp_path, argv, key, says):
         return
     refused(r, f"cannot import '{key}'", says)
     assert written == ["a_file"] and file.read_text() == ""
+
+
+def _gsm8k_copy(root: Path, broken: bool = False) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (root / "main").mkdir(parents=True)
+    for split in ("train", "test"):
+        path = root / "main" / f"{split}-00000-of-00001.parquet"
+        if broken and split == "train":
+            path.write_text("question,answer\nq,4\n")  # a CSV under a parquet name
+        else:
+            pq.write_table(pa.table({"question": ["q"], "answer": ["so\n#### 4"]}), path)
+    return root
+
+
+@pytest.mark.parametrize("flag,value,says", [
+    ("--out", "{file}", "is not a directory"), ("--out", "{file}/deeper", "is not a directory"),
+    ("--cache-dir", "{file}", "is not a directory"), ("--source", None, "is not a parquet file"),
+])
+def test_data_prepare_bad_places(tmp_path, flag, value, says):
+    file = tmp_path / "a_file"
+    file.write_text("")
+    source = _gsm8k_copy(tmp_path / "src", broken=value is None)
+    args = {"--out": str(tmp_path / "out"), "--source": str(source), "--cache-dir": str(tmp_path / "cache")}
+    if value is not None:
+        args[flag] = value.format(file=file)
+    r = script("qwen35rl-data", "prepare", "gsm8k", *[x for kv in args.items() for x in kv], cwd=tmp_path)
+    refused(r, f"error: {flag}", says)
+    assert not (tmp_path / "out").exists() and file.read_text() == ""
