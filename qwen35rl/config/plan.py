@@ -84,6 +84,8 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
     cfg, candidates, choice, problems = resolve_auto(cfg)
     layout = derive_layout(cfg)
     problems += rules.check_all(cfg, layout) + environment_problems(cfg)
+    if layout.split and min(layout.world, layout.rollout_world) < 1:  # an empty pool (split_pool_sizes says so):
+        return refused_plan(cfg, problems)  # the memory and cost arithmetic would divide by its size
     count = params.count_params(cfg.model)
     mem = memory.estimate(cfg, layout)
     preset, changed = layout_search.layout_origin(cfg)

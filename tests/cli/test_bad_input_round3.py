@@ -354,3 +354,16 @@ def test_data_prepare_bad_places(tmp_path, flag, value, says):
     r = script("qwen35rl-data", "prepare", "gsm8k", *[x for kv in args.items() for x in kv], cwd=tmp_path)
     refused(r, f"error: {flag}", says)
     assert not (tmp_path / "out").exists() and file.read_text() == ""
+
+
+# ------------------------------------------------------------------------------------------ split placement
+@pytest.mark.parametrize("line", ["placement=split placement.rollout_devices=2",
+                                  "placement=split hw.devices_per_node=4 placement.rollout_devices=5",
+                                  "placement=split hw.devices_per_node=4 parallelism=auto placement.rollout_devices=4"])
+@pytest.mark.parametrize("fmt", ["text", "json", "verl"])
+def test_split_pool_as_large_as_the_world(line, fmt, capsys):
+    from qwen35rl.cli.plan import main
+
+    assert main([*line.split(" "), f"format={fmt}"]) == 2  # as train refuses it
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and "placement.rollout_devices" in out + err, out + err
