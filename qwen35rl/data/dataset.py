@@ -30,9 +30,12 @@ def build_dataset(data_cfg: Any, tokenizer: Any, split: str) -> List[PromptExamp
     if kind == "synthetic":
         examples = _synthetic(data_cfg, split)
     elif kind in ("text", "multimodal"):
-        files = list(data_cfg.train_files if split == "train" else data_cfg.val_files)
-        rows = [row for path in files for row in read_rows(path)]
-        examples = [_from_row(data_cfg, row, i, with_images=kind == "multimodal") for i, row in enumerate(rows)]
+        key = "data.train_files" if split == "train" else "data.val_files"
+        examples = []
+        for path in data_cfg.train_files if split == "train" else data_cfg.val_files:
+            for n, row in enumerate(_rows(key, str(path))):
+                examples.append(_checked_row(data_cfg, row, len(examples), f"{key}: {path}, row {n}",
+                                             with_images=kind == "multimodal"))
     else:
         raise ValueError(f"data.kind={kind!r}: expected synthetic, text or multimodal")
     if kind == "multimodal":
@@ -99,6 +102,64 @@ def _synthetic(data_cfg: Any, split: str) -> List[PromptExample]:
                       messages=_messages(data_cfg.system_prompt, text))
         for i, (text, answer) in enumerate(make_prompts(data_cfg.synthetic_task, count, seed))
     ]
+
+
+def _rows(key: str, path: str) -> List[Dict[str, Any]]:
+    """The rows of one data file; a DataError naming it when it cannot be read, holds no rows or is not a table of
+    objects (a file that is not what its extension says, a truncated parquet file)."""
+    try:
+        rows = read_rows(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow, json and OS errors alike: the file is the problem
+        raise DataError(f"{key}: {path} cannot be read as a data file ({type(e).__name__}: {e}); give a .parquet "
+                        "or .jsonl file of one prompt per row") from None
+    if not rows:
+        raise DataError(f"{key}: {path} holds no rows; give a file with prompts, or remove it from {key}")
+    if not all(isinstance(r, dict) for r in rows):
+        raise DataError(f"{key}: {path} is not one JSON object per line (found {type(rows[0]).__name__} values)")
+    return rows
+
+
+def _checked_row(data_cfg: Any, row: Dict[str, Any], index: int, where: str, with_images: bool) -> PromptExample:
+    """`_from_row`, with what a row lacks or holds wrongly (a missing column, a null / NaN / list answer, an image
+    that does not decode, more <image> placeholders than images) as a DataError naming the file, row and key: a bad
+    row stops the run before any step trains on it."""
+    answer = _column(row, data_cfg.answer_key, "data.answer_key", where)
+    if answer is None or isinstance(answer, (list, dict)) or (isinstance(answer, float) and answer != answer):
+        shown = "null" if answer is None else "NaN" if isinstance(answer, float) else type(answer).__name__
+        raise DataError(f"{where}: the answer ({data_cfg.answer_key}) is {shown}, not a string or number; fix the "
+                        "row or point data.answer_key at the ground-truth column")
+    prompt = _column(row, data_cfg.prompt_key, "data.prompt_key", where)
+    if prompt is None or isinstance(prompt, (dict, bool)):
+        raise DataError(f"{where}: the prompt ({data_cfg.prompt_key}) is {'null' if prompt is None else type(prompt).__name__}, "
+                        "not text or chat messages")
+    if with_images:
+        images = _column(row, data_cfg.image_key, "data.image_key", where)
+        if not isinstance(images, (list, tuple)) or not images:
+            raise DataError(f"{where}: data.kind=multimodal, but the row's images ({data_cfg.image_key}) are "
+                            f"{'an empty list' if isinstance(images, (list, tuple)) else _kind(images)}; give each "
+                            "row its images, or use data.kind=text")
+        text = prompt if isinstance(prompt, str) else " ".join(str(m.get("content", "")) for m in prompt
+                                                              if isinstance(m, dict))
+        if text.count(IMAGE_PLACEHOLDER) > len(images):
+            raise DataError(f"{where}: the prompt has {text.count(IMAGE_PLACEHOLDER)} {IMAGE_PLACEHOLDER} "
+                            f"placeholders but the row has {len(images)} image(s); give one image per placeholder")
+    try:
+        return _from_row(data_cfg, row, index, with_images)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # PIL's UnidentifiedImageError is an OSError
+        raise DataError(f"{where}: {type(e).__name__}: {e} (an image that does not decode, or chat messages "
+                        "without role/content)") from None
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else f"a {type(value).__name__}"
+
+
+def _column(row: Dict[str, Any], key: str, setting: str, where: str) -> Any:
+    try:
+        return lookup(row, key)
+    except KeyError:
+        raise DataError(f"{where}: no column {key!r} ({setting}); the row has {', '.join(map(str, row)) or 'none'}: "
+                        f"set {setting} to one of them") from None
 
 
 def _from_row(data_cfg: Any, row: Dict[str, Any], index: int, with_images: bool) -> PromptExample:

@@ -367,3 +367,70 @@ def test_split_pool_as_large_as_the_world(line, fmt, capsys):
     assert main([*line.split(" "), f"format={fmt}"]) == 2  # as train refuses it
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err and "placement.rollout_devices" in out + err, out + err
+
+
+# ------------------------------------------------------------------------------------------------ data files
+def _jsonl(path: Path, rows) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+_GOOD = [{"question": f"q{i}", "answer": str(i)} for i in range(16)]
+TEXT_DATA = [  # (file name, rows or raw text, what the refusal says)
+    ("nocol.jsonl", [{"quest": "q", "answer": "1"}] * 16, "no column 'question' (data.prompt_key)"),
+    ("null.jsonl", _GOOD[:3] + [{"question": "q", "answer": None}], "row 3: the answer (answer) is null"),
+    ("nan.jsonl", _GOOD[:3] + [{"question": "q", "answer": float("nan")}], "is NaN"),
+    ("list.jsonl", _GOOD[:3] + [{"question": "q", "answer": [1, 2]}], "is list"),
+    ("empty.jsonl", "", "holds no rows"), ("csv.jsonl", "question,answer\nq,1\n", "cannot be read as a data file"),
+    ("fake.parquet", "not parquet\n", "cannot be read as a data file"),
+]
+
+
+@pytest.mark.parametrize("name,rows,says", TEXT_DATA, ids=[t[0] for t in TEXT_DATA])
+def test_text_data_refused_before_anything_trains(tmp_path, name, rows, says):
+    bad = tmp_path / name
+    bad.write_text(rows) if isinstance(rows, str) else _jsonl(bad, rows)
+    good = _jsonl(tmp_path / "good.jsonl", _GOOD)
+    r = script("qwen35rl-train", "data=gsm8k", f"data.train_files=[{bad}]", f"data.val_files=[{good}]",
+               "data.max_prompt_length=256", f"trainer.output_root={tmp_path / 'runs'}", cwd=tmp_path)
+    refused(r, "data_unusable", str(bad), says)
+    assert not list((tmp_path / "runs").rglob("checkpoints/*"))
+
+
+def _png() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("row,says", [
+    ({"problem": "<image> a", "answer": "1", "images": [{"bytes": b"not a png", "path": None}]}, "UnidentifiedImageError"),
+    ({"problem": "<image> <image> a", "answer": "1", "images": [{"bytes": "PNG", "path": None}]},
+     "2 <image> placeholders but the row has 1 image(s)"),
+    ({"problem": "a", "answer": "1", "images": []}, "are an empty list"),
+    ({"problem": "a", "answer": "1", "images": None}, "are null"),
+])
+def test_image_rows_refused(tmp_path, row, says):
+    from omegaconf import OmegaConf
+
+    from qwen35rl.config.compose import compose
+    from qwen35rl.data import DataError, build_dataset
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = {"problem": "<image> ok", "answer": "2", "images": [{"bytes": _png(), "path": None}]}
+    if row["images"]:
+        row = {**row, "images": [{**im, "bytes": _png() if im["bytes"] == "PNG" else im["bytes"]} for im in row["images"]]}
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([good, row]), path)
+    cfg = compose(["model=qwen3_5_tiny_vl", "data=geo3k", f"data.train_files=[{path}]"])
+    with pytest.raises(DataError, match="row 1") as e:
+        build_dataset(OmegaConf.create(OmegaConf.to_container(cfg.data)), None, "train")
+    assert says in str(e.value) and str(path) in str(e.value)

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from qwen35rl.config.schema import DataConfig
-from qwen35rl.data import PromptExample, PromptLoader, build_dataset
+from qwen35rl.data import DataError, PromptExample, PromptLoader, build_dataset
 from qwen35rl.data.synthetic import digit_reward, make_prompts
 
 
@@ -107,7 +107,7 @@ def test_text_parquet_with_chat_messages_and_no_template(tmp_path):
 
 def test_missing_key_and_bad_extension(tmp_path):
     cfg = data_cfg(train_files=[write_jsonl(tmp_path / "a.jsonl", [{"q": "x", "answer": "1"}])])
-    with pytest.raises(KeyError, match="'prompt'"):
+    with pytest.raises(DataError, match="no column 'prompt' \\(data.prompt_key\\)"):  # exit 2 in train, not a traceback
         build_dataset(cfg, CharTokenizer(), "train")
     (tmp_path / "a.csv").write_text("q\n")
     with pytest.raises(ValueError, match=".parquet"):
