@@ -97,6 +97,8 @@ class Candidate:
     """The same as `overrides`, as dotted key -> value."""
     batch: Optional[auto_batch.Choice] = None
     """What the `auto` micro batch / checkpointing resolved to for this layout (None: neither is auto)."""
+    variant: Dict[str, Any] = field(default_factory=dict)
+    """The trainer settings `backend_variants` changed for this candidate ({}: the config's own)."""
 
     def to_dict(self) -> Dict[str, Any]:
         out = {"score": round(self.score, 4), "score_unit": SCORE_UNIT, "overrides": list(self.overrides),
@@ -207,8 +209,60 @@ def search(cfg: Any) -> List[Candidate]:
     return out
 
 
+OFFLOAD_KEYS = {"fsdp": ("backend.param_offload", "backend.optimizer_offload", "backend.offload_policy"),
+                "megatron": ("backend.optimizer_cpu_offload", "backend.param_offload", "backend.grad_offload",
+                             "backend.optimizer_offload")}
+"""What `backend_variants` turns on or off together: the trainer's state on the host (FSDP: its CPU offload policy,
+which any of these turns on; Megatron: the CPU optimizer step and the copies between phases)."""
+
+
+def _dotted(tree: Dict[str, Any], key: str) -> Any:
+    node = tree
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def backend_variants(tree: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The trainer settings the search ranks each layout with: the config's own ({}), offload toggled (all of
+    `OFFLOAD_KEYS` on when any is off, else all off) and recomputation toggled (backend.gradient_checkpointing,
+    unless `auto`, which `auto_batch` chooses per layout). Each is costed: the host copies and the CPU optimizer
+    step (`offload_seconds`), recomputation's extra third of the compute. With placement=split the training pool
+    never shares its devices, so offload is not toggled there."""
+    backend = str(tree["backend"]["name"])
+    out: List[Dict[str, Any]] = [{}]
+    keys = [k for k in OFFLOAD_KEYS.get(backend, ()) if k.split(".", 1)[1] in tree["backend"]]
+    if keys and not is_split(tree):
+        on = all(bool(_dotted(tree, k)) for k in keys)
+        out.append({k: not on for k in keys})
+    ckpt = _dotted(tree, "backend.gradient_checkpointing")
+    if ckpt in (True, False):
+        out.append({"backend.gradient_checkpointing": not ckpt})
+    return out
+
+
+def _with_settings(tree: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
+    if not settings:
+        return tree
+    out = {**tree, "backend": dict(tree["backend"])}
+    for key, value in settings.items():
+        out["backend"][key.split(".", 1)[1]] = value
+    return out
+
+
 def _search_pools(tree: Dict[str, Any], pool: Dict[str, Any]) -> List[Candidate]:
-    """The candidates on the pools of `tree` (`pool`: the searched placement settings to add to each)."""
+    """The candidates on the pools of `tree` (`pool`: the searched placement settings to add to each), each layout
+    with every trainer variant of `backend_variants`."""
+    out: List[Candidate] = []
+    for variant in backend_variants(tree):
+        found = _search_variant(_with_settings(tree, variant), {**pool, **variant})
+        out += [replace(c, variant=dict(variant)) for c in found] if variant else found
+    return out
+
+
+def _search_variant(tree: Dict[str, Any], pool: Dict[str, Any]) -> List[Candidate]:
+    """The candidates on the pools of `tree` with its trainer settings (`pool`: the searched settings to add to
+    each)."""
     world, rollout_world = pool_sizes(tree)
     if world < 1 or rollout_world < 1:
         return []
@@ -289,6 +343,101 @@ def apply(cfg: Any, candidate: Candidate) -> DictConfig:
                        ("parallelism.name", "auto/" + " ".join(degrees))):
         OmegaConf.update(out, key, value, merge=False)
     return out
+
+
+# ------------------------------------------------------------------------------------------ keep or replace
+KEEP_TESTED_MARGIN = 0.4
+"""`parallelism=auto` replaces the tested layout of a model x hw x backend only when the best searched candidate's
+score is lower by more than this share of it (the tested one takes more than 1.4x as long). The model's own error
+between layouts is about this large: it prices every layout at one MFU, while the same rows measured on an H200
+ran the update at 29.1% MFU under Megatron TP1 and 22.4% under FSDP on the 0.8B, 20.9% and 15.3% on the 4B
+(bench/results/h200.md): 30-37% apart for the same work."""
+
+
+def tested_candidate(cfg: Any, candidates: List[Candidate]) -> Optional[Candidate]:
+    """The candidate that is the tested layout of this model x hw x backend with the config's own trainer settings
+    (None: no tested layout, or it is not among the candidates: refused, not fitting, or outside the space)."""
+    name = tested_name(cfg)
+    if name is None:
+        return None
+    preset = preset_degrees(name)
+    if preset is None or preset["pipeline_layout"] is not None or preset["vpp"] is not None:
+        return None
+    out = cfg.copy() if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+    for key, value in preset.items():
+        OmegaConf.update(out, f"parallelism.{key}", value, merge=False)
+    layout = derive_layout(out)
+    return next((c for c in candidates if c.layout == layout and not c.variant), None)
+
+
+def pick(cfg: Any, candidates: List[Candidate]) -> Candidate:
+    """The candidate `parallelism=auto` applies: the tested layout unless the best is better by more than
+    `KEEP_TESTED_MARGIN`, else the best."""
+    best, tested = candidates[0], tested_candidate(cfg, candidates)
+    if tested is not None and best.score * (1 + KEEP_TESTED_MARGIN) >= tested.score:
+        return tested
+    return best
+
+
+def _parts(c: Candidate) -> str:
+    train = sum(v for k, v in c.cost.items() if k.endswith("_s") and k != "rollout_s")
+    return f"train {train:.3g} s + rollout {c.cost.get('rollout_s', 0.0):.3g} s"
+
+
+def _label(c: Candidate) -> str:
+    return " ".join(o.replace("parallelism.", "") for o in c.overrides)
+
+
+_PART_NAMES = {"compute_s": "compute", "bubble_s": "pipeline bubble", "offload_s": "host offload",
+               "rollout_s": "rollout"}
+
+
+def _why_slower(c: Candidate, ref: Candidate) -> str:
+    """What makes `c` slower than `ref`: its largest part that grew, and the headroom penalty."""
+    keys = {k for k in (*c.cost, *ref.cost) if k.endswith("_s")}
+    diffs = sorted(((c.cost.get(k, 0.0) - ref.cost.get(k, 0.0), k) for k in keys), reverse=True)
+    parts = []
+    if diffs and diffs[0][0] > 0:
+        d, k = diffs[0]
+        name = _PART_NAMES.get(k, k[:-2].replace("comm_", "") + " communication")
+        parts.append(f"more {name} (+{d:.3g} s)")
+    if c.cost.get("headroom_penalty", 1.0) > ref.cost.get("headroom_penalty", 1.0):
+        parts.append(f"less than {MIN_HEADROOM:.0%} memory free (x{c.cost['headroom_penalty']:.2f})")
+    return ", ".join(parts) or "the same estimate within rounding"
+
+
+def explain(cfg: Any, candidates: List[Candidate]) -> Optional[Dict[str, Any]]:
+    """`parallelism=auto`'s choice and the runner-up, one line each, with whether the tested layout was kept and
+    the margin (None without candidates)."""
+    if not candidates:
+        return None
+    chosen, tested = pick(cfg, candidates), tested_candidate(cfg, candidates)
+    best = candidates[0]
+    name = tested_name(cfg)
+    kept = tested is not None and chosen is tested
+    line = (f"{_label(chosen)}: {chosen.score:.3g} {SCORE_UNIT} ({_parts(chosen)}), "
+            f"{max(chosen.memory.headroom, 0.0):.0%} of the memory free")
+    if kept and best is not chosen:
+        line += (f"; the tested layout {name} is kept: the best searched is {tested.score / best.score:.2f}x faster "
+                 f"by the model, within its error (margin {KEEP_TESTED_MARGIN:.0%})")
+    elif kept:
+        line += f"; the tested layout {name}, also the best searched"
+    elif name is not None:
+        line += (f"; the lowest estimate, replacing the tested layout {name} " +
+                 (f"({tested.score / chosen.score:.2f}x slower by the model, beyond its {KEEP_TESTED_MARGIN:.0%} "
+                  "margin)" if tested is not None else "(not a candidate here: refused or does not fit)"))
+    else:
+        line += "; the lowest estimate (no tested layout for this model x hw x backend)"
+    runner = next((c for c in candidates if c is not chosen), None)
+    second = None
+    if runner is not None:
+        rel = runner.score / chosen.score - 1.0
+        second = (f"{_label(runner)}: {runner.score:.3g} {SCORE_UNIT} ({rel:+.0%}"
+                  + (f": {_why_slower(runner, chosen)})" if rel > 0 else
+                     f"; not taken: within the {KEEP_TESTED_MARGIN:.0%} margin of the tested layout)"))
+    return {"chosen": line, "runner_up": second, "kept_tested": kept, "tested": name,
+            "margin": KEEP_TESTED_MARGIN, "chosen_overrides": list(chosen.overrides),
+            "runner_up_overrides": list(runner.overrides) if runner is not None else None}
 
 
 # ------------------------------------------------------------------------------------------------ cost model
@@ -538,7 +687,7 @@ def tested_rank(cfg: Any, candidates: List[Candidate]) -> Optional[Dict[str, Any
                             "best_score": round(candidates[0].score, 4) if candidates else None}
     if preset["pipeline_layout"] is None:
         for i, c in enumerate(candidates, 1):
-            if c.layout == layout:
+            if c.layout == layout and not c.variant:  # with the config's own trainer settings
                 info.update(rank=i, score=round(c.score, 4))
                 return info
     refused = sorted({p.code for p in R.check_all(out, layout) if p.severity == "error"})

@@ -48,8 +48,9 @@ def resolve_auto(cfg: DictConfig) -> Tuple[DictConfig, List[Any], Optional[auto_
     choice = None
     if cfg.parallelism.auto:
         candidates = layout_search.search(cfg)
-        if candidates:
-            cfg, choice = layout_search.apply(cfg, candidates[0]), candidates[0].batch
+        if candidates:  # the tested layout unless the model says another is better beyond its error
+            chosen = layout_search.pick(cfg, candidates)
+            cfg, choice = layout_search.apply(cfg, chosen), chosen.batch
         else:
             problems.append(Problem("no_valid_layout", "parallelism", "no layout of this model fits this hardware "
                                     "with this backend", "use more devices (hw.nodes), offload, or another backend"))
@@ -118,6 +119,7 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "auto_candidates": [c.to_dict() for c in candidates[:5]],
         "auto_candidate_count": len(candidates),
         "auto_tested": layout_search.tested_rank(searched_from, candidates) if candidates else None,
+        "auto_choice": layout_search.explain(searched_from, candidates) if candidates else None,
         "vllm": vllm_plan(searched_from, cfg),
         "run": run_summary(cfg),
         "verl": verl_export(cfg),
@@ -412,6 +414,11 @@ def render_text(plan: Dict[str, Any]) -> str:
                      " (score: estimated seconds per RL step, lower is better):")
         for i, c in enumerate(plan["auto_candidates"], 1):
             lines.append(f"    {i}. {_score(c.get('score')):>12}  {' '.join(c.get('overrides', []))}")
+        why = plan.get("auto_choice")
+        if why:
+            lines.append(f"  auto chose {why['chosen']}")
+            if why.get("runner_up"):
+                lines.append(f"  runner-up  {why['runner_up']}")
         tested = plan.get("auto_tested")
         if tested:
             where = (f"ranks {tested['rank']} of {tested['of']}" if tested.get("rank") else

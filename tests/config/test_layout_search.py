@@ -69,7 +69,8 @@ def test_the_score_is_in_seconds_per_step_and_a_searched_layout_names_its_degree
     cfg, cands, _ = searched(MG397_A3)
     assert cands[0].to_dict()["score_unit"] == S.SCORE_UNIT == "s/step"
     applied = S.apply(cfg, cands[0])
-    assert applied.parallelism.name == "auto/" + " ".join(o.replace("parallelism.", "", 1) for o in cands[0].overrides)
+    degrees = [o for o in cands[0].overrides if o.startswith("parallelism.")]  # trainer settings are not the layout
+    assert applied.parallelism.name == "auto/" + " ".join(o.replace("parallelism.", "", 1) for o in degrees)
     assert S.layout_origin(applied) == (None, []) and S.layout_label(applied) == applied.parallelism.name
 
 
@@ -112,9 +113,10 @@ def test_fsdp_searches_fsdp_size_sp_and_rollout_tp():
     _, cands, _ = searched(["model=qwen3_5_27b", "hw=gpu_1node", "backend=fsdp", "parallelism=auto"])
     assert cands
     for c in cands:
-        assert {o.split("=")[0] for o in c.overrides} == {"parallelism.fsdp_size", "parallelism.sp",
-                                                           "parallelism.rollout.tp", "parallelism.rollout.dp",
-                                                           "parallelism.rollout.ep"}
+        assert {o.split("=")[0] for o in c.overrides} - set(c.variant) == {
+            "parallelism.fsdp_size", "parallelism.sp", "parallelism.rollout.tp", "parallelism.rollout.dp",
+            "parallelism.rollout.ep"}
+        assert set(c.variant) <= {"backend.gradient_checkpointing", *S.OFFLOAD_KEYS["fsdp"]}
         assert c.layout.rollout_ep == 1 and 24 % c.layout.sp == 0
     assert {"parallelism.fsdp_size=8", "parallelism.sp=1", "parallelism.rollout.tp=4"} <= set(cands[0].overrides)
 
