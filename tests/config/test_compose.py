@@ -110,8 +110,10 @@ def test_geo3k_reproduces_reference_data():
 
 
 def test_untested_layout_falls_back_to_generic_default():
-    cfg = compose(["model=qwen3_5_9b", "backend=megatron", "hw=gpu_1node"])
+    cfg = compose(["model=qwen3_5_4b", "backend=megatron", "hw=gpu_1node"])  # TP1 fits: no layout file
     assert cfg.parallelism.name == "default" and cfg.parallelism.tp == 1
+    cfg = compose(["model=qwen3_5_9b", "backend=megatron", "hw=gpu_1node"])  # it does not: a searched layout file
+    assert cfg.parallelism.name == "megatron/qwen3_5_9b@gpu_1node" and cfg.parallelism.tp == 2
 
 
 def test_model_architecture_facts():
