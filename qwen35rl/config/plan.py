@@ -7,8 +7,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen35rl.config import (auto_batch, capabilities, layout_search, memory, params, quirks, redact, rules,
-                             vllm_facts)
+from qwen35rl.config import (auto_batch, capabilities, fit_hint, layout_search, memory, params, quirks, redact,
+                             rules, vllm_facts)
 from qwen35rl.config.layout import Layout, derive_layout, is_split, placement, pools_per_node
 from qwen35rl.config.problems import ERROR, WARNING, Problem
 from qwen35rl.config.run_summary import render_lines as run_lines, run_summary
@@ -85,6 +85,7 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
     cfg, candidates, choice, problems = resolve_auto(cfg)
     layout = derive_layout(cfg)
     problems += rules.check_all(cfg, layout) + environment_problems(cfg)
+    problems = fit_hint.with_fit_hint(vllm_facts.resolve(searched_from), problems)  # a model that does not fit
     if layout.split and min(layout.world, layout.rollout_world) < 1:  # an empty pool (split_pool_sizes says so):
         return refused_plan(cfg, problems)  # the memory and cost arithmetic would divide by its size
     count = params.count_params(cfg.model)

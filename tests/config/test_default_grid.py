@@ -77,3 +77,22 @@ def test_layout_files_say_where_they_come_from():
         head = f.read_text().split("parallelism:")[0].replace("\n# ", " ")
         assert "Tested layout" in head or "H200 nodes run the same layout" in head or (
             "Searched layout" in head and "does not fit here" in head), f
+
+
+@pytest.mark.parametrize("cell", [("qwen3_5_27b", "gpu_1x", "fsdp", "gsm8k"),
+                                  ("qwen3_5_397b_a17b", "gpu_1node", "megatron", "geo3k"),
+                                  ("qwen3_5_397b_a17b", "gpu_16node", "fsdp", "geo3k")], ids="-".join)
+def test_where_it_cannot_fit_the_refusal_names_the_smallest_change_that_fits(cell):
+    plan = build_plan(compose(G.overrides(*cell)))
+    memory = [p for p in plan["problems"] if p["code"] in ("train_memory_fits", "rollout_memory_fits")]
+    assert not plan["valid"] and memory
+    hint = memory[0]["hint"]
+    change = hint.split(" fits (")[0]
+    assert change and all(p["hint"].startswith(change + " fits") for p in memory), hint
+    overrides = G.overrides(*cell)
+    if change.startswith("backend="):
+        overrides = G.overrides(cell[0], cell[1], change.split("=")[1].split()[0], cell[3])
+    elif change != "parallelism=auto":
+        overrides.append(change)
+    fixed = build_plan(compose([*overrides, "parallelism=auto"]))
+    assert fixed["valid"], [p for p in fixed["problems"] if p["severity"] == "error"]
