@@ -47,7 +47,7 @@ def run(cmd, *args, env=None, cwd=None, timeout=180):
     ("+some.new_key=1", "some.new_key", "unknown top-level key 'some'"),
     ("++x=1", "'x'", "unknown top-level key 'x'"),
     ("+backend.new_key=1", "backend.new_key", "unknown key 'new_key'"),
-    ("+data.shuffle=false", "data.shuffle", "qwen35rl always shuffles"),  # verl's key, not carried
+    ("+data.dataloader_num_workers=4", "data.dataloader_num_workers", "qwen35rl tokenizes in the driver"),  # verl's key, not carried
     ("+actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.n", "qwen35rl's is rollout.n: try rollout.n=8"),
     ("+rollout.nn=3", "rollout.nn", "did you mean 'n'?"),
     ("++trainer.sed=3", "trainer.sed", "did you mean 'seed'?"),
