@@ -114,7 +114,7 @@ def measure(work: str, args) -> Dict[str, object]:
 
     # transformers first: in-process vLLM turns torch.set_num_threads into a no-op for the whole process.
     from qwen35rl.engines.hf_rollout import HfRolloutEngine
-    from qwen35rl.models.special_tokens import special_token_ids
+    from qwen35rl.config.special_tokens import special_token_ids
 
     ids = special_token_ids(cfg.model)
     hf = HfRolloutEngine(model, build_tokenizer(cfg.model), device="cpu", pad_token_id=ids["pad"],

@@ -135,7 +135,7 @@ def fixed_vl_batch(cfg, rows: int, prompt: int, response: int, image_size: str, 
     `model.hf_id` is set) in row order, as `Batch.multimodal` holds them."""
     from qwen35rl.engines.base import Batch
     from qwen35rl.models.processor import build_processor, vision_inputs
-    from qwen35rl.models.special_tokens import special_token_ids
+    from qwen35rl.config.special_tokens import special_token_ids
     from qwen35rl.models.tokenizer import build_tokenizer
 
     special = special_token_ids(cfg.model)

@@ -30,7 +30,7 @@ def steady(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 def model_cfg(overrides: Optional[List[str]] = None):
-    from bench.gpu.grpo_h200 import workload
+    from bench.gpu.workload import workload
     from qwen35rl.config.compose import compose
 
     return compose(overrides or workload()).model

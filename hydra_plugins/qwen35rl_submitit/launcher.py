@@ -227,7 +227,7 @@ else:
 
 def register() -> None:
     """Store qwen35rl's launcher configs under the plugin's names, replacing the plugin's own entries. Called by
-    qwen35rl's config registration (`qwen35rl.runtime.slurm.register_launchers`) after Hydra's plugin scan, which
+    qwen35rl's command lines (`qwen35rl.cli.common.register_all`) after Hydra's plugin scan, which
     executes every module under hydra_plugins again, the plugin's config module included."""
     from hydra.core.plugins import Plugins
 

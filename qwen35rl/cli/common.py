@@ -122,6 +122,22 @@ def _completion_words(text: str) -> str:
     return " ".join(keep) + ("\n" if text.endswith("\n") else "")
 
 
+def register_all() -> None:
+    """The schema, and qwen35rl's launchers as `hydra/launcher=submitit_local|submitit_slurm`
+    (hydra_plugins/qwen35rl_submitit). Hydra's plugin scan runs first: it executes every module under hydra_plugins,
+    the submitit plugin's config module included, which stores that plugin's entries under the same names;
+    registering after it makes ours stay."""
+    from hydra.core.plugins import Plugins
+
+    register()
+    Plugins.instance()
+    try:
+        from hydra_plugins.qwen35rl_submitit.launcher import register as register_launchers
+    except ImportError:  # an install without the launcher package: Hydra's own configs (if any) stay
+        return
+    register_launchers()
+
+
 def run_hydra(task: Callable[[Any], Any], args: Any, command: str, extra: Sequence[str] = ()) -> None:
     """Run `task` through @hydra.main over the command line `args.argv` (flags first), our search path and `extra`
     overrides, as the job `command`."""
@@ -130,7 +146,7 @@ def run_hydra(task: Callable[[Any], Any], args: Any, command: str, extra: Sequen
 
     import hydra
 
-    register()
+    register_all()
     search = searchpath_override()
     sys_argv, comp_line = sys.argv, os.environ.get("COMP_LINE")
     query = getattr(args, "shell_completion", False) and any(o.startswith("query=") for o in args.overrides)
@@ -195,6 +211,7 @@ def start(argv: Sequence[str], command: str = "plan") -> Tuple[Any, Optional[Any
     directory a run of this config writes to (None for a sweep)."""
     from qwen35rl.config.compose import check_sweep, compose_run
 
+    register_all()
     try:
         args = parse_args(argv)
     except SystemExit as e:  # argparse printed its usage: an unknown flag, a flag without its value

@@ -7,11 +7,12 @@ import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, errors as oc_errors, read_write
 
 from qwen35rl.config.paths import config_dir, extra_config_dirs
+from qwen35rl.names import did_you_mean
 from qwen35rl.config.store import register
 
 # Config groups a user picks with `group=option` (recipe is picked automatically but may be forced).
@@ -70,11 +71,6 @@ class ConfigError(Exception):
         hint = self.hint or (f"allowed: {', '.join(self.allowed[:20])}" if self.allowed else "")
         return {"code": self.code, "severity": "error", "key": self.key, "message": self._scrub(self.message),
                 "hint": self._scrub(hint)}
-
-
-def did_you_mean(word: str, candidates: Iterable[str]) -> str:
-    close = difflib.get_close_matches(str(word), list(candidates), n=3, cutoff=0.6)
-    return f"did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
 # ------------------------------------------------------------------------------------------------ search path

@@ -16,19 +16,12 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from omegaconf import OmegaConf
 
-from qwen35rl.config import params as P
 from qwen35rl.config.paths import config_dir
+from qwen35rl.config.physical_fit import plainly_fits
 
 DATA = ("gsm8k", "geo3k")
 """Text and image data (the reference runs' geo3k)."""
 BACKENDS = ("fsdp", "megatron")
-PLAIN_SHARE = 0.7
-"""The share of device memory a cell's training state and rollout weights may take to count as plainly fitting."""
-STATE_BYTES = 16
-"""Training state per parameter, fully sharded: bf16 weights and gradients, fp32 master weights and Adam's two
-moments (2 + 2 + 4 + 8)."""
-
-
 def models() -> List[str]:
     """The released sizes: conf/model files that name a hub checkpoint (the tiny test models do not)."""
     out = []
@@ -58,28 +51,6 @@ def cells() -> Iterator[Tuple[str, str, str, str]]:
 
 def overrides(model: str, hw: str, backend: str, data: str) -> List[str]:
     return [f"model={model}", f"hw={hw}", f"backend={backend}", f"data={data}"]
-
-
-def rollout_weights_fit(cfg: Any) -> bool:
-    """A rollout layout gives a device at most `PLAIN_SHARE` of its memory in bf16 weights (TP up to a node, or one
-    expert-parallel engine over every device where the backend builds one)."""
-    m, hw = cfg["model"], cfg["hw"]
-    count = P.count_params(m)
-    devices = int(hw["nodes"]) * int(hw["devices_per_node"])
-    tp = devices if hw["multi_node_rollout_tp"] else min(devices, int(hw["devices_per_node"]))
-    experts = len(P.layer_kinds(m)) * P.layer_expert_params(m)
-    ep = devices if (str(cfg["backend"]["name"]) == "megatron" and m["moe"]) else tp
-    return 2 * ((count.total - experts) / tp + experts / ep) <= PLAIN_SHARE * float(hw["memory_gb"]) * 1e9
-
-
-def plainly_fits(cfg: Any) -> bool:
-    """The model can physically train here: `STATE_BYTES` per parameter of training state fully sharded plus the
-    rollout's bf16 weights (the model's total parameters, vision tower included) within `PLAIN_SHARE` of every
-    device's memory together, and `rollout_weights_fit`."""
-    hw = cfg["hw"]
-    total = P.count_params(cfg["model"]).total
-    devices, memory = int(hw["nodes"]) * int(hw["devices_per_node"]), float(hw["memory_gb"]) * 1e9
-    return (STATE_BYTES + 2) * total <= PLAIN_SHARE * devices * memory and rollout_weights_fit(cfg)
 
 
 def _errors(plan: Dict[str, Any]) -> List[Dict[str, Any]]:

@@ -6,7 +6,7 @@ its cost):
 2. shorter responses (data.max_response_length halved, up to three times; the prompts kept);
 3. the other backend (composed with its defaults for this model, hardware and data);
 4. more devices: per node (hw.devices_per_node doubled, up to 16), then more nodes (hw.nodes doubled, up to 64
-   times), from the first count where a rollout layout holds the weights (`default_grid.rollout_weights_fit`).
+   times), from the first count where a rollout layout holds the weights (`physical_fit.rollout_weights_fit`).
 Torch-free; a search per try (the refusal path only)."""
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def _other_backend(cfg: DictConfig, backend: str) -> Optional[DictConfig]:
 
 
 def _more_devices(cfg: DictConfig, **hw: int) -> Optional[DictConfig]:
-    from qwen35rl.config.default_grid import STATE_BYTES, rollout_weights_fit
+    from qwen35rl.config.physical_fit import STATE_BYTES, rollout_weights_fit
     from qwen35rl.config.params import count_params
 
     out = _searchable(_set(cfg, **hw))

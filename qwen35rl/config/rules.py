@@ -21,7 +21,7 @@ import typing
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from qwen35rl.config import capabilities, known_keys, memory, quirks, schema
-from qwen35rl.config.compose import did_you_mean
+from qwen35rl.names import REWARDS, TRACKERS, did_you_mean
 from qwen35rl.config.layout import (Layout, even_pipeline_layout, format_pipeline_layout, is_split,
                                     parse_pipeline_layout, placement)
 from qwen35rl.config.problems import ERROR, WARNING, Problem
@@ -749,8 +749,6 @@ CHOICES: Dict[str, Sequence[Any]] = {
     "format": ("text", "json", "verl"),
     "trainer.launcher": ("ray", "local"),
 }
-# Built-in reward names (qwen35rl.rewards.BUILTIN, which imports the scorers; a test keeps the two equal).
-REWARDS = ("exact_match", "math", "format", "copy_digit", "sum_digits")
 
 
 def _get(cfg: Any, dotted: str, default: Any = KeyError) -> Any:
@@ -1148,7 +1146,7 @@ def _rope_problems(m: Dict[str, Any]) -> List[Problem]:
 def tokenizer_size(m: Dict[str, Any]) -> Optional[Tuple[int, str]]:
     """(ids the tokenizer `model.tokenizer` uses, which one) where that is known without loading it: the byte
     tokenizer's, the Qwen3.5 specials' highest id, or a directory's tokenizer.json."""
-    from qwen35rl.models.special_tokens import NUM_BYTES, QWEN_SPECIAL_IDS, SPECIAL_TOKENS
+    from qwen35rl.config.special_tokens import NUM_BYTES, QWEN_SPECIAL_IDS, SPECIAL_TOKENS
 
     kind = str(m["tokenizer"])
     if kind == "byte":
@@ -1303,8 +1301,6 @@ def check_all(cfg: Any, layout: Layout) -> List[Problem]:
 
 
 # ============================================================================ names, paths, packages (before launch)
-TRACKERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
-"""qwen35rl.runtime.tracking.TRACKERS (the runtime module is not imported here)."""
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 BUILTIN_TOKENIZERS = ("checkpoint", "byte", "qwen")
 RAY_ADDRESS = re.compile(r"^(auto|(ray://)?[A-Za-z0-9]([A-Za-z0-9.\-]*[A-Za-z0-9])?:\d{1,5})$")
@@ -1347,7 +1343,7 @@ def _find_module(name: str) -> bool:
 
 def _data_file_hint(path: str, key: str, data_name: Any) -> str:
     """The way to the missing data file: the `qwen35rl-data prepare` command that writes it, when it is one."""
-    from qwen35rl.data.prepare import prepare_command
+    from qwen35rl.config.datasets import prepare_command
 
     command = prepare_command(path, None if data_name is None else str(data_name))
     if command:

@@ -19,7 +19,4 @@ def register() -> None:
     cs.store(name="schema", node=schema.RunConfig)
     cs.store(group="schema/backend", name="fsdp", node=schema.FsdpConfig)
     cs.store(group="schema/backend", name="megatron", node=schema.MegatronConfig)
-    from qwen35rl.runtime.slurm import register_launchers  # hydra/launcher=submitit_local|submitit_slurm
-
-    register_launchers()
     _done = True

@@ -18,12 +18,11 @@ from __future__ import annotations
 import io
 import os
 import re
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-DEFAULT_SPLITS = ("train", "test")
+from qwen35rl.config.datasets import COLUMNS, DEFAULT_SPLITS, SPLITS
 
 
 class PrepareError(Exception):
@@ -103,10 +102,10 @@ def _image_struct(image: Any, where: str, source_dir: Optional[Path]) -> Dict[st
 
 
 DATASETS: Dict[str, Spec] = {
-    "gsm8k": Spec("gsm8k", "openai/gsm8k", "main", "main", ("train", "test"), ("question", "answer"),
-                  _gsm8k_row, ("question", "answer", "solution")),
-    "geo3k": Spec("geo3k", "hiyouga/geometry3k", None, "data", ("train", "validation", "test"),
-                  ("problem", "answer", "images"), _geo3k_row, ("problem", "answer", "images")),
+    "gsm8k": Spec("gsm8k", "openai/gsm8k", "main", "main", SPLITS["gsm8k"], ("question", "answer"),
+                  _gsm8k_row, COLUMNS["gsm8k"]),
+    "geo3k": Spec("geo3k", "hiyouga/geometry3k", None, "data", SPLITS["geo3k"],
+                  ("problem", "answer", "images"), _geo3k_row, COLUMNS["geo3k"]),
 }
 
 
@@ -274,7 +273,7 @@ def _check_splits(spec: Spec, splits: Sequence[str]) -> List[str]:
 
 def get_spec(name: str) -> Spec:
     if name not in DATASETS:
-        from qwen35rl.config.compose import did_you_mean
+        from qwen35rl.names import did_you_mean
 
         hint = did_you_mean(name, DATASETS)
         raise PrepareError(f"unknown dataset {name!r}: qwen35rl-data prepares {' or '.join(DATASETS)}"
@@ -331,20 +330,3 @@ def _check_writable(path: Path, flag: str, given: str) -> None:
     why = unwritable_dir(str(path))
     if why:
         raise PrepareError(f"{flag} {given}: {path} cannot be made: {why} (choose a directory you can write)")
-
-
-# ------------------------------------------------------------------------------------------- plan's hint
-def prepare_command(path: str, data_name: Optional[str] = None) -> Optional[str]:
-    """How to make the missing data file `path`: the exact `qwen35rl-data prepare ...` command when `path` is named
-    as the command names its files (`OUT/<dataset>/<split>.parquet`); when only `data_name` is a dataset the command
-    knows, the command with DIR and where it writes. None otherwise."""
-    p = Path(str(path))
-    spec = DATASETS.get(p.parent.name)
-    if spec is not None and p.suffix == ".parquet" and p.stem in spec.splits:
-        out = str(p.parent.parent)
-        extra = "" if p.stem in DEFAULT_SPLITS else f" --splits {p.stem}"
-        return f"make it with `qwen35rl-data prepare {spec.name} --out {shlex.quote(out)}{extra}`"
-    if data_name in DATASETS:
-        return (f"`qwen35rl-data prepare {data_name} --out DIR` writes DIR/{data_name}/train.parquet and "
-                f"test.parquet: point the data files there")
-    return None

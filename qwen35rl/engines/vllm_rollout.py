@@ -56,8 +56,8 @@ from omegaconf import OmegaConf
 from qwen35rl.config.layout import Layout
 from qwen35rl.config.quirks import effective_engine_kwargs
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult
-from qwen35rl.models.special_tokens import special_token_ids
-from qwen35rl.runtime import kernel_cache
+from qwen35rl.config.special_tokens import special_token_ids
+from qwen35rl.engines import kernel_cache
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig, PreTrainedModel
 
 from qwen35rl.models.hf_config import hf_model_class, to_hf_config
-from qwen35rl.models.special_tokens import special_token_ids
+from qwen35rl.config.special_tokens import special_token_ids
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}

@@ -20,7 +20,7 @@ from transformers import (
     Qwen3_5TextConfig,
 )
 
-from qwen35rl.models.special_tokens import special_token_ids
+from qwen35rl.config.special_tokens import special_token_ids
 
 
 def layer_types(num_layers: int, full_attention_interval: int) -> List[str]:

@@ -10,7 +10,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from qwen35rl.models.special_tokens import BYTE_SPECIAL_IDS, NUM_BYTES, SPECIAL_TOKENS
+from qwen35rl.config.special_tokens import BYTE_SPECIAL_IDS, NUM_BYTES, SPECIAL_TOKENS
 
 # Qwen-style ChatML. Message content is a string or a list of {"type": "text"|"image"|"video", ...} parts
 # (the shape transformers processors use); images become <|vision_start|><|image_pad|><|vision_end|>.

@@ -178,9 +178,7 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) 
     phases = where.phases
     run_dir.mkdir(parents=True, exist_ok=True)
     if decision is None:
-        from qwen35rl.runtime.entry import settle
-
-        decision = settle(cfg, run_dir)
+        decision = run_identity.settle(cfg, run_dir)
     if decision.exit_code is not None:
         return decision.exit_code
     phases.begin("data")

@@ -20,26 +20,12 @@ def _describe_config(cfg: Any, run_dir: Path) -> str:
             f"{report.shown_path(run_dir)}")
 
 
-def settle(cfg: Any, run_dir: Path) -> run_identity.Decision:
-    """run_identity's decision on `run_dir`, and what it prints: the refusal (logged by `decide`), or "already
-    complete" with where the results are."""
-    decision = run_identity.decide(cfg, run_dir)
-    if decision.complete is not None:
-        from qwen35rl.runtime.tracking import METRICS_FILE, read_metrics
-
-        step, total = decision.complete
-        head = (f"already complete (step {step} of {total}): nothing to train; raise trainer.total_steps to train "
-                f"further, or trainer.resume=never to start over")
-        report.say(report.summary(run_dir, read_metrics(Path(run_dir) / METRICS_FILE), total, head=head))
-    return decision
-
-
 def train(cfg: Any, run_dir: Path) -> int:
     """One training job: returns its exit code (qwen35rl.exit_codes)."""
     phases = report.Phases(report.job_started_s_ago())
     try:
         phases.done("config + plan checked", _describe_config(cfg, run_dir), since_start=True)
-        decision = settle(cfg, run_dir)
+        decision = run_identity.settle(cfg, run_dir)
         if decision.exit_code is not None:
             return decision.exit_code
         phases.begin("libraries imported")

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from qwen35rl.config.redact import REDACTED
 from qwen35rl.exit_codes import EXIT_CONFIG
 from qwen35rl.runtime import checkpoint as ckpt
-from qwen35rl.runtime.report import shown_path
+from qwen35rl.runtime.report import say, shown_path, summary
 
 log = logging.getLogger(__name__)
 
@@ -297,3 +297,17 @@ def refusal(run_dir: Path, d: Decision) -> str:
              f"{shown_path(Path(run_dir) / SUPERSEDED_DIR)}/); or another run directory: trainer.run_name=<name>; or "
              "resume it anyway: trainer.resume=force")
     return text
+
+
+def settle(cfg: Any, run_dir: Path) -> Decision:
+    """`decide` on `run_dir`, and what it prints: the refusal (logged by `decide`), or "already
+    complete" with where the results are."""
+    decision = decide(cfg, run_dir)
+    if decision.complete is not None:
+        from qwen35rl.runtime.tracking import METRICS_FILE, read_metrics
+
+        step, total = decision.complete
+        head = (f"already complete (step {step} of {total}): nothing to train; raise trainer.total_steps to train "
+                f"further, or trainer.resume=never to start over")
+        say(summary(run_dir, read_metrics(Path(run_dir) / METRICS_FILE), total, head=head))
+    return decision

@@ -249,21 +249,6 @@ def ray_for_allocation(cfg: Any, **runners: Any) -> Any:
     return cfg
 
 
-# ------------------------------------------------------------------------------------------------ launchers
-def register_launchers() -> None:
-    """Make `hydra/launcher=submitit_local|submitit_slurm` qwen35rl's launchers (hydra_plugins/qwen35rl_submitit).
-    Hydra's plugin scan runs first: it executes every module under hydra_plugins, the plugin's config module
-    included, which stores the plugin's own entries under the same names; registering after it makes ours stay."""
-    from hydra.core.plugins import Plugins
-
-    Plugins.instance()
-    try:
-        from hydra_plugins.qwen35rl_submitit.launcher import register
-    except ImportError:  # an install without the launcher package: Hydra's own configs (if any) stay
-        return
-    register()
-
-
 # ------------------------------------------------------------------------------------------------ job sizes
 def job_parameters(launcher: Mapping[str, Any], cfg: Any) -> Dict[str, Any]:
     """A job's launcher parameters (its resolved `hydra.launcher`, without `_target_`) with `auto` made concrete

@@ -17,9 +17,10 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional
 
+from qwen35rl.names import TRACKERS
+
 log = logging.getLogger(__name__)
 
-TRACKERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 METRICS_FILE = "metrics.jsonl"
 GENERATIONS_FILE = "generations.jsonl"
 GENERATIONS_TAG = "val/generations"

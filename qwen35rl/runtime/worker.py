@@ -26,7 +26,7 @@ from qwen35rl.config.schema import typed
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult, TrainEngine
 from qwen35rl.models.build import trains_vision
 from qwen35rl.runtime import checkpoint as ckpt
-from qwen35rl.runtime import kernel_cache
+from qwen35rl.engines import kernel_cache
 from qwen35rl.runtime.batching import Sequences, build_batch, response_values
 from qwen35rl.runtime.cluster import connected_ray, free_port, node_ip
 from qwen35rl.runtime.micro_batches import fixed_groups, token_budget_groups

@@ -1,6 +1,6 @@
 """Defaults that fit (issue 36): every released Qwen3.5 size x every accelerator preset x both backends x text and
 image data, read from conf/, plans valid with its defaults wherever the model plainly fits
-(`default_grid.plainly_fits`); a new model or preset joins the grid by its file alone."""
+(`physical_fit.plainly_fits`); a new model or preset joins the grid by its file alone."""
 import pytest
 
 from qwen35rl.config import default_grid as G

@@ -393,7 +393,7 @@ def test_version_parsing():
 
 
 def test_reward_names_match_the_reward_registry():
-    from qwen35rl.config.rules import REWARDS
+    from qwen35rl.names import REWARDS
     from qwen35rl.rewards import BUILTIN
 
     assert set(REWARDS) == set(BUILTIN)

@@ -18,7 +18,7 @@ from qwen35rl.engines.base import RolloutRequest
 from qwen35rl.engines.fsdp_engine import FsdpTrainEngine, packing_supported
 from qwen35rl.engines.hf_rollout import HfRolloutEngine
 from qwen35rl.models.build import build_model
-from qwen35rl.models.special_tokens import BYTE_SPECIAL_IDS
+from qwen35rl.config.special_tokens import BYTE_SPECIAL_IDS
 from qwen35rl.runtime.batching import Sequences, build_batch, response_values
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -12,7 +12,7 @@ from qwen35rl.engines.fsdp_engine import FsdpTrainEngine
 from qwen35rl.engines import hf_rollout
 from qwen35rl.engines.hf_rollout import EAGER_STEPS_BEFORE_CAPTURE, HfRolloutEngine
 from qwen35rl.models.build import build_model
-from qwen35rl.models.special_tokens import BYTE_SPECIAL_IDS
+from qwen35rl.config.special_tokens import BYTE_SPECIAL_IDS
 from qwen35rl.models.tokenizer import build_tokenizer
 from qwen35rl.runtime.batching import Sequences, build_batch, response_values
 

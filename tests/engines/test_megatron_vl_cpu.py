@@ -16,7 +16,7 @@ from qwen35rl.engines.base import Batch
 from qwen35rl.models.build import build_model
 from qwen35rl.models.image_tokens import prompt_image_mask
 from qwen35rl.models.processor import build_processor, vision_inputs
-from qwen35rl.models.special_tokens import special_token_ids
+from qwen35rl.config.special_tokens import special_token_ids
 from qwen35rl.models.tokenizer import build_tokenizer
 from qwen35rl.runtime.cluster import free_port
 from tests.engines.test_megatron_engine_cpu import _check, _config, _worker, reference_loss

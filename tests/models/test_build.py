@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qwen35rl.config.compose import compose
 from qwen35rl.models.build import build_model, save_hf
-from qwen35rl.models.special_tokens import BYTE_SPECIAL_IDS
+from qwen35rl.config.special_tokens import BYTE_SPECIAL_IDS
 from qwen35rl.models.tokenizer import build_tokenizer
 
 

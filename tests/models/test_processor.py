@@ -12,7 +12,7 @@ from PIL import Image
 from qwen35rl.config.compose import compose
 from qwen35rl.models.build import build_model, save_hf
 from qwen35rl.models.processor import SMALL_MAX_TOKENS, build_processor
-from qwen35rl.models.special_tokens import BYTE_SPECIAL_IDS
+from qwen35rl.config.special_tokens import BYTE_SPECIAL_IDS
 from qwen35rl.models.tokenizer import build_tokenizer
 
 IMAGE_PAD = BYTE_SPECIAL_IDS["image_pad"]

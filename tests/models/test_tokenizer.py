@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from qwen35rl.config.compose import compose
-from qwen35rl.models.special_tokens import BYTE_SPECIAL_IDS, QWEN_SPECIAL_IDS
+from qwen35rl.config.special_tokens import BYTE_SPECIAL_IDS, QWEN_SPECIAL_IDS
 from qwen35rl.models.tokenizer import build_tokenizer
 
 TEXTS = ["", "plain ascii 123", "héllo wörld", "日本語 🙂 e\u0301 \x00\x7f", "tabs\t\nand  spaces  "]

@@ -99,7 +99,7 @@ def _train_engine_log_probs(model_dir, proc, prompts, images, responses, n, temp
     """The FSDP train engine's recompute (fp32, from the checkpoint), through the trainer's batching."""
     from qwen35rl.config.compose import compose
     from qwen35rl.engines.fsdp_engine import FsdpTrainEngine
-    from qwen35rl.models.special_tokens import BYTE_SPECIAL_IDS
+    from qwen35rl.config.special_tokens import BYTE_SPECIAL_IDS
     from qwen35rl.runtime.batching import Sequences, build_batch, response_values
 
     train_cfg = compose(["model=qwen3_5_tiny_vl", "hw=cpu", "hw.devices_per_node=1", "data.has_images=true", "model.init=pretrained",

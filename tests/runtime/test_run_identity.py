@@ -8,7 +8,7 @@ from qwen35rl.config.compose import compose
 from qwen35rl.config.problems import EXIT_CONFIG
 from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.runtime import provenance, run_identity
-from qwen35rl.runtime.entry import settle
+from qwen35rl.runtime.run_identity import settle
 
 BASE = ["trainer.launcher=local", "hw.devices_per_node=1", "trainer.total_steps=2"]
 

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from qwen35rl.config.layout import derive_layout
 from qwen35rl.config.compose import compose
-from qwen35rl.models.special_tokens import BYTE_SPECIAL_IDS
+from qwen35rl.config.special_tokens import BYTE_SPECIAL_IDS
 from qwen35rl.runtime.batching import Sequences
 from qwen35rl.runtime.worker import PolicyWorker
 

@@ -219,7 +219,7 @@ def _trackers_to_verl(v: Any, cfg: Any) -> Any:
 
 def _trackers_to_qwen(v: Any, ctx: Any) -> Any:
     """verl's loggers qwen35rl has, plus `jsonl` (the run's own metrics.jsonl record, always kept)."""
-    from qwen35rl.config.rules import TRACKERS
+    from qwen35rl.names import TRACKERS
 
     out = [str(t) for t in ([v] if isinstance(v, str) else v) if str(t) in TRACKERS]
     if "jsonl" not in out:
