@@ -2,7 +2,9 @@
 
 Stdlib only and run by path in isolated mode (its folder, which holds a `platform.py`, stays off the path), so it
 starts in milliseconds and imports nothing of the project. It keeps a list of the driver's descendants; when the
-driver's pipe closes or its pid is gone, it freezes and kills those still running. Processes vanish while it works (Ray's raylet and GCS go down with the driver by themselves): every step
+driver's pipe closes or its pid is gone, it freezes and kills those still running. A process takes a SIGSTOP only when it
+next leaves the kernel: one in the middle of a fork() when the signal lands finishes the fork first, and its new child
+runs free. So the process table is read for new children only once every thread of every frozen process has stopped. Processes vanish while it works (Ray's raylet and GCS go down with the driver by themselves): every step
 tolerates a pid that is gone, and whatever it froze is killed even if a step fails.
 """
 import os
@@ -56,9 +58,57 @@ def kill(pids, sig):
             pass
 
 
+FREEZE_WAIT_S = 5.0    # a process in uninterruptible sleep stops only when it wakes: after this, go on without it
+
+
+def thread_states(pid):
+    """The states (b"R", b"S", b"T", ...) of the threads of `pid`, or None if it is gone. A thread that exits while
+    being read counts as b"X" (dead)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    states = []
+    for t in tids:
+        try:
+            with open(f"/proc/{pid}/task/{t}/stat", "rb") as f:
+                states.append(f.read().rsplit(b")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            states.append(b"X")
+    try:
+        if sorted(os.listdir(f"/proc/{pid}/task")) != sorted(tids):
+            states.append(b"R")                        # a thread started meanwhile: look again
+    except OSError:
+        return None
+    return states
+
+
+def frozen(pid, start):
+    """Whether the process can start nothing any more: gone, a zombie, or every one of its threads stopped (a
+    thread stops only outside a system call, so no fork() of it is half done)."""
+    if not alive(pid, start):
+        return True
+    states = thread_states(pid)
+    return states is None or all(s in b"TtZX" for s in states)
+
+
+def wait_frozen(pids, limit_s=None):
+    """Wait until every process in `pids` (pid -> start) is `frozen`, at most `limit_s` (FREEZE_WAIT_S); returns
+    those that are not."""
+    deadline = time.monotonic() + (FREEZE_WAIT_S if limit_s is None else limit_s)
+    delay = 0.0005
+    while True:
+        pids = {p: s for p, s in pids.items() if not frozen(p, s)}
+        if not pids or time.monotonic() >= deadline:
+            return pids
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)
+
+
 def stop(pids):
-    """Freeze `pids` (pid -> start) and what they start meanwhile (a frozen process starts nothing new), then
-    kill them all; returns how many it stopped."""
+    """Freeze `pids` (pid -> start) and the children they started before they stopped (a stopped process starts
+    nothing new), round after round until a look at the process table finds nothing new, then kill them all;
+    returns how many it stopped."""
     stopped = {}
     try:
         while True:
@@ -67,6 +117,7 @@ def stop(pids):
                 break
             kill(new, signal.SIGSTOP)
             stopped.update(new)
+            wait_frozen(new)                           # a fork() under way when SIGSTOP landed completes first
             procs = table()
             # a frozen pid may have been exiting already and is gone from the table: only live ones count
             pids = {p: procs[p][1] for p in descendants(set(stopped), procs) if p in procs}

@@ -4,6 +4,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -62,3 +63,118 @@ def test_stop_takes_in_children_started_before_the_freeze_and_spares_a_reused_pi
         parent.kill()
         parent.wait()
         parent.stdout.close()
+
+
+# A parent that stays inside one fork-like call until the test lets it out: posix_spawn() (clone with CLONE_VFORK)
+# returns only once the child has exec'ed, and the child first opens two FIFOs for reading, each blocking until a
+# writer comes. Signals, SIGSTOP included, are acted on when the call returns.
+SPAWNER = """
+import os, sys
+a, b = sys.argv[1:]
+os.posix_spawn("/bin/sleep", ["sleep", "60"], os.environ, file_actions=[
+    (os.POSIX_SPAWN_OPEN, 5, a, os.O_RDONLY, 0), (os.POSIX_SPAWN_OPEN, 6, b, os.O_RDONLY, 0)])
+os.read(0, 1)
+"""
+
+
+def session_pids(sid):
+    out = []
+    for e in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{e}/stat", "rb") as f:
+                if e.isdigit() and int(f.read().rsplit(b")", 1)[1].split()[3]) == sid:
+                    out.append(int(e))
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def kill_all(pids):
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def all_exit(pids, timeout=30):
+    """Whether every one of `pids` exits (or is already gone) within `timeout` seconds in all."""
+    fds = []
+    try:
+        for p in pids:
+            try:
+                fds.append(os.pidfd_open(p))
+            except ProcessLookupError:
+                pass
+        waiting = list(fds)
+        while waiting:
+            ready = select.select(waiting, [], [], timeout)[0]
+            if not ready:
+                return False
+            waiting = [fd for fd in waiting if fd not in ready]
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@pytest.mark.timeout(120)
+def test_stop_reads_the_table_only_once_a_process_caught_inside_a_fork_has_stopped(tmp_path, monkeypatch):
+    a, b = tmp_path / "a", tmp_path / "b"
+    os.mkfifo(a)
+    os.mkfifo(b)
+    parent = subprocess.Popen([sys.executable, "-c", SPAWNER, str(a), str(b)], stdin=subprocess.PIPE,
+                              start_new_session=True)
+    seen, released = [], []
+    try:
+        os.close(os.open(a, os.O_WRONLY))       # returns once the child opened `a`: the parent is inside the call
+        real_kill, real_table = wd.kill, wd.table
+
+        def kill(pids, sig):
+            real_kill(pids, sig)
+            if sig == signal.SIGSTOP and parent.pid in pids:
+                os.close(os.open(b, os.O_WRONLY))   # the SIGSTOP is pending; now let the call finish
+                released.append(True)
+
+        def table():
+            seen.append(wd.thread_states(parent.pid))
+            return real_table()
+
+        monkeypatch.setattr(wd, "kill", kill)
+        monkeypatch.setattr(wd, "table", table)
+        n = wd.stop({parent.pid: wd.stat(parent.pid)[1]})
+        assert released and seen
+        assert seen[0] and all(s == b"T" for s in seen[0]), f"process table read while the parent was {seen[0]}"
+        assert n == 2                           # the parent and the child its call started
+        assert parent.wait(timeout=30) == -signal.SIGKILL
+        assert all_exit(session_pids(parent.pid))
+    finally:
+        kill_all(session_pids(parent.pid))
+        parent.wait()
+        parent.stdin.close()
+
+
+FORKER = """
+import os, signal
+while True:
+    if os.fork() == 0:
+        signal.pause()
+        os._exit(0)
+    os.write(1, b"+")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_no_child_of_a_parent_forking_without_pause_is_left_running():
+    for _ in range(3):
+        forker = subprocess.Popen([sys.executable, "-c", FORKER], stdout=subprocess.PIPE, start_new_session=True)
+        try:
+            assert len(forker.stdout.read(5)) == 5  # five children started, more on the way
+            assert wd.stop({forker.pid: wd.stat(forker.pid)[1]}) >= 6
+            assert forker.wait(timeout=30) == -signal.SIGKILL
+            left = session_pids(forker.pid)
+            assert all_exit(left), f"still running after stop: {left}"
+        finally:
+            kill_all(session_pids(forker.pid))
+            forker.wait()
+            forker.stdout.close()
