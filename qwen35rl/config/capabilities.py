@@ -234,6 +234,14 @@ SPLIT_WHY = {
 }
 
 
+def single_on_policy_update(cfg: Any) -> bool:
+    """One update per batch on the policy that generated it: the old log-probs are the current policy's, so the
+    trainer computes no old log-prob pass."""
+    a = cfg["algorithm"]
+    return (int(a["ppo_epochs"]) == 1 and int(a["mini_batch_size"]) >= int(cfg["data"]["train_batch_size"])
+            and not a["use_kl_in_reward"] and rollout_is_mode(cfg) == "off")
+
+
 def rollout_is_mode(cfg: Any) -> str:
     """`algorithm.rollout_is` resolved: token | sequence | off. `auto` is token when the run trains on samples
     of older policies (max_staleness > 0) and the old log-probs are the trainer's (backend.use_rollout_log_probs

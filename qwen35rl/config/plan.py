@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from qwen35rl.config import (auto_batch, capabilities, fit_hint, layout_search, memory, params, quirks, redact,
-                             rules, vllm_facts)
+                             rules, step_time, vllm_facts)
 from qwen35rl.config.layout import Layout, derive_layout, is_split, placement, pools_per_node
 from qwen35rl.config.problems import ERROR, WARNING, Problem
 from qwen35rl.config.run_summary import render_lines as run_lines, run_summary
@@ -91,6 +91,7 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
     count = params.count_params(cfg.model)
     mem = memory.estimate(cfg, layout)
     preset, changed = layout_search.layout_origin(cfg)
+    run = run_summary(cfg)
     return {
         "valid": not any(p.severity == ERROR for p in problems),
         "problems": [p.to_dict() for p in problems],
@@ -109,6 +110,7 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "offload": offload_settings(cfg, mem),
         "compile": compile_settings(cfg),
         "cost": {**layout_search.cost(cfg, layout, mem), "score_unit": layout_search.SCORE_UNIT},
+        "step_time": _step_time(cfg, layout, mem, run["total_steps"]),
         "batch": batch_arithmetic(cfg, layout, choice),
         "placement": placement_plan(cfg, layout, mem),
         "device": str(cfg.hw.device),
@@ -122,9 +124,15 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "auto_tested": layout_search.tested_rank(searched_from, candidates) if candidates else None,
         "auto_choice": layout_search.explain(searched_from, candidates) if candidates else None,
         "vllm": vllm_plan(searched_from, cfg),
-        "run": run_summary(cfg),
+        "run": run,
         "verl": verl_export(cfg),
     }
+
+
+def _step_time(cfg: DictConfig, layout: Layout, mem: memory.MemoryEstimate,
+               total_steps: Optional[int]) -> Optional[Dict[str, Any]]:
+    st = step_time.estimate(cfg, layout, mem)
+    return None if st is None else st.to_dict(total_steps, layout.devices)
 
 
 def vllm_plan(configured: DictConfig, cfg: DictConfig) -> Optional[Dict[str, Any]]:
@@ -211,7 +219,7 @@ def refused_plan(cfg: DictConfig, problems: List[Problem]) -> Dict[str, Any]:
         "hw": str(cfg.hw.name), "backend": str(cfg.backend.name), "rollout_engine": str(cfg.rollout.engine),
         "world_size": None, "train": {}, "rollout": {"tp": None, "dp": None, "ep": None},
         "layout_name": str(cfg.parallelism.name), "layout_preset": None, "layout_overrides": [], "params": zero,
-        "memory_gib": {}, "offload": {}, "cost": {}, "placement": {},
+        "memory_gib": {}, "offload": {}, "cost": {}, "step_time": None, "placement": {},
         "batch": {"prompts_per_step": None, "responses_per_prompt": None, "responses_per_step": None,
                   "optimizer_steps_per_rollout_batch": None,
                   "responses_per_mini_batch_per_dp_rank": None, "micro_batches_per_device": None,
@@ -367,7 +375,7 @@ def render_text(plan: Dict[str, Any]) -> str:
         f" ({'VALID' if plan['valid'] else 'INVALID'})",
         f"  model      {_fmt_count(p['total'])} total, {_fmt_count(p['active'])} active"
         f" (text {_fmt_count(p['text'])}, vision {_fmt_count(p['vision'])}, MTP {_fmt_count(p['mtp'])})",
-        *(run_lines(plan["run"], (plan.get("cost") or {}).get("score")) if plan.get("run") else []),
+        *_run_lines(plan),
         f"  hardware   {plan['nodes']} node(s) x {plan['devices_per_node']} {plan['device']} = {world}",
         f"  train      {train}   [layout: {plan['layout_name']}]",
         f"  rollout    {plan['rollout_engine']} TP{r['tp']} DP{r['dp']} EP{r['ep']}",
@@ -437,4 +445,12 @@ def _problem_lines(plan: Dict[str, Any]) -> List[str]:
         lines.append(f"  {prob['severity']}: [{prob['code']}] {prob['key']}: {prob['message']}")
         if prob.get("hint"):
             lines.append(f"      hint: {prob['hint']}")
+    return lines
+
+
+def _run_lines(plan: Dict[str, Any]) -> List[str]:
+    """What the run does (run_summary), with its step time after the run line when it was planned."""
+    lines = run_lines(plan["run"]) if plan.get("run") else []
+    if plan.get("run") and plan.get("memory_gib"):
+        lines.insert(1, step_time.render(plan.get("step_time"), plan.get("device", "cuda")))
     return lines

@@ -64,7 +64,7 @@ def run_summary(cfg: Any, steps_per_epoch: Optional[int] = None) -> Dict[str, An
     }
 
 
-def render_lines(run: Dict[str, Any], step_s: Optional[float]) -> List[str]:
+def render_lines(run: Dict[str, Any]) -> List[str]:
     d, a = run["data"], run["algorithm"]
     if d["kind"] == "synthetic":
         data = f"{d['name']} ({d['task']}, generated in code)"
@@ -75,9 +75,6 @@ def render_lines(run: Dict[str, Any], step_s: Optional[float]) -> List[str]:
         data = f"{d['name']}: train {shown(d['train_files'])}; validation {shown(d['val_files'])}"
     steps = (f"{run['total_steps']:,} steps" if run["total_steps"] is not None
              else f"{run['total_epochs']} epoch(s) over the train files")
-    if run["total_steps"] is not None and step_s:
-        steps += (f" (~{step_s * run['total_steps'] / 3600:.2g} h at the cost model's {step_s:.3g} s/step: nominal "
-                  f"constants, a lower bound; measured steps ran up to 11x it, bench/results/vllm_gpu.md)")
     return [
         f"  run        {run['name']} -> {run['output_dir']}; {steps}",
         f"  checkpoint {run['checkpoint']}, tokenizer {run['tokenizer']}",
