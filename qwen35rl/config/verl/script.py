@@ -13,8 +13,15 @@ This is NOT a sandbox. The script runs as the user, with bash: it can call any p
 change files outside the temporary directory (a `cd "$(dirname "$0")"` makes the script's own folder the working
 directory) and reach the network. Import only scripts you would run.
 
-This file is also the stand-ins' program: each one runs `python -I -S <this file> --qwen35rl-standin ...`, so the
-module imports only light standard-library modules at the top.
+Nothing the script starts outlives the evaluation. On Linux the script runs under a small reaper process
+(`python -I -S <this file> --qwen35rl-reap ...`) that makes itself the child subreaper: a process that leaves the
+script's process group or session (`setsid cmd &`, a job under `set -m`, a daemon that double-forks) is still its
+descendant, and once the script has ended (background children get a few seconds to record themselves) or run
+past its time limit, the reaper kills every descendant left and waits for them. Elsewhere the script's process
+group is killed.
+
+This file is also the stand-ins' and the reaper's program: each one runs `python -I -S <this file> --qwen35rl-...`,
+so the module imports only light standard-library modules at the top.
 """
 from __future__ import annotations
 
@@ -38,6 +45,10 @@ BASE_PATH = "/usr/local/bin:/usr/bin:/bin"
 """The PATH of the clean environment, after the stand-ins' folder."""
 
 _STANDIN_FLAG = "--qwen35rl-standin"
+_REAP_FLAG = "--qwen35rl-reap"
+_BACKGROUND_GRACE_S = 3.0
+"""How long background children of a script that has ended get to record themselves before they are killed."""
+_PR_SET_CHILD_SUBREAPER = 36
 _BASH_NOISE = ("PWD", "OLDPWD", "SHLVL", "_")
 """Variables bash exports by itself; they are no part of what a script sets."""
 _FORWARDED_ARGS = ("$@", "${@}", "$*", "${*}")
@@ -491,6 +502,102 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+def _can_reap() -> bool:
+    """Whether the script can run under the reaper (Linux: prctl's child subreaper and /proc)."""
+    return sys.platform.startswith("linux") and os.path.isdir("/proc")
+
+
+def _descendants(root: int) -> Dict[int, str]:
+    """pid -> state letter (R, S, Z, ...) of every descendant of `root`, read from /proc."""
+    children: Dict[int, List[int]] = {}
+    state: Dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode("ascii", "replace")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) < 2 or not fields[1].isdigit():
+            continue
+        state[int(entry)] = fields[0]
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    found: Dict[int, str] = {}
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found[child] = state[child]
+                todo.append(child)
+    return found
+
+
+def _kill_descendants() -> None:
+    """SIGKILL every descendant of this process and reap them, until none is left (a child subreaper inherits the
+    orphans of the ones it kills, so a few rounds catch the grandchildren too)."""
+    import signal
+    import time
+
+    me = os.getpid()
+    for _ in range(500):
+        left = _descendants(me)
+        for pid, state in left.items():
+            if state != "Z":
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+        if not left:
+            return
+        time.sleep(0.01)
+
+
+def _reaper_main(args: List[str]) -> int:
+    """`--qwen35rl-reap TIMEOUT_S STATUS_FILE ENV_FILE PROGRAM ARGS...`: run the program (bash and the script) with
+    the environment of ENV_FILE (JSON), as this process's child subreaper; once it has ended and its background
+    children had their grace, or TIMEOUT_S has passed, kill every descendant left. STATUS_FILE receives
+    `exit <status>` or `timeout`."""
+    import ctypes
+    import signal
+    import subprocess
+    import time
+
+    timeout_s, status_file, env_file, argv = float(args[0]), args[1], args[2], args[3:]
+    with open(env_file, encoding="utf-8") as f:
+        env = json.load(f)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # without it, the script's process group is still killed below (its descendants by parentage)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # the importer gave up: clean up
+    status = "timeout"
+    started = time.monotonic()
+    try:
+        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            status = f"exit {proc.wait(timeout=timeout_s)}"
+        except subprocess.TimeoutExpired:
+            pass
+        else:
+            deadline = min(started + timeout_s, time.monotonic() + _BACKGROUND_GRACE_S)
+            while time.monotonic() < deadline and any(s != "Z" for s in _descendants(os.getpid()).values()):
+                time.sleep(0.02)
+    finally:
+        _kill_descendants()
+        with open(status_file, "w", encoding="utf-8") as f:
+            f.write(status)
+    return 0
+
+
 def _mapper(pairs: List[Tuple[str, str]]):
     pairs = [(a, b) for a, b in pairs if a and a != b]
     patterns = [(re.compile(re.escape(a) + r"(?![\w.-])"), b) for a, b in sorted(pairs, key=lambda p: -len(p[0]))]
@@ -558,23 +665,53 @@ def evaluate_script(path: PathLike, device: str = "gpu", env: Optional[Dict[str,
         run_env = {**base, **extra}
         run_env["PATH"] = bindir + os.pathsep + run_env["PATH"]
         out_path, err_path = os.path.join(root, "stdout"), os.path.join(root, "stderr")
+        timed_out = ScriptError(
+            f"{script}: the script did not finish within {timeout_s:g} s and was stopped (a script that waits for a "
+            f"cluster, a job or a download cannot be evaluated); {_IMPORT_HINT}")
         with open(out_path, "wb") as out_f, open(err_path, "wb") as err_f:
             started = time.monotonic()
-            proc = subprocess.Popen([bash, script], cwd=work, env=run_env, stdin=subprocess.DEVNULL,
-                                    stdout=out_f, stderr=err_f, start_new_session=True)
-            try:
-                status = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
+            if _can_reap():  # nothing the script starts survives it, even outside its process group
+                status_path, env_path = os.path.join(root, "status"), os.path.join(root, "env.json")
+                with open(env_path, "w", encoding="utf-8") as f:
+                    json.dump(run_env, f)
+                reaper = [sys.executable, "-I", "-S", os.path.abspath(__file__), _REAP_FLAG, repr(float(timeout_s)),
+                          status_path, env_path, bash, script]
+                proc = subprocess.Popen(reaper, cwd=work, env={"PATH": BASE_PATH, "LANG": "C.UTF-8"},
+                                        stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f, start_new_session=True)
+                try:
+                    proc.wait(timeout=timeout_s + 60.0)  # the reaper keeps the time limit; this bounds the reaper
+                except subprocess.TimeoutExpired:
+                    pass  # said as the time limit below
+                finally:
+                    if proc.poll() is None:  # interrupted, or the reaper hung: it kills what is left, or is killed
+                        proc.terminate()
+                        try:
+                            proc.wait(timeout=10.0)
+                        except subprocess.TimeoutExpired:
+                            _kill_group(proc.pid)
+                            proc.wait()
+                try:
+                    with open(status_path, encoding="utf-8") as f:
+                        outcome = f.read().split()
+                except OSError:
+                    outcome = ["timeout"]
+                if outcome[:1] != ["exit"]:
+                    raise timed_out
+                status = int(outcome[1])
+            else:
+                proc = subprocess.Popen([bash, script], cwd=work, env=run_env, stdin=subprocess.DEVNULL,
+                                        stdout=out_f, stderr=err_f, start_new_session=True)
+                try:
+                    status = proc.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    _kill_group(proc.pid)
+                    proc.wait()
+                    raise timed_out
+                # Background children (`nohup python3 -m verl... &`) get a moment to record themselves.
+                deadline = min(started + timeout_s, time.monotonic() + _BACKGROUND_GRACE_S)
+                while _group_alive(proc.pid) and time.monotonic() < deadline:
+                    time.sleep(0.02)
                 _kill_group(proc.pid)
-                proc.wait()
-                raise ScriptError(
-                    f"{script}: the script did not finish within {timeout_s:g} s and was stopped (a script that "
-                    f"waits for a cluster, a job or a download cannot be evaluated); {_IMPORT_HINT}")
-            # Background children (`nohup python3 -m verl... &`) get a moment to record themselves.
-            deadline = min(started + timeout_s, time.monotonic() + 3.0)
-            while _group_alive(proc.pid) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            _kill_group(proc.pid)
 
         unmap = _mapper([(home, real_home), (work, caller_cwd)])
         with open(err_path, "rb") as f:
@@ -784,4 +921,6 @@ def load_source(path: PathLike, device: str = "gpu", env: Optional[Dict[str, str
 if __name__ == "__main__":
     if sys.argv[1:2] == [_STANDIN_FLAG] and len(sys.argv) >= 7:
         sys.exit(_standin_main(sys.argv[2:]))
+    if sys.argv[1:2] == [_REAP_FLAG] and len(sys.argv) >= 6:
+        sys.exit(_reaper_main(sys.argv[2:]))
     sys.exit("qwen35rl.config.verl.script is a library (evaluate_script, read_override_list, load_source)")
