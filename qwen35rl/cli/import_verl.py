@@ -2,7 +2,10 @@
 `qwen35rl-train` command that runs it, and a table of every verl key (carried, already the default, carried from
 verl's default, not carried and why). The imported composition is then checked by the plan like any other.
 
-Exit 0 when the imported composition plans valid, 2 when it does not or the launch cannot be imported. The script
+Exit 0 when the imported composition plans valid, 2 when it does not or the launch cannot be imported. A launch
+with parts qwen35rl does not run (another engine or entry point, a non-GRPO algorithm, distillation, a reward model,
+video data) is refused with every part named; `--force` imports the rest and lists what it left out. A checkpoint
+that is not Qwen3.5 is refused even then. The script
 runs under bash with stand-in python3/uv/ray/torchrun/pip/hf first on PATH: this is not a sandbox (a script can
 still call programs by absolute path), so import only scripts you would run."""
 from __future__ import annotations
@@ -39,7 +42,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="the model option, when the checkpoint is neither here nor named like one")
     p.add_argument("--hw", help="the hw option, instead of the preset matching the launch's device counts")
     p.add_argument("--data", help="the data option, instead of the one the data files suggest")
-    p.add_argument("--force", action="store_true", help="replace an existing overlay of that name")
+    p.add_argument("--backend", choices=["fsdp", "megatron"],
+                   help="the backend option, instead of the one the launch's engine names")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing overlay of that name, and import a launch with refused parts: they are "
+                        "left out and listed (a checkpoint that is not Qwen3.5 is refused still)")
     p.add_argument("--format", choices=["text", "json"], default="text")
     return p
 
@@ -69,7 +76,7 @@ def report(imp, overlay: Path, hw_overlay: Optional[Path], cmd: List[str], cmd_e
             "command": cmd, "command_env": cmd_env, "model": imp.groups["model"], "backend": imp.groups["backend"],
             "hw": imp.groups["hw"], "data": imp.groups["data"], "picked": imp.picked, "carried": imp.carried,
             "defaults": imp.defaults, "verl_defaults": imp.verl_defaults, "implied": imp.implied,
-            "not_carried": imp.not_carried, "settings": imp.overlay,
+            "fixed": imp.fixed, "not_carried": imp.not_carried, "dropped": imp.dropped, "settings": imp.overlay,
             "env": {"carried": imp.env_carried, "defaults": imp.env_defaults, "not_carried": imp.env_not_carried},
             "plan": plan}
 
@@ -92,13 +99,19 @@ def render(r: Dict[str, Any], values: Dict[str, Any], source: str) -> str:
     import shlex
 
     lines = [f"qwen35rl-import verl: {source} -> {r['overlay']}"]
+    if r["dropped"]:
+        lines.append(f"LEFT OUT (--force): {len(r['dropped'])} part(s) of the launch qwen35rl does not run:")
+        lines += [f"  {x['key']}={_short(x['value'], 40)}: {x['why']}; {x['instead']}" for x in r["dropped"]]
     for g in ("model", "backend", "hw", "data"):
         lines.append(f"  {g + '=' + r[g]:<28} from {r['picked'][g]}")
     if r["hw_overlay"]:
         lines.append(f"  new hw overlay: {r['hw_overlay']}")
-    n_keys = len(r["carried"]) + len(r["defaults"]) + len(r["not_carried"])
+    left_out = [x for x in r["dropped"] if x["key"] in values]  # a refused entry point or default is no key
+    n_keys = len(r["carried"]) + len(r["defaults"]) + len(r["fixed"]) + len(r["not_carried"]) + len(left_out)
     lines.append(f"verl keys: {n_keys} ({len(r['carried'])} carried, {len(r['defaults'])} already the default, "
-                 f"{len(r['not_carried'])} not carried); {len(r['verl_defaults'])} verl defaults carried")
+                 f"{len(r['fixed'])} what qwen35rl always does, {len(r['not_carried'])} not carried"
+                 + (f", {len(left_out)} left out" if left_out else "")
+                 + f"); {len(r['verl_defaults'])} verl defaults carried")
     if r["carried"]:
         lines.append("  carried:")
         lines += [f"    {k}={_short(values.get(k))}  ->  {q}" for k, q in r["carried"].items()]
@@ -111,6 +124,9 @@ def render(r: Dict[str, Any], values: Dict[str, Any], source: str) -> str:
     if r["defaults"]:
         lines.append("  already the composed default:")
         lines += _wrapped(r["defaults"], "    ")
+    if r["fixed"]:
+        lines.append("  what qwen35rl always does (no setting needed):")
+        lines += [f"    {k}={_short(values.get(k), 40)}  ({why})" for k, why in r["fixed"].items()]
     if r["not_carried"]:
         lines.append("  not carried:")
         lines += [f"    {x['key']}={_short(x['value'], 40)}  ({x['why']})" for x in r["not_carried"]]
@@ -164,14 +180,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env = read_env_file(args.env) if args.env else {}
         launch = load_source(args.source, device=args.device, env=env, devices_per_node=args.devices_per_node)
         imp = import_launch(launch.argv, launch.env, device=args.device, name=args.name, fallback_name=Path(args.source).stem,
-                            model=args.model, hw=args.hw, data=args.data, entry=launch.entry)
+                            model=args.model, hw=args.hw, data=args.data, entry=launch.entry, force=args.force,
+                            backend=args.backend)
         directory = out_dir(args.out)
         overlay, hw_overlay = _written(lambda: write_overlay(imp, directory, args.source, force=args.force),
                                        directory, ImportFailure)
     except (ImportFailure, ScriptError) as e:
         print(e.render() if hasattr(e, "render") else f"qwen35rl-import: {e}", file=sys.stderr)
         if args.format == "json":
-            print(json.dumps({"error": str(getattr(e, "message", e)), "key": getattr(e, "key", "SOURCE")}))
+            out = {"error": str(getattr(e, "message", e)), "key": getattr(e, "key", "SOURCE")}
+            if getattr(e, "refusals", None):
+                out["refused"] = [r.as_dict() for r in e.refusals]
+            print(json.dumps(out, default=str))
         return EXIT_CONFIG
     cmd = command(imp)
     cmd_env = {}

@@ -12,8 +12,8 @@ import shlex
 from typing import Any, Dict, Iterator, List, Tuple
 
 from qwen35rl.config.problems import ERROR, Problem
-from qwen35rl.config.verl.keys import (CHOICE_KEYS, IMPLIED, OVERRIDE_TC, UNUSED_BY_BACKEND, VLLM_KWARGS, get,
-                                       keys_for, needs_plus, why_not_exported, worker_env)
+from qwen35rl.config.verl.keys import (CHOICE_KEYS, FIXED, IMPLIED, OVERRIDE_TC, UNSET, UNUSED_BY_BACKEND,
+                                       VLLM_KWARGS, get, keys_for, needs_plus, why_not_exported, worker_env)
 
 ENTRY = ["python3", "-m", "verl.trainer.main_ppo"]
 _BARE = re.compile(r"^[A-Za-z_/.][A-Za-z0-9_\-/.+:@]*$")
@@ -111,6 +111,9 @@ def export(cfg: Any) -> Dict[str, Any]:
         covered.add(k.qwen)
         for name in (k.verl, *k.also):
             put(name, value, k.plus)
+    for f in FIXED:  # where verl's default is not what qwen35rl always does
+        if backend in f.backends and f.export is not UNSET:
+            put(f.verl, f.export)
     kwargs = effective_engine_kwargs(cfg)
     for key, value in _flatten("", kwargs):
         put(f"{VLLM_KWARGS}.{key}", value, plus=needs_plus(VLLM_KWARGS, key))

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from qwen35rl.config.verl.keys import (ACTOR, CHOICE_KEYS, MODEL, OVERRIDE_TC, PASS_THROUGH, ROLLOUT, UNSET,
-                                       VLLM_KWARGS, Key,
+from qwen35rl.config.verl.keys import (ACTOR, CHOICE_KEYS, FIXED, MODEL, OVERRIDE_TC, PASS_THROUGH, ROLLOUT,
+                                       UNSET, VLLM_KWARGS, Key,
                                        NotCarried,
                                        effective_remove_padding, env_reason, get, keys_for, why_not_carried,
                                        worker_env)
@@ -123,32 +123,103 @@ _OTHER_MODELS = re.compile(r"(llama|mistral|mixtral|deepseek|glm|kimi|gemma|phi|
                            r"intern|baichuan|yi_|seed|moonlight|longcat)")
 
 
-def refuse_unsupported(launch: VerlLaunch, entry: str = "") -> None:
-    """ImportFailure (exit 2) for a launch qwen35rl does not run, rather than importing part of it as something
-    else: another verl entry point or config, a training strategy other than FSDP2 or Megatron, distillation,
-    video data."""
+@dataclass
+class Refusal:
+    """A part of a launch qwen35rl does not run: refused (exit 2) unless `--force` drops it."""
+
+    key: str
+    value: Any
+    why: str
+    hint: str
+    drops: Tuple[str, ...] = ()
+    """The launch keys `--force` leaves out (none for an entry point or a config name: only the choice goes)."""
+    instead: str = "left out"
+    """What the run does instead (`{backend}` and `{data}` stand for the options picked)."""
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"key": self.key, "value": self.value, "why": self.why}
+
+
+class Refused(ImportFailure):
+    """Every refused part of a launch at once (exit 2); `--force` imports the rest."""
+
+    def __init__(self, refusals: List[Refusal]):
+        first = refusals[0]
+        super().__init__(first.key, first.why, first.hint)
+        self.refusals = refusals
+
+    def render(self) -> str:
+        lines = [f"qwen35rl-import: cannot import this launch: {len(self.refusals)} part(s) qwen35rl does not run"]
+        for r in self.refusals:
+            lines.append(f"  {r.key}={_shown(r.value)}: {r.why}")
+            lines.append(f"    hint: {r.hint}")
+        lines.append("  --force imports the rest: these parts are left out and listed")
+        return "\n".join(lines)
+
+
+def _shown(v: Any) -> str:
+    text = v if isinstance(v, str) else json.dumps(v, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+ALGORITHM_HINT = "qwen35rl trains GRPO-family objectives (algorithm=grpo, dapo, dr_grpo): import a GRPO / DAPO / " \
+                 "Dr.GRPO script"
+ENGINE_HINT = "qwen35rl trains with FSDP2 (backend=fsdp) or Megatron (backend=megatron): import a script of one of " \
+              "those engines"
+
+
+def refusals(launch: VerlLaunch, entry: str = "") -> List[Refusal]:
+    """What of a launch qwen35rl does not run, rather than importing part of it as something else: another verl
+    entry point or config, a training strategy other than FSDP2 or Megatron, distillation, an advantage estimator
+    other than GRPO's (verl's default, gae, included), a policy loss other than PPO-clip, a reward model, video
+    data."""
+    out: List[Refusal] = []
     module = next((w for w in entry.split() if w.startswith("verl.")), "")
     if module and module != ENTRY_MODULE:
-        raise ImportFailure("SOURCE", f"the script runs {module}, not {ENTRY_MODULE}: qwen35rl imports GRPO-family "
-                            "runs of verl's PPO trainer only", "import a main_ppo launch")
+        out.append(Refusal("SOURCE", module, f"the script runs {module}, not {ENTRY_MODULE}: qwen35rl imports "
+                           "GRPO-family runs of verl's PPO trainer only", "import a main_ppo launch",
+                           instead=f"the rest is imported as a run of {ENTRY_MODULE}"))
     if launch.config_name and launch.config_name not in CONFIG_NAMES:
-        raise ImportFailure("--config-name", f"verl's {launch.config_name} config has no qwen35rl counterpart",
-                            f"qwen35rl imports launches of {' or '.join(CONFIG_NAMES)}")
-    for key, value in launch.values.items():
+        out.append(Refusal("--config-name", launch.config_name, f"verl's {launch.config_name} config has no qwen35rl "
+                           "counterpart", f"qwen35rl imports launches of {' or '.join(CONFIG_NAMES)}",
+                           instead="the run uses backend={backend} (--backend picks the other)"))
+    values = launch.values
+    for key, value in values.items():
         parts = key.split(".")
         if "megatron_lite" in parts or (parts[-1] == "strategy" and str(value) not in STRATEGIES) or (
                 key == "model_engine" and str(value) not in ("dp", "fsdp", "megatron")):
-            raise ImportFailure(key, f"verl's {value if 'megatron_lite' not in parts else 'megatron_lite'} "
-                                "strategy has no qwen35rl counterpart", "qwen35rl trains with FSDP2 (backend=fsdp) "
-                                "or Megatron (backend=megatron): import a script of one of those engines")
-        if parts[0] == "distillation" and value not in (False, None):
-            raise ImportFailure(key, "a distillation run (a teacher model's log-probs in the loss): qwen35rl trains "
-                                "GRPO-family objectives only", "import a GRPO / DAPO / Dr.GRPO script")
-        words = [key.lower()] + [str(v).lower() for v in (value if isinstance(value, list) else [value])
-                                 if key in ("data.train_files", "data.val_files")]
-        if any("video" in w for w in words):
-            raise ImportFailure(key, "video data: qwen35rl trains on text and image prompts",
-                                "import a text or image (geo3k-style) script")
+            name = "megatron_lite" if "megatron_lite" in parts else value
+            out.append(Refusal(key, value, f"verl's {name} strategy has no qwen35rl counterpart", ENGINE_HINT, (key,),
+                               "the run uses backend={backend} (--backend picks the other)"))
+        elif parts[0] == "distillation" and value not in (False, None):
+            out.append(Refusal(key, value, "a distillation run (a teacher model's log-probs in the loss): qwen35rl "
+                               "trains GRPO-family objectives only", ALGORITHM_HINT, (key,),
+                               "the run trains without a teacher"))
+        elif key == f"{ACTOR}.policy_loss.loss_mode" and value != "vanilla":
+            out.append(Refusal(key, value, f"verl's {value} policy loss: qwen35rl's is PPO-clip (verl's vanilla)",
+                               ALGORITHM_HINT, (key,), "the run trains with PPO-clip"))
+        elif key in ("reward_model.enable", "reward.reward_model.enable") and value is True:
+            out.append(Refusal(key, value, "a reward model scores the responses: qwen35rl scores them with a reward "
+                               "function (data.reward)", "import a rule-based-reward script, or write the scoring "
+                               "as data.reward=pkg.module:fn(response, answer, example)", (key,),
+                               "the run scores with data.reward (data={data}'s reward function)"))
+        else:
+            words = [key.lower()] + [str(v).lower() for v in (value if isinstance(value, list) else [value])
+                                     if key in ("data.train_files", "data.val_files")]
+            if any("video" in w for w in words):
+                files = key in ("data.train_files", "data.val_files")
+                out.append(Refusal(key, value, "video data: qwen35rl trains on text and image prompts",
+                                   "import a text or image (geo3k-style) script", (key,),
+                                   "the run reads data={data}'s files (--data picks another)" if files else
+                                   "the run reads the text and image columns only"))
+    estimator = values.get("algorithm.adv_estimator", UNSET)
+    if estimator is UNSET or estimator != "grpo":
+        shown = "gae" if estimator is UNSET else estimator
+        unset = " (verl's default: the script does not set algorithm.adv_estimator)" if estimator is UNSET else ""
+        out.append(Refusal("algorithm.adv_estimator", shown, f"verl's {shown} advantage estimator{unset}: qwen35rl "
+                           "computes GRPO's group-relative advantages", ALGORITHM_HINT + " (algorithm.adv_estimator="
+                           "grpo)", ("algorithm.adv_estimator",), "the run computes GRPO's advantages"))
+    return out
 
 
 def check_qwen35(path: Any) -> None:
@@ -176,7 +247,11 @@ def check_qwen35(path: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------- picking options
-def pick_backend(launch: VerlLaunch) -> str:
+def pick_backend(launch: VerlLaunch, forced: Optional[str] = None) -> str:
+    if forced:
+        if forced not in ("fsdp", "megatron"):
+            raise ImportFailure("--backend", f"no backend option {forced!r}", "one of: fsdp, megatron")
+        return forced
     engine = str(launch.values.get("model_engine", "") or "")
     strategy = str(launch.values.get(f"{ACTOR}.strategy", "") or "")
     if "megatron" in (launch.config_name or "") or engine == "megatron" or strategy == "megatron":
@@ -322,6 +397,10 @@ class Imported:
     """A new hw overlay {name, base, nodes, devices_per_node} where no preset matches."""
     verl_values: Dict[str, Any] = field(default_factory=dict)
     """What the launch set, by verl key."""
+    fixed: Dict[str, str] = field(default_factory=dict)
+    """verl keys whose value asks for what qwen35rl always does (no setting needed) -> what that is."""
+    dropped: List[Dict[str, Any]] = field(default_factory=list)
+    """Refused parts left out with `force`: {key, value, why, instead}."""
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -338,22 +417,36 @@ def _same(a: Any, b: Any) -> bool:
 
 def import_launch(argv: Sequence[str], env: Optional[Dict[str, str]] = None, device: str = "gpu",
                   name: Optional[str] = None, model: Optional[str] = None, hw: Optional[str] = None,
-                  data: Optional[str] = None, fallback_name: Optional[str] = None, entry: str = "") -> Imported:
-    """The composition of a verl launch (nothing is written: see `write_overlay`)."""
+                  data: Optional[str] = None, fallback_name: Optional[str] = None, entry: str = "",
+                  force: bool = False, backend: Optional[str] = None) -> Imported:
+    """The composition of a verl launch (nothing is written: see `write_overlay`). A launch with parts qwen35rl does
+    not run is refused (`Refused`, every part named) unless `force`, which leaves those parts out and lists them in
+    `Imported.dropped`. A checkpoint that is not Qwen3.5 is refused whatever `force` says."""
     from omegaconf import OmegaConf
 
     from qwen35rl.config.compose import compose
 
     launch = read_launch(argv)
+    original = dict(launch.values)
+    check_qwen35(launch.values.get(f"{MODEL}.path"))
+    model_name, model_how = pick_model(launch.values.get(f"{MODEL}.path"), model)
+    refused = refusals(launch, entry)
+    if refused and not force:
+        raise Refused(refused)
+    suppressed = set()  # dropped keys: neither the script's value nor verl's default is carried
+    for r in refused:
+        if r.key == "--config-name":
+            launch.config_name = None
+        for key in r.drops:
+            launch.values.pop(key, None)
+            suppressed.add(key)
     values = dict(launch.values)
-    refuse_unsupported(launch, entry)
-    backend = pick_backend(launch)
+    forced_backend = backend
+    backend = pick_backend(launch, forced_backend)
     dev = str(values.get("trainer.device") or {"gpu": "cuda", "npu": "npu", "cpu": "cpu"}.get(device, device))
     nodes = int(values.get("trainer.nnodes", 1) or 1)
     per_node = int(values.get("trainer.n_gpus_per_node", 8) or 8)
     hw_name, hw_base = pick_hw(dev, nodes, per_node, hw)
-    check_qwen35(values.get(f"{MODEL}.path"))
-    model_name, model_how = pick_model(values.get(f"{MODEL}.path"), model)
     data_name, data_how = pick_data(values, data)
     groups = {"model": model_name, "backend": backend, "hw": hw_base or hw_name, "data": data_name}
     engine = str(values.get(f"{ROLLOUT}.name") or "vllm")
@@ -364,15 +457,16 @@ def import_launch(argv: Sequence[str], env: Optional[Dict[str, str]] = None, dev
         groups["hw"] = hw_name
     with _hw_on_search_path(new_hw):  # compose what the command will compose (no tested layout on new hardware)
         base = OmegaConf.to_container(compose([f"{g}={o}" for g, o in groups.items()]), resolve=True)
-    picked = {"model": model_how, "backend": _backend_how(launch, backend),
+    picked = {"model": model_how, "backend": "--backend" if forced_backend else _backend_how(launch, backend),
               "hw": f"{nodes} node(s) x {per_node} {dev} device(s)" + (f" (new overlay on {hw_base})" if hw_base else ""),
               "data": data_how}
     if name is not None and not _norm(name):  # '..', '.', '': no file name (and nothing to compose by)
         raise ImportFailure("--name", f"{name!r} has no letter or digit to name experiment/NAME.yaml by",
                             "pass --name with letters or digits, e.g. --name my_run")
     out = Imported(name=_norm(name) if name else _default_name(values, fallback_name), groups=groups, picked=picked, overlay={},
-                   verl_values=dict(launch.values))
+                   verl_values=original)
     out.new_hw = new_hw
+    out.dropped = [_dropped(r, groups) for r in refused]
     consumed = set(CHOICE_KEYS) & set(values)
     for key in consumed:
         out.carried[key] = CHOICE_KEYS[key]
@@ -384,13 +478,21 @@ def import_launch(argv: Sequence[str], env: Optional[Dict[str, str]] = None, dev
                                 "(vllm-ascend on NPU) or transformers: the run uses vLLM"})
         consumed.add(f"{ROLLOUT}.name")
     for k in keys_for(backend):
-        consumed |= _carry(k, values, base, out)
+        if k.verl not in suppressed:
+            consumed |= _carry(k, values, base, out)
+    for f in FIXED:
+        if f.verl in values and backend in f.backends:
+            consumed.add(f.verl)
+            if f.holds(values[f.verl], backend):
+                out.fixed[f.verl] = f.does
+            else:
+                out.not_carried.append({"key": f.verl, "value": values[f.verl], "why": f.does})
     _pass_through(values, base, backend, consumed, out)
     for key, value in values.items():
         if key in consumed:
             continue
-        other = [k for k in _all_keys() if key in k.names() and backend not in k.backends]
-        why = (f"applies to verl's {other[0].backends[0]} engine; this run uses {backend}" if other
+        other = [k for k in [*_all_keys(), *FIXED] if key in _names(k) and backend not in k.backends]
+        why = (f"verl reads it for its {other[0].backends[0]} engine only; this run uses {backend}" if other
                else why_not_carried(key))
         out.not_carried.append({"key": key, "value": value, "why": why})
     for key in launch.deleted:
@@ -411,6 +513,15 @@ def _all_keys() -> List[Key]:
     from qwen35rl.config.verl.keys import KEYS
 
     return KEYS
+
+
+def _names(k: Any) -> Tuple[str, ...]:
+    return k.names() if isinstance(k, Key) else (k.verl,)
+
+
+def _dropped(r: Refusal, groups: Dict[str, str]) -> Dict[str, Any]:
+    """A refused part `force` left out, with what the run does instead."""
+    return {**r.as_dict(), "instead": r.instead.format(backend=groups["backend"], data=groups["data"])}
 
 
 def _backend_how(launch: VerlLaunch, backend: str) -> str:
@@ -442,6 +553,11 @@ def _carry(k: Key, values: Dict[str, Any], base: Dict[str, Any], out: Imported) 
     current = k.qwen_value(base)
     default = _same(value, current) or _same(raw, k.to_verl(current, base)) or (
         k.canon is not None and _same(k.canon(value, base), k.canon(current, base)))
+    if k.only_equal and not default:
+        if source:
+            out.not_carried.append({"key": source, "value": raw, "why": f"{k.only_equal} ({k.qwen} is "
+                                    f"{current!r} here)"})
+        return set(present)
     if k.qwen in out.overlay and not default:  # two verl keys for one qwen35rl key (resume_mode + resume_from_path)
         default = _same(out.overlay[k.qwen], value)
     if source:
@@ -584,6 +700,11 @@ def _hw_on_search_path(hw: Optional[Dict[str, Any]]) -> Iterator[None]:
             yield
 
 
+def _one_line(text: str) -> str:
+    """A comment line that stays one line whatever a value holds."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
+
+
 def command(imp: Imported) -> List[str]:
     return ["qwen35rl-train", *(f"{g}={o}" for g, o in imp.groups.items()), f"+experiment={imp.name}"]
 
@@ -604,6 +725,9 @@ def write_overlay(imp: Imported, directory: Path, source: str, force: bool = Fal
               f"# Imported from {source} by qwen35rl-import verl: the settings that differ from",
               f"#   {' '.join(f'{g}={o}' for g, o in imp.groups.items())}",
               f"# Run: {' '.join(command(imp))}"]
+    if imp.dropped:
+        header.append("# Left out with --force (qwen35rl does not run them):")
+        header += [_one_line(f"#   {x['key']}={_shown(x['value'])}: {x['why']}") for x in imp.dropped]
     body = OmegaConf.to_yaml(OmegaConf.create(nested(imp.overlay))) if imp.overlay else "{}\n"
     exp.write_text("\n".join(header) + "\n" + body)
     if hw_path:

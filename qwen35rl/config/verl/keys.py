@@ -98,6 +98,9 @@ class Key:
     """Export only when this holds for the composed config (e.g. a quirk the hardware has)."""
     exported: bool = True
     """False: the importer reads it (an older verl line's key), verl 0.9.1 has nowhere to write it."""
+    only_equal: str = ""
+    """Set: the importer never changes the qwen35rl key for this verl key (it sets more than verl's key does); a
+    script value equal to the composed one is already the default, another is not carried, with this reason."""
 
     def qwen_value(self, cfg: Any) -> Any:
         return self.effective(cfg) if self.effective else get(cfg, self.qwen)
@@ -244,6 +247,18 @@ def _resume_path(cfg: Any) -> Any:
     return None if r in ("auto", "never", "force") else r
 
 
+def _bf16_to_verl(v: Any, cfg: Any) -> Any:
+    return "bfloat16" if v else None
+
+
+def _bf16_to_qwen(v: Any, ctx: Any) -> Any:
+    """verl's Megatron engine trains in bfloat16 or float16; qwen35rl's in bf16 (backend.bf16) or fp32."""
+    if v != "bfloat16":
+        raise NotCarried(f"verl's Megatron dtype {v!r}: qwen35rl's Megatron engine trains in bfloat16 "
+                         "(backend.bf16=true) or float32")
+    return True
+
+
 def _quirk(name: str) -> Callable[[Any], bool]:
     return lambda cfg: get(cfg, f"hw.megatron_quirks.{name}") is not None
 
@@ -285,6 +300,11 @@ KEYS: List[Key] = [
     Key(f"{ROLLOUT}.enforce_eager", "rollout.enforce_eager", verl_default=False),
     Key(f"{ROLLOUT}.free_cache_engine", "rollout.free_cache_engine", verl_default=True),
     Key(f"{ROLLOUT}.cudagraph_capture_sizes", "rollout.cudagraph_capture_sizes", verl_default=None),
+    # vLLM serves in model.dtype (`engines.vllm_rollout.engine_dtype`); model.dtype also sets the training engine's
+    # weights, so a rollout dtype of its own is not carried there
+    Key(f"{ROLLOUT}.dtype", "model.dtype",
+        only_equal="qwen35rl serves the rollout in model.dtype, which also sets the dtype of the training engine's "
+                   "weights: set model.dtype to change both"),
     Key(f"{VLLM_KWARGS}.compilation_config.cudagraph_mode", "rollout.cudagraph_mode", plus=True,
         export_when=lambda c: get(c, "rollout.cudagraph_mode") is not None),
     Key(f"{ROLLOUT}.val_kwargs.temperature", "rollout.val_temperature", verl_default=0),
@@ -385,6 +405,8 @@ KEYS: List[Key] = [
     Key(f"{ACTOR}.megatron.use_distributed_optimizer", "backend.use_distributed_optimizer", MEGATRON,
         verl_default=True),
     Key(f"{ACTOR}.megatron.use_dist_checkpointing", "backend.use_dist_checkpointing", MEGATRON, verl_default=False),
+    Key(f"{ACTOR}.megatron.dtype", "backend.bf16", MEGATRON, verl_default="bfloat16", to_verl=_bf16_to_verl,
+        to_qwen=_bf16_to_qwen, export_when=lambda c: bool(get(c, "backend.bf16"))),
     # verl's engine workers set the Megatron engine's use_remove_padding from model.use_remove_padding
     Key(f"{MODEL}.use_remove_padding", "backend.remove_padding", MEGATRON, verl_default=True,
         aliases=(f"{ACTOR}.megatron.use_remove_padding",), also=(f"{ACTOR}.megatron.use_remove_padding",),
@@ -425,6 +447,49 @@ KEYS: List[Key] = [
 """Every setting both sides have. The hardware (trainer.nnodes / n_gpus_per_node / device) and the choice of
 checkpoint, backend, rollout engine and dataset pick config groups instead: see `CHOICE_KEYS`."""
 
+@dataclass(frozen=True)
+class Fixed:
+    """A verl key qwen35rl has no setting for because it always does one thing: a script value that asks for that
+    thing is nothing lost (reported as such), any other value is not carried, with `does` as the reason."""
+
+    verl: str
+    does: str
+    """What qwen35rl does, in words (the reason when the script asks for something else)."""
+    holds: Callable[[Any, str], bool]
+    """(verl's value, the run's backend) -> the value asks for what qwen35rl does."""
+    backends: Tuple[str, ...] = BOTH
+    export: Any = UNSET
+    """What the exporter writes, where verl's default is not what qwen35rl does (UNSET: verl's default is)."""
+
+
+def _is(want: Any) -> Callable[[Any, str], bool]:
+    return lambda v, backend: v is want if isinstance(want, bool) else (v == want and not isinstance(v, bool))
+
+
+FIXED: List[Fixed] = [
+    Fixed(f"{ACTOR}.megatron.use_mbridge", "qwen35rl loads the Hugging Face checkpoint into Megatron and converts "
+          "the weights itself (what use_mbridge=True does; a pre-converted Megatron checkpoint is not read)",
+          _is(True), MEGATRON),
+    Fixed(f"{ACTOR}.checkpoint.save_contents", "qwen35rl's checkpoints hold the model, the optimizer and the loop "
+          "state (verl's model, optimizer and extra), and no Hugging Face copy (that is written once, at the end)",
+          lambda v, b: isinstance(v, list) and sorted(map(str, v)) == ["extra", "model", "optimizer"]),
+    Fixed("trainer.critic_warmup", "qwen35rl updates the policy from the first step (GRPO has no critic to warm up)",
+          _is(0)),
+    Fixed(f"{ROLLOUT}.calculate_log_probs", "qwen35rl's rollout always returns the sampled tokens' log-probs (the "
+          "rollout/logprob_diff metrics, backend.use_rollout_log_probs and algorithm.rollout_is use them)", _is(True)),
+    Fixed("data.validation_shuffle", "qwen35rl validates on the validation rows in their order", _is(False)),
+    Fixed("trainer.balance_batch", "qwen35rl splits each batch over the data-parallel ranks in order; it does not "
+          "reorder responses by length across the ranks", _is(False), export=False),
+    Fixed(f"{ROLLOUT}.ignore_eos", "qwen35rl's rollout ends a response at the end-of-sequence token", _is(False)),
+    Fixed(f"{REF}.strategy", "the reference model runs on the actor's engine (fsdp2 with backend=fsdp, megatron "
+          "with backend=megatron)", lambda v, b: v == ("fsdp2" if b == "fsdp" else b)),
+    Fixed(f"{ROLLOUT}.mode", "verl 0.9.1 runs its rollout in async mode only (vLLM behind a server per engine): how "
+          "verl drives vLLM, not what it generates", _is("async")),
+]
+"""verl keys answered by what qwen35rl always does. Each is still listed in NOT_CARRIED (with `does`) for the
+values that ask for something else, and for `qwen35rl-plan`'s hint when one is given as a qwen35rl override."""
+
+
 CHOICE_KEYS: Dict[str, str] = {
     "trainer.nnodes": "hw.nodes",
     "trainer.n_gpus_per_node": "hw.devices_per_node",
@@ -461,20 +526,15 @@ NOT_CARRIED: Dict[str, str] = {
     "hydra.": "Hydra's own settings for verl's process (qwen35rl sets its run directory itself)",
     "actor_rollout_ref.hybrid_engine": "verl-internal: qwen35rl colocates rollout and training on every device "
                                        "unless placement=split",
-    f"{ROLLOUT}.mode": "verl-internal: qwen35rl drives its rollout engines in its own workers",
     f"{ROLLOUT}.load_format": "verl-internal: qwen35rl loads the rollout weights from the training engine",
     f"{ROLLOUT}.layered_summon": "verl-internal weight-sync detail (qwen35rl syncs in rollout.weight_sync_bucket_mb buckets)",
     f"{ROLLOUT}.multi_stage_wake_up": "verl-internal: qwen35rl wakes the engine in one step",
     f"{ROLLOUT}.agent.": "verl's agent loop: qwen35rl generates single-turn responses",
     f"{ROLLOUT}.multi_turn.": "verl's multi-turn tool use: qwen35rl generates single-turn responses",
     f"{ROLLOUT}.skip_tokenizer_init": "verl-internal",
-    f"{ROLLOUT}.calculate_log_probs": "verl-internal: qwen35rl's rollout returns log-probs whenever "
-                                      "backend.use_rollout_log_probs uses them",
-    f"{ROLLOUT}.dtype": "qwen35rl serves the rollout in model.dtype",
     f"{ROLLOUT}.prompt_length": "qwen35rl takes it from data.max_prompt_length",
     f"{ROLLOUT}.response_length": "qwen35rl takes it from data.max_response_length",
     f"{ROLLOUT}.val_kwargs.": "qwen35rl validates with one greedy sample per prompt at rollout.val_temperature",
-    f"{ROLLOUT}.ignore_eos": "no counterpart in qwen35rl",
     f"{ROLLOUT}.do_sample": "qwen35rl always samples (rollout.temperature 0 is greedy)",
     f"{ROLLOUT}.pipeline_model_parallel_size": "qwen35rl's vLLM engines run TP x DP x EP, no pipeline",
     f"{ROLLOUT}.nnodes": "verl's standalone rollout pool (its one-step-off and async trainers): qwen35rl's is "
@@ -483,9 +543,10 @@ NOT_CARRIED: Dict[str, str] = {
                                   "is placement=split placement.rollout_devices=N",
     f"{ROLLOUT}.checkpoint_engine.": "verl's weight-sync engine: qwen35rl syncs through its own buckets",
     f"{ROLLOUT}.": "no counterpart in qwen35rl's rollout settings",
-    f"{REF}.strategy": "the reference model runs on the actor's engine",
     f"{REF}.": "the reference model runs on the actor's engine and layout (qwen35rl has one set of these settings)",
     f"{ACTOR}.ppo_micro_batch_size": "verl's deprecated global micro batch: set ppo_micro_batch_size_per_gpu",
+    f"{ACTOR}.checkpoint.strict": "verl reads it when it saves a Hugging Face copy into a checkpoint (hf_model); "
+                                  "qwen35rl's checkpoints hold none, and it loads them strictly",
     f"{ACTOR}.checkpoint.": "qwen35rl always checkpoints the model, optimizer and loop state together",
     f"{ACTOR}.profiler.": "no counterpart in qwen35rl",
     f"{ACTOR}.policy_loss.loss_mode": "qwen35rl's loss is PPO-clip (verl's vanilla)",
@@ -501,19 +562,22 @@ NOT_CARRIED: Dict[str, str] = {
     f"{ACTOR}.fsdp_config.model_dtype": "qwen35rl picks dtypes from model.dtype and backend.mixed_precision",
     f"{ACTOR}.fsdp_config.dtype": "qwen35rl picks dtypes from model.dtype and backend.mixed_precision",
     f"{ACTOR}.fsdp_config.": "no counterpart in qwen35rl's FSDP engine",
-    f"{ACTOR}.megatron.use_mbridge": "qwen35rl converts HF <-> Megatron weights itself",
-    f"{ACTOR}.megatron.vanilla_mbridge": "qwen35rl converts HF <-> Megatron weights itself",
+    f"{ACTOR}.megatron.vanilla_mbridge": "which library verl converts HF <-> Megatron weights with (mbridge or "
+                                         "Megatron-Bridge): qwen35rl converts them itself",
     f"{ACTOR}.megatron.sequence_parallel": "qwen35rl turns Megatron sequence parallel on whenever TP > 1",
     f"{ACTOR}.megatron.seed": "qwen35rl seeds from trainer.seed",
     f"{ACTOR}.megatron.": "no counterpart in qwen35rl's Megatron engine",
     f"{ACTOR}.": "no counterpart in qwen35rl",
-    f"{MODEL}.trust_remote_code": "qwen35rl builds Qwen3.5 from transformers' own classes",
+    f"{MODEL}.trust_remote_code": "qwen35rl builds Qwen3.5 from transformers' own classes and runs no code "
+                                  "from the checkpoint",
     f"{MODEL}.external_lib": "qwen35rl builds Qwen3.5 from transformers' own classes",
     f"{MODEL}.override_config.": "qwen35rl reads the architecture from model= and the checkpoint",
     f"{MODEL}.": "no counterpart in qwen35rl",
     "critic.": "GRPO has no critic",
-    "trainer.critic_warmup": "GRPO has no critic",
     "reward_model.": "no reward model: qwen35rl scores responses with data.reward",
+    "reward.custom_reward_function.": "verl's compute_score(data_source, solution_str, ground_truth, extra_info) "
+                                      "has another signature: wrap it as pkg.module:fn(response, answer, example) "
+                                      "and set data.reward",
     "reward.": "no reward model: qwen35rl scores responses with data.reward",
     "custom_reward_function.": "verl's compute_score(data_source, solution_str, ground_truth, extra_info) has "
                                "another signature: wrap it as pkg.module:fn(response, answer, example) and set "
@@ -523,7 +587,8 @@ NOT_CARRIED: Dict[str, str] = {
     "data.return_full_prompt": "verl-internal",
     "data.return_multi_modal_inputs": "verl-internal",
     "data.dataloader_num_workers": "qwen35rl tokenizes in the driver",
-    "data.filter_overlong_prompts_workers": "qwen35rl filters in the driver",
+    "data.filter_overlong_prompts_workers": "how many processes verl filters with: qwen35rl filters in the "
+                                            "driver (the same prompts are dropped)",
     "data.reward_fn_key": "qwen35rl scores every row with data.reward",
     "data.custom_cls.": "qwen35rl reads parquet/jsonl rows itself (data.prompt_key, data.answer_key)",
     "data.tokenizer": "qwen35rl uses the checkpoint's tokenizer (model.tokenizer)",
@@ -538,7 +603,6 @@ NOT_CARRIED: Dict[str, str] = {
     "algorithm.": "no counterpart in qwen35rl's algorithm settings",
     "trainer.default_local_dir": "qwen35rl writes checkpoints under trainer.output_root/trainer.run_name",
     "trainer.default_hdfs_dir": "no counterpart in qwen35rl",
-    "trainer.balance_batch": "no counterpart in qwen35rl",
     "trainer.ray_wait_register_center_timeout": "qwen35rl waits trainer.placement_timeout_s for its workers",
     "trainer.": "no counterpart in qwen35rl's trainer settings",
     "ray_kwargs.ray_init.runtime_env.py_executable": "launcher plumbing: qwen35rl's workers run the driver's Python",
@@ -548,6 +612,8 @@ NOT_CARRIED: Dict[str, str] = {
     "distillation.": "no counterpart in qwen35rl (an enabled distillation is refused)",
 }
 """verl keys (exact, or a prefix ending with '.') the importer does not carry, with why; the longest match wins."""
+NOT_CARRIED.update({f.verl: f.does for f in FIXED})
+
 
 def _longest_match(table: Dict[str, str], key: str, default: str) -> str:
     """The reason of `table`'s entry for `key`: an exact key, or the longest prefix ending with '.'."""
@@ -612,7 +678,7 @@ def worker_env(cfg: Any) -> Dict[str, str]:
 NOT_EXPORTED: Dict[str, str] = {
     "model.init": "verl starts from the checkpoint's weights (model.init=random has no counterpart)",
     "model.tokenizer": "verl uses the checkpoint's tokenizer",
-    "model.dtype": "verl picks dtypes itself (fsdp_config.model_dtype / dtype, rollout.dtype)",
+    "model.dtype": "exported as rollout.dtype; verl picks the training engine's dtypes itself",
     "model.": "architecture: verl reads it from the checkpoint's config.json",
     "hw.env": "exported as the worker environment",
     "hw.vllm_quirks": "exported as rollout engine_kwargs while they apply",
@@ -621,7 +687,7 @@ NOT_EXPORTED: Dict[str, str] = {
                     "override_transformer_config entries)",
     "hw.": "a hardware fact of qwen35rl's plan (memory, FLOP/s, Ray resource, collectives)",
     "backend.megatron_core_version": "a fact of the cluster image (qwen35rl's plan applies its version facts)",
-    "backend.bf16": "verl's Megatron engine trains in bf16",
+    "backend.bf16": "verl's Megatron engine trains in bfloat16 or float16 (megatron.dtype), not float32",
     "backend.mixed_precision": "verl picks dtypes itself",
     "backend.logprob_chunk_size": "no counterpart in verl",
     "backend.grad_offload": "verl 0.9.1's Megatron param_offload offloads the gradients with the parameters; "

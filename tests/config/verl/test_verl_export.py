@@ -66,7 +66,7 @@ def test_reference_round_trip(groups):
     assert imp.groups == dict(g.split("=") for g in groups)
     assert imp.overlay == {} and imp.not_carried == [] and imp.env_not_carried == []
     assert not imp.verl_defaults  # every key verl defines was written explicitly
-    assert len(imp.carried) + len(imp.defaults) == len(exported["argv"])
+    assert len(imp.carried) + len(imp.defaults) + len(imp.fixed) == len(exported["argv"])
     print(f"{'-'.join(g.split('=')[1] for g in groups[:3])}: {len(exported['argv'])} verl keys, "
           f"{len(imp.carried)} carried, {len(imp.defaults)} defaults, {len(imp.not_carried)} not carried; "
           f"{len(exported['env'])} env; {len(exported['not_exported'])} qwen35rl settings not exported")

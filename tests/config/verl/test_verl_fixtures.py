@@ -331,17 +331,24 @@ SCRIPT_ONLY = {  # shell variables that shape the override list and must never r
 }
 
 NOT_CARRIED = {  # verl keys the fixtures set on purpose that qwen35rl has no place for
-    "fsdp_27b": {"actor_rollout_ref.ref.strategy", "actor_rollout_ref.rollout.mode", "custom_reward_function.path",
-                 "custom_reward_function.name", "trainer.balance_batch", "trainer.critic_warmup"},
-    "megatron_35b": {"actor_rollout_ref.actor.megatron.use_mbridge", "actor_rollout_ref.rollout.calculate_log_probs",
-                     "ray_kwargs.ray_init.runtime_env.py_executable",
+    # verl's compute_score signature; verl reorders the batch by length over the ranks, qwen35rl splits it in order
+    "fsdp_27b": {"custom_reward_function.path", "custom_reward_function.name", "trainer.balance_batch"},
+    "megatron_35b": {"ray_kwargs.ray_init.runtime_env.py_executable",
                      # 2x the actor's token budget for the forward-only passes: qwen35rl has one budget
                      "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
                      "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"},
-    "megatron_122b_v080": {"actor_rollout_ref.hybrid_engine", "actor_rollout_ref.rollout.mode",
-                           "actor_rollout_ref.rollout.load_format", "actor_rollout_ref.actor.optim.warmup_style",
+    "megatron_122b_v080": {"actor_rollout_ref.hybrid_engine", "actor_rollout_ref.rollout.load_format",
+                           "actor_rollout_ref.actor.optim.warmup_style",
                            "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", "algorithm.kl_ctrl.kl_coef",
-                           "data.return_raw_chat", "trainer.critic_warmup"},
+                           "data.return_raw_chat"},
+}
+FIXED = {  # verl keys whose value asks for what qwen35rl always does (no qwen35rl setting, nothing lost)
+    "fsdp_27b": {"actor_rollout_ref.ref.strategy",          # fsdp2, the actor's engine
+                 "actor_rollout_ref.rollout.mode",          # async, verl 0.9.1's only mode
+                 "trainer.critic_warmup"},                  # 0: the policy trains from the first step
+    "megatron_35b": {"actor_rollout_ref.actor.megatron.use_mbridge",         # True: loads the HF checkpoint
+                     "actor_rollout_ref.rollout.calculate_log_probs"},       # True: rollout log-probs returned
+    "megatron_122b_v080": {"actor_rollout_ref.rollout.mode", "trainer.critic_warmup"},
 }
 OLD_NAMES_READ = {  # the 0.8.0 line's names that still carry (as a value or as already the composed default)
     "actor_rollout_ref.rollout.update_weights_bucket_megabytes": "rollout.weight_sync_bucket_mb",
@@ -498,7 +505,7 @@ def test_every_key_reported_and_enough_carried(result):
     keys = _override_keys(result.launch.argv)
     assert len(keys) == OVERRIDES[case]
     not_carried = [x["key"] for x in imp.not_carried]
-    reported = list(imp.carried) + list(imp.defaults) + not_carried
+    reported = list(imp.carried) + list(imp.defaults) + list(imp.fixed) + not_carried
     assert sorted(reported) == sorted(set(reported)), "a key reported twice"
     assert set(reported) == keys
     assert len(imp.carried) >= MIN_CARRIED[case], sorted(imp.carried)
@@ -511,6 +518,8 @@ def test_intended_keys_not_carried_with_reason(result):
         assert key in whys, f"{key} should be reported not carried"
         assert isinstance(whys[key], str) and whys[key].strip(), key
     assert set(whys) == NOT_CARRIED[_stem(case)], "carried keys reported not carried"
+    assert set(result.imp.fixed) == FIXED[_stem(case)]
+    assert all(why.strip() for why in result.imp.fixed.values())
 
 
 def test_environment(result):
@@ -607,7 +616,7 @@ def test_export_composes_in_verl_tree_and_gives_back_the_fixture(case, tmp_path_
     mine = compose_verl(r.launch.argv)  # the fixture itself is a verl 0.9.1 launch
     exported = _exported(r)
     differ = {}
-    for key in [*r.imp.carried, *r.imp.defaults]:
+    for key in [*r.imp.carried, *r.imp.defaults, *r.imp.fixed]:
         if key in KNOWN_EXPORT_GAPS:
             continue
         want, got = get(mine, key, KeyError), get(exported, key, KeyError)

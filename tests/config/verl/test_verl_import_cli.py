@@ -110,6 +110,7 @@ def test_override_list_with_env_file_and_new_hardware(tmp_path, capsys, monkeypa
     monkeypatch.chdir(tmp_path)
     (tmp_path / "ovr.txt").write_text(
         "+ python3 -m verl.trainer.main_ppo model_engine=megatron \\\n"
+        "algorithm.adv_estimator=grpo\n"
         "actor_rollout_ref.model.path=/models/Qwen3.5-35B-A3B\n"
         "data.train_files=/data/geo3k/train.parquet\n"
         "trainer.nnodes=3\n"

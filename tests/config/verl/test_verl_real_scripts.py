@@ -25,9 +25,9 @@ SCRIPTS = [("real/qwen3_5_122b_megatron.sh", "gpu"), ("real/qwen3_5_122b_megatro
            ("real/qwen3_5_35b_megatron_npu.sh", "npu"), ("real/qwen3_5_122b_megatron_npu_32k.sh", "npu"),
            ("fsdp_27b.sh", "gpu"), ("fsdp_27b.sh", "npu"), ("megatron_35b.sh", "gpu"), ("megatron_35b.sh", "npu")]
 IDS = [f"{Path(s).stem}-{d}" for s, d in SCRIPTS]
-GOAL = 0.89
-"""Measured 565/628 (89.97%): every carried key comes back equal; the rest are keys with no qwen35rl counterpart
-(listed with the reason). The issue's goal is 98%."""
+GOAL = 0.94
+"""Measured 596/628 (94.9%, bench/results/verl_interop.md): every carried key comes back equal; the rest are keys
+with no qwen35rl counterpart (listed with the reason)."""
 MISSING = object()
 SAME_SETTING = {  # a script key -> the key the export writes for the same setting
     f"{VLLM_KWARGS}.max_model_len": f"{ROLLOUT}.max_model_len",
@@ -82,18 +82,29 @@ def _files(v: Any) -> Any:
     return [v] if isinstance(v, str) else v
 
 
+UNORDERED = {f"{ACTOR}.checkpoint.save_contents"}
+"""verl asks only whether a name is in the list."""
+
+
 def measure(script: str, device: str, tmp_path_factory) -> Dict[str, List[str]]:
-    """{"equal": keys carried (or already the default) that come back with the script's value, "differ": carried
-    keys that do not, "not_carried": keys reported not carried}."""
+    """{"equal": keys carried, already the default or what qwen35rl always does, that come back from the export
+    with the script's value, "differ": such keys that do not, "not_carried": keys reported not carried, "fixed":
+    the equal keys qwen35rl has no setting for (it always does what they ask)}."""
     launch, imp, _, _, tree = _run(script, device, tmp_path_factory)
     values = read_launch(launch.argv).values
-    out: Dict[str, List[str]] = {"equal": [], "differ": [], "not_carried": [x["key"] for x in imp.not_carried]}
-    for key in [*imp.carried, *imp.defaults]:
+    out: Dict[str, List[str]] = {"equal": [], "differ": [], "not_carried": [x["key"] for x in imp.not_carried],
+                                 "fixed": []}
+    for key in [*imp.carried, *imp.defaults, *imp.fixed]:
         want = values[key]
         got = get(tree, SAME_SETTING.get(key, key), MISSING)
         if key in ("data.train_files", "data.val_files"):
             want, got = _files(want), _files(got)
-        out["equal" if got is not MISSING and _equal(want, got) else "differ"].append(key)
+        if key in UNORDERED and isinstance(want, list) and isinstance(got, list):
+            want, got = sorted(map(str, want)), sorted(map(str, got))
+        equal = got is not MISSING and _equal(want, got)
+        out["equal" if equal else "differ"].append(key)
+        if equal and key in imp.fixed:
+            out["fixed"].append(key)
     return out
 
 
@@ -105,7 +116,7 @@ def test_import_plans_valid_and_every_key_reported(script, device, tmp_path_fact
     assert set(errors) == PLAN_REFUSES.get(name, set()), errors
     assert plan["valid"] is (name not in PLAN_REFUSES)
     keys = {a.split("=", 1)[0].lstrip("+~") for a in launch.argv if not a.startswith("-")}
-    reported = [*imp.carried, *imp.defaults, *(x["key"] for x in imp.not_carried)]
+    reported = [*imp.carried, *imp.defaults, *imp.fixed, *(x["key"] for x in imp.not_carried)]
     assert sorted(reported) == sorted(keys)
     assert all(x["why"].strip() for x in imp.not_carried)
 
@@ -117,14 +128,16 @@ def test_round_trip_gives_back_the_scripts_values(script, device, tmp_path_facto
 
 
 def test_carried_and_equal_fraction(tmp_path_factory):
-    total = equal = 0
+    total = equal = fixed = 0
     lines = []
     for (script, device), name in zip(SCRIPTS, IDS):
         m = measure(script, device, tmp_path_factory)
         n = len(m["equal"]) + len(m["differ"]) + len(m["not_carried"])
-        total, equal = total + n, equal + len(m["equal"])
-        lines.append(f"  {name}: {len(m['equal'])}/{n} carried and equal; not carried: {sorted(m['not_carried'])}")
-    print(f"\ncarried and equal: {equal}/{total} = {equal / total:.1%}\n" + "\n".join(lines))
+        total, equal, fixed = total + n, equal + len(m["equal"]), fixed + len(m["fixed"])
+        lines.append(f"  {name}: {len(m['equal'])}/{n} carried and equal ({len(m['fixed'])} of them what qwen35rl "
+                     f"always does); not carried: {sorted(m['not_carried'])}")
+    print(f"\ncarried and equal: {equal}/{total} = {equal / total:.1%} ({fixed} of them what qwen35rl always does, "
+          f"no setting)\n" + "\n".join(lines))
     assert equal / total >= GOAL
 
 
@@ -147,7 +160,7 @@ def test_mindspeed_switches_have_their_own_home(tmp_path_factory):
 
 # ------------------------------------------------------------------------------ what qwen35rl does not run
 BASE = ["actor_rollout_ref.model.path=/models/Qwen3.5-35B-A3B", "data.train_files=/data/geo3k/train.parquet",
-        "trainer.n_gpus_per_node=8", "trainer.nnodes=1"]
+        "trainer.n_gpus_per_node=8", "trainer.nnodes=1", "algorithm.adv_estimator=grpo"]
 
 
 @pytest.mark.parametrize("extra,entry,key,words", [
