@@ -7,8 +7,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen35rl.config import (auto_batch, capabilities, fit_hint, layout_search, memory, params, quirks, redact,
-                             rules, step_time, vllm_facts)
+from qwen35rl.config import (auto_batch, capabilities, data_check, fit_hint, layout_search, memory, params, quirks,
+                             redact, rules, step_time, vllm_facts)
 from qwen35rl.config.layout import Layout, derive_layout, is_split, placement, pools_per_node
 from qwen35rl.config.problems import ERROR, WARNING, Problem
 from qwen35rl.config.run_summary import render_lines as run_lines, run_summary
@@ -125,6 +125,7 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "auto_choice": layout_search.explain(searched_from, candidates) if candidates else None,
         "vllm": vllm_plan(searched_from, cfg),
         "run": run,
+        "data_check": data_check.check(cfg),
         "verl": verl_export(cfg),
     }
 
@@ -227,7 +228,7 @@ def refused_plan(cfg: DictConfig, problems: List[Problem]) -> Dict[str, Any]:
                   "max_tokens_per_device": None, "sequence_length": None, "auto": None},
         "device": str(cfg.hw.device), "nodes": cfg.hw.nodes, "devices_per_node": cfg.hw.devices_per_node,
         "worker_env": {}, "vllm_quirks": [], "output_dir": f"{cfg.trainer.output_root}/{cfg.trainer.run_name}",
-        "auto_candidates": [], "auto_candidate_count": 0, "auto_tested": None,
+        "auto_candidates": [], "auto_candidate_count": 0, "auto_tested": None, "data_check": data_check.check(cfg),
     }
 
 
@@ -449,8 +450,10 @@ def _problem_lines(plan: Dict[str, Any]) -> List[str]:
 
 
 def _run_lines(plan: Dict[str, Any]) -> List[str]:
-    """What the run does (run_summary), with its step time after the run line when it was planned."""
+    """What the run does (run_summary), with its step time after the run line when it was planned, and the data
+    check's line per file after the data line."""
     lines = run_lines(plan["run"]) if plan.get("run") else []
     if plan.get("run") and plan.get("memory_gib"):
         lines.insert(1, step_time.render(plan.get("step_time"), plan.get("device", "cuda")))
-    return lines
+    at = next((i + 1 for i, line in enumerate(lines) if line.startswith("  data ")), len(lines))
+    return lines[:at] + data_check.render_lines(plan.get("data_check")) + lines[at:]

@@ -1430,6 +1430,16 @@ def paths_exist(cfg: Any, layout: Layout) -> List[Problem]:
 
 
 @rule("config")
+def data_unusable(cfg: Any, layout: Layout) -> List[Problem]:
+    """The first rows of every data file here read as the run reads them (`data_check`: file type, columns, nulls,
+    images, <image> placeholders; verl's preprocessed parquet is read too): a file that cannot make prompts is
+    refused before launch, a bad row too unless data.skip_bad_rows=true (then a warning)."""
+    from qwen35rl.config import data_check
+
+    return data_check.problems(cfg)
+
+
+@rule("config")
 def names_valid(cfg: Any, layout: Layout) -> List[Problem]:
     """Trackers, the run name, ray_address and the optimizer's betas."""
     out = []

@@ -412,6 +412,12 @@ class DataConfig:
     truncation: str = "error"
     """What to do with a prompt over max_prompt_length: error | left | right."""
     filter_overlong_prompts: bool = True
+    skip_bad_rows: bool = False
+    """Skip the rows that cannot make a prompt (a missing, null or mistyped column, an image that does not decode,
+    more <image> placeholders than images) instead of stopping before launch: training counts them (metrics
+    data/skipped_rows/train and /val, a line of the end-of-run summary) and names the first ones in its log; the
+    plan warns of those among the first rows it reads. A file that cannot be read, or without one usable row,
+    still stops the run."""
     has_images: bool = False
     use_chat_template: bool = True
     system_prompt: Optional[str] = None

@@ -1,12 +1,11 @@
 """Build the train / val prompt lists of a run from `data.*`: synthetic, text (jsonl/parquet) or multimodal."""
 from __future__ import annotations
 
-import io
 import logging
 from typing import Any, Dict, List, Optional, Sequence
 
+from qwen35rl.config.data_check import FileProblem, Keys, decode_image, file_keys, lookup, read_head, row_problem
 from qwen35rl.data.example import PromptExample
-from qwen35rl.data.files import lookup, read_rows
 from qwen35rl.data.synthetic import make_prompts
 
 log = logging.getLogger(__name__)
@@ -21,9 +20,12 @@ class DataError(ValueError):
     what happened and what to change."""
 
 
-def build_dataset(data_cfg: Any, tokenizer: Any, split: str) -> List[PromptExample]:
+def build_dataset(data_cfg: Any, tokenizer: Any, split: str, skipped: Optional[List[str]] = None) -> List[PromptExample]:
     """Prompts of `split` ("train" | "val"). `tokenizer` (HF-style: encode / decode / apply_chat_template) is needed
-    for synthetic and text data; multimodal prompts are tokenised later by the processor and may pass None."""
+    for synthetic and text data; multimodal prompts are tokenised later by the processor and may pass None.
+    Each file is read in its own layout (qwen35rl's columns, or verl's preprocessed parquet: `data_check.file_keys`).
+    A row that cannot make a prompt raises a DataError naming the file, row and column; with
+    `data.skip_bad_rows=true` it is skipped instead, logged, and its reason appended to `skipped`."""
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val' (got {split!r})")
     kind = data_cfg.kind
@@ -31,11 +33,24 @@ def build_dataset(data_cfg: Any, tokenizer: Any, split: str) -> List[PromptExamp
         examples = _synthetic(data_cfg, split)
     elif kind in ("text", "multimodal"):
         key = "data.train_files" if split == "train" else "data.val_files"
-        examples = []
+        skip = bool(getattr(data_cfg, "skip_bad_rows", False))
+        examples, bad, rows_read = [], [], 0
         for path in data_cfg.train_files if split == "train" else data_cfg.val_files:
-            for n, row in enumerate(_rows(key, str(path))):
-                examples.append(_checked_row(data_cfg, row, len(examples), f"{key}: {path}, row {n}",
-                                             with_images=kind == "multimodal"))
+            rows = _rows(key, str(path))
+            keys = file_keys(rows[0] if isinstance(rows[0], dict) else {}, data_cfg)
+            rows_read += len(rows)
+            for n, row in enumerate(rows):
+                try:
+                    examples.append(_checked_row(data_cfg, row, len(examples), f"{key}: {path}, row {n}",
+                                                 kind == "multimodal", keys))
+                except DataError as e:
+                    if not skip:
+                        raise
+                    bad.append(str(e).replace(", or skip such rows with data.skip_bad_rows=true", ""))
+        if bad:
+            _report_skipped(split, key, bad, rows_read, examples)
+            if skipped is not None:
+                skipped += bad
     else:
         raise ValueError(f"data.kind={kind!r}: expected synthetic, text or multimodal")
     if kind == "multimodal":
@@ -104,78 +119,57 @@ def _synthetic(data_cfg: Any, split: str) -> List[PromptExample]:
     ]
 
 
-def _rows(key: str, path: str) -> List[Dict[str, Any]]:
-    """The rows of one data file; a DataError naming it when it cannot be read, holds no rows or is not a table of
-    objects (a file that is not what its extension says, a truncated parquet file)."""
+def _rows(key: str, path: str) -> List[Any]:
+    """The rows of one data file; a DataError naming it when it cannot be read or holds no rows (a file that is not
+    what its extension says, a truncated parquet file, another format)."""
     try:
-        rows = read_rows(path)
-    except Exception as e:  # noqa: BLE001 - pyarrow, json and OS errors alike: the file is the problem
-        raise DataError(f"{key}: {path} cannot be read as a data file ({type(e).__name__}: {e}); give a .parquet "
-                        "or .jsonl file of one prompt per row") from None
-    if not rows:
-        raise DataError(f"{key}: {path} holds no rows; give a file with prompts, or remove it from {key}")
-    if not all(isinstance(r, dict) for r in rows):
-        raise DataError(f"{key}: {path} is not one JSON object per line (found {type(rows[0]).__name__} values)")
+        rows, _ = read_head(path, limit=None)
+    except FileProblem as e:
+        raise DataError(f"{key}: {e.message}; {e.fix}") from None
     return rows
 
 
-def _checked_row(data_cfg: Any, row: Dict[str, Any], index: int, where: str, with_images: bool) -> PromptExample:
+def _report_skipped(split: str, key: str, bad: Sequence[str], rows_read: int, kept: Sequence[PromptExample]) -> None:
+    """Log the rows data.skip_bad_rows skipped; a DataError when no row was left."""
+    named = "\n  ".join(bad[:_NAMED_DROPS])
+    more = f"\n  and {len(bad) - _NAMED_DROPS} more" if len(bad) > _NAMED_DROPS else ""
+    if not kept:
+        raise DataError(f"none of the {rows_read} {split} rows ({key}) can make a prompt; the first:\n  {bad[0]}")
+    log.warning("skipped %d of %d %s rows that cannot make a prompt (data.skip_bad_rows=true):\n  %s%s", len(bad),
+                rows_read, split, named, more)
+
+
+def _checked_row(data_cfg: Any, row: Any, index: int, where: str, with_images: bool,
+                 keys: Optional[Keys] = None) -> PromptExample:
     """`_from_row`, with what a row lacks or holds wrongly (a missing column, a null / NaN / list answer, an image
-    that does not decode, more <image> placeholders than images) as a DataError naming the file, row and key: a bad
-    row stops the run before any step trains on it."""
-    answer = _column(row, data_cfg.answer_key, "data.answer_key", where)
-    if answer is None or isinstance(answer, (list, dict)) or (isinstance(answer, float) and answer != answer):
-        shown = "null" if answer is None else "NaN" if isinstance(answer, float) else type(answer).__name__
-        raise DataError(f"{where}: the answer ({data_cfg.answer_key}) is {shown}, not a string or number; fix the "
-                        "row or point data.answer_key at the ground-truth column")
-    prompt = _column(row, data_cfg.prompt_key, "data.prompt_key", where)
-    if prompt is None or isinstance(prompt, (dict, bool)):
-        raise DataError(f"{where}: the prompt ({data_cfg.prompt_key}) is {'null' if prompt is None else type(prompt).__name__}, "
-                        "not text or chat messages")
-    if with_images:
-        images = _column(row, data_cfg.image_key, "data.image_key", where)
-        if not isinstance(images, (list, tuple)) or not images:
-            raise DataError(f"{where}: data.kind=multimodal, but the row's images ({data_cfg.image_key}) are "
-                            f"{'an empty list' if isinstance(images, (list, tuple)) else _kind(images)}; give each "
-                            "row its images, or use data.kind=text")
-        text = prompt if isinstance(prompt, str) else " ".join(str(m.get("content", "")) for m in prompt
-                                                              if isinstance(m, dict))
-        if text.count(IMAGE_PLACEHOLDER) > len(images):
-            raise DataError(f"{where}: the prompt has {text.count(IMAGE_PLACEHOLDER)} {IMAGE_PLACEHOLDER} "
-                            f"placeholders but the row has {len(images)} image(s); give one image per placeholder")
+    that does not decode, more <image> placeholders than images: `data_check.row_problem`) as a DataError naming
+    the file, row and column: a bad row stops the run before any step trains on it."""
+    keys = keys or file_keys(row if isinstance(row, dict) else {}, data_cfg)
+    problem = row_problem(row, keys, with_images, decode=False)  # _from_row decodes the images
+    if problem is not None:
+        raise DataError(problem.text(where))
     try:
-        return _from_row(data_cfg, row, index, with_images)
+        return _from_row(data_cfg, row, index, with_images, keys)
     except (OSError, ValueError, KeyError, TypeError) as e:  # PIL's UnidentifiedImageError is an OSError
-        raise DataError(f"{where}: {type(e).__name__}: {e} (an image that does not decode, or chat messages "
-                        "without role/content)") from None
+        raise DataError(f"{where}: {type(e).__name__}: {e} (an image of {keys.image!r} that does not decode, or "
+                        "chat messages without role/content); fix the row, or skip such rows with "
+                        "data.skip_bad_rows=true") from None
 
 
-def _kind(value: Any) -> str:
-    return "null" if value is None else f"a {type(value).__name__}"
-
-
-def _column(row: Dict[str, Any], key: str, setting: str, where: str) -> Any:
-    try:
-        return lookup(row, key)
-    except KeyError:
-        raise DataError(f"{where}: no column {key!r} ({setting}); the row has {', '.join(map(str, row)) or 'none'}: "
-                        f"set {setting} to one of them") from None
-
-
-def _from_row(data_cfg: Any, row: Dict[str, Any], index: int, with_images: bool) -> PromptExample:
-    prompt = lookup(row, data_cfg.prompt_key)
-    answer = lookup(row, data_cfg.answer_key)
+def _from_row(data_cfg: Any, row: Dict[str, Any], index: int, with_images: bool, keys: Keys) -> PromptExample:
+    prompt = lookup(row, keys.prompt)
+    answer = lookup(row, keys.answer)
     if isinstance(prompt, list):  # already chat messages (verl-style parquet)
         messages = [dict(m) for m in prompt]
-        if data_cfg.system_prompt and not any(m.get("role") == "system" for m in messages):
+        if data_cfg.system_prompt and keys.system_prompt_added and not any(m.get("role") == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": data_cfg.system_prompt})
         text = "\n\n".join(str(m["content"]) for m in messages if m.get("role") != "system")
     else:
         text = str(prompt)
-        messages = _messages(data_cfg.system_prompt, text)
+        messages = _messages(data_cfg.system_prompt if keys.system_prompt_added else None, text)
     images = None
     if with_images:
-        images = [_to_pil(img) for img in (lookup(row, data_cfg.image_key) or [])]
+        images = [decode_image(img) for img in (lookup(row, keys.image) or [])]
         messages = [m if m["role"] != "user" else {"role": "user", "content": _interleave(str(m["content"]), len(images))}
                     for m in messages]
         text = text.replace(IMAGE_PLACEHOLDER, "").strip()
@@ -203,21 +197,6 @@ def _interleave(text: str, num_images: int) -> List[Dict[str, Any]]:
         if piece.strip():
             parts.append({"type": "text", "text": piece.strip()})
     return parts
-
-
-def _to_pil(image: Any) -> Any:
-    """PIL image from a PIL image, raw bytes, a {"bytes": ..., "path": ...} parquet struct or a file path."""
-    from PIL import Image
-
-    if isinstance(image, Image.Image):
-        return image.convert("RGB")
-    if isinstance(image, dict):
-        image = image.get("bytes") or image.get("path")
-    if isinstance(image, (bytes, bytearray)):
-        return Image.open(io.BytesIO(image)).convert("RGB")
-    if isinstance(image, str):
-        return Image.open(image).convert("RGB")
-    raise ValueError(f"unsupported image value of type {type(image).__name__} (expected bytes, PIL image or path)")
 
 
 # ----------------------------------------------------------------------------------------------- tokenisation

@@ -167,9 +167,15 @@ def run_training(cfg: DictConfig, run_dir: Path, *, decision: Any = None, phases
 
 
 def _describe_data(train_set: Sequence[Any], loader: Any, val_set: Sequence[Any], total_steps: int,
-                   cfg: DictConfig) -> str:
+                   cfg: DictConfig, skipped: Optional[Dict[str, List[str]]] = None) -> str:
+    bad = {split: len(rows) for split, rows in (skipped or {}).items() if rows}
+
+    def left_out(split: str) -> str:
+        return f" ({bad[split]} bad row(s) skipped: data.skip_bad_rows=true)" if split in bad else ""
+
     return (f"{len(train_set)} train prompts ({loader.batches_per_epoch} steps of {cfg.data.train_batch_size} per "
-            f"epoch), {len(val_set)} validation prompts, reward {cfg.data.reward}; {total_steps} step(s) to run")
+            f"epoch){left_out('train')}, {len(val_set)} validation prompts{left_out('val')}, reward {cfg.data.reward}; "
+            f"{total_steps} step(s) to run")
 
 
 def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) -> int:
@@ -194,9 +200,10 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) 
     from qwen35rl.rewards import get_reward_fn
 
     tokenizer = build_tokenizer(cfg.model)
+    skipped_rows: Dict[str, List[str]] = {"train": [], "val": []}  # data.skip_bad_rows: the rows left out
 
     def prompts(split: str) -> List[Any]:
-        examples = build_dataset(cfg.data, tokenizer, split)
+        examples = build_dataset(cfg.data, tokenizer, split, skipped_rows[split])
         if cfg.data.kind == "multimodal":
             from qwen35rl.runtime.image_prompts import tokenize_image_prompts
 
@@ -249,7 +256,7 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) 
     from qwen35rl.rewards.scoring import warm_pool
 
     warm_pool()  # reward workers start while Ray and the workers do; out of every scoring time limit
-    phases.done("data ready", _describe_data(train_set, loader, val_set, total_steps, cfg)
+    phases.done("data ready", _describe_data(train_set, loader, val_set, total_steps, cfg, skipped_rows)
                 + (f"; resuming from {report.shown_path(resume_from)} (step {start_step} of {total_steps})"
                    if resume_from else ""))
     code = EXIT_ERROR
@@ -276,6 +283,9 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) 
                 trainer = GRPOTrainer(cfg, layout, workers, tokenizer, loader, val_set, reward_fn,
                                       tracking, checkpoints, stop, total_steps, run_dir, rollout_workers=rollout_workers)
                 trainer.phases, trainer.provenance_start = phases, start_dir.name
+                if cfg.data.skip_bad_rows:
+                    trainer.data_metrics = {f"data/skipped_rows/{split}": len(rows)
+                                            for split, rows in skipped_rows.items()}
                 where.trainer = trainer
                 if resume_from:
                     phases.begin("checkpoint restored")
@@ -496,6 +506,8 @@ class GRPOTrainer:
         """The `provenance/start-<NNN>` of this start, named in each checkpoint's meta.json (run identity)."""
         self.first_step = 0
         """The step this start began at (0, or the resumed checkpoint's)."""
+        self.data_metrics: Dict[str, float] = {}
+        """Logged with every step: the rows data.skip_bad_rows left out of each split (data/skipped_rows/*)."""
 
     # ==================================================================================================== loop
     def fit(self) -> int:
@@ -518,7 +530,7 @@ class GRPOTrainer:
                 self.phases.done("first step", f"{self.phases.total_s():.1f} s since the command started; one line "
                                                "per step follows")
             if self.step % max(self.cfg.trainer.log_every, 1) == 0 or self.step == self.total_steps:
-                self.tracking.log(self.step, metrics)
+                self.tracking.log(self.step, {**metrics, **self.data_metrics})
             self.write_timeline()
             self.check_reward_failures()
             # after logging: a step with a checkpoint always has its metrics row (resume keeps rows up to it)

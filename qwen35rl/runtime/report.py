@@ -175,6 +175,13 @@ def summary(run_dir: Path, rows: Sequence[Mapping[str, Any]], total_steps: Optio
         else:
             lines.append(f"  validation:  best val/score/mean {_fmt(best)} at step {best_step} (first "
                          f"{_fmt(val[0][1])} at step {val[0][0]}, last {_fmt(val[-1][1])} at step {val[-1][0]})")
+    skipped = next(({k.rsplit("/", 1)[1]: int(r[k]) for k in r if k.startswith("data/skipped_rows/") and r[k]}
+                    for r in reversed(rows) if any(k.startswith("data/skipped_rows/") for k in r)), {})
+    if skipped:
+        names = {"train": "train", "val": "validation"}
+        lines.append("  data:        " + ", ".join(f"{n} {names.get(s, s)} row(s)" for s, n in skipped.items())
+                     + " skipped while loading (data.skip_bad_rows=true: they cannot make a prompt; the log names "
+                       "them)")
     where = [("metrics", run_dir / "metrics.jsonl"), ("tensorboard", run_dir / "tensorboard"),
              ("curves", run_dir / "curves.png"), ("samples", run_dir / "generations.jsonl")]
     from qwen35rl.runtime.checkpoint import CheckpointManager

@@ -70,6 +70,8 @@ def by_code(t, code):
 # (rule, base, updates that pass it, updates that fail it, expected key of the failure, severity)
 CASES = [
     ("paths_exist", "tiny", {"trainer__resume": "never"}, {"trainer__resume": "bogus"}, "trainer.resume", ERROR),
+    ("data_unusable", "tiny", {"data__kind": "text"}, {"data__kind": "text", "data__train_files": [__file__]},
+     "data.train_files", ERROR),  # a .py file is no data file
     ("names_valid", "tiny", {"trainer__run_name": "a-b"}, {"trainer__run_name": "a/b"}, "trainer.run_name", ERROR),
     ("model_path_missing", "tiny", {}, {"model__init": "pretrained"}, "model.path", ERROR),
     ("degrees_positive", "mg35", {}, {"parallelism__pp": 0}, "parallelism.pp", ERROR),
