@@ -23,7 +23,8 @@ MEANINGS = {
     ExitCode.CONFIG: "the config is refused before anything starts (including a resume whose experiment changed, "
                      "data that cannot make a batch, a reward that does not load), or trainer.resume names a damaged "
                      "checkpoint",
-    ExitCode.PREFLIGHT: "the cluster does not match the config (preflight)",
+    ExitCode.PREFLIGHT: "the cluster does not match the config (preflight), or no Ray cluster answers at ray_address "
+                        "/ RAY_ADDRESS (said in seconds, naming the address)",
     ExitCode.WORKER_FAILURE: "a worker failed (rank, node, call and its error are printed)",
     ExitCode.REWARD_FAILURE: "the reward function failed on more than data.max_reward_failure_rate of the responses "
                              "over data.reward_failure_window steps (its first errors are printed)",

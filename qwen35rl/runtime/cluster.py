@@ -114,6 +114,31 @@ def ray_address(cfg: Any) -> Optional[str]:
     return cfg.get("ray_address") or os.environ.get("RAY_ADDRESS") or None
 
 
+def unreachable_cluster(cfg: Any, resolve_auto: bool = False) -> Optional[str]:
+    """The error text when the cluster the run joins does not answer (qwen35rl.runtime.ray_reach), else None.
+    `auto` is checked only with `resolve_auto` (Ray, imported, reads which cluster it means)."""
+    from qwen35rl.runtime.ray_reach import ray_address_problem
+
+    address = ray_address(cfg)
+    if not address or address == "local":
+        return None
+    source = "ray_address" if cfg.get("ray_address") else "RAY_ADDRESS"
+    target = str(address)
+    if target == "auto":
+        if not resolve_auto:
+            return None
+        try:
+            from ray._private.services import canonicalize_bootstrap_address
+
+            target = canonicalize_bootstrap_address("auto") or ""
+        except Exception:  # noqa: BLE001 - no cluster recorded here: ray.init says so itself, at once
+            return None
+    problem = ray_address_problem(target, source) if target else None
+    if problem and target != str(address):
+        problem = problem.replace(f"{source}={target}:", f"{source}={address} (the cluster {target}):", 1)
+    return problem
+
+
 def connect(cfg: Any, platform: Platform, world: int) -> bool:
     """Connect the driver to Ray. Returns True when this call started a local cluster (and must stop it)."""
     import ray
@@ -123,6 +148,9 @@ def connect(cfg: Any, platform: Platform, world: int) -> bool:
     address = ray_address(cfg)
     quiet = dict(logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
     if address:
+        problem = unreachable_cluster(cfg, resolve_auto=True)  # ray.init would wait for minutes, uninterruptibly
+        if problem:
+            raise ClusterError(problem)
         ray.init(address=address, **quiet)
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private single-user cluster

@@ -28,6 +28,14 @@ def train(cfg: Any, run_dir: Path) -> int:
         decision = run_identity.settle(cfg, run_dir)
         if decision.exit_code is not None:
             return decision.exit_code
+        if cfg.trainer.launcher == "ray":  # a cluster that does not answer is said in seconds, before the imports
+            from qwen35rl.exit_codes import EXIT_PREFLIGHT
+            from qwen35rl.runtime.cluster import unreachable_cluster
+
+            problem = unreachable_cluster(cfg)
+            if problem:
+                log.error("%s", problem)
+                return EXIT_PREFLIGHT
         phases.begin("libraries imported")
         t0 = time.monotonic()
         from qwen35rl.runtime.driver import run_training  # torch, transformers: the slow imports
