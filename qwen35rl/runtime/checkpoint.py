@@ -10,6 +10,10 @@ Layout of one checkpoint:
                            truncated or missing file from an intact checkpoint (`verify`).
 Everything is written into `.tmp-step_<N>-<pid>/` first and renamed into place (rename is atomic on POSIX file
 systems), so a crash mid-save leaves only a temporary directory that is ignored and removed on the next start.
+A `step_<N>/` that is not complete (no meta.json: copied in part, or its meta.json deleted) or not intact (a file
+missing, truncated or corrupted) is never resumed from, overwritten or deleted: the resume moves every such
+directory newer than the checkpoint it picks aside to `step_<N>.incomplete-<time>/` and names it, and a save that
+finds one in its way does the same.
 The checkpoint directory must be on a file system every node sees (DCP writes shards from every rank).
 """
 from __future__ import annotations
@@ -28,6 +32,8 @@ from typing import Any, Dict, List, Optional, Union
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-"
+INCOMPLETE = ".incomplete-"
+"""`step_<N>.incomplete-<time>`: a checkpoint directory that could not be resumed from, moved aside (kept)."""
 META_FILE = "meta.json"
 TRAINER_STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
@@ -35,6 +41,7 @@ RNG_DIR = "rng"
 FILES_KEY = "files"
 """meta.json: relative path -> {"size": bytes, "crc32": int} of every file of the checkpoint but meta.json."""
 _CHUNK = 1 << 20
+NO_META = f"no {META_FILE} (a copy made in part, or its {META_FILE} deleted)"
 
 log = logging.getLogger(__name__)
 
@@ -116,16 +123,44 @@ class CheckpointManager:
         self.root = Path(root)
         self.max_keep = max_keep
 
-    def completed(self) -> List[Path]:
-        """Finished checkpoints, oldest first."""
+    def step_dirs(self) -> List[Path]:
+        """Every `step_<N>` directory, finished or not, oldest first."""
         if not self.root.is_dir():
             return []
         found = []
         for p in self.root.iterdir():
             m = STEP_DIR.match(p.name)
-            if m and p.is_dir() and (p / META_FILE).is_file():
+            if m and p.is_dir():
                 found.append((int(m.group(1)), p))
         return [p for _, p in sorted(found)]
+
+    def completed(self) -> List[Path]:
+        """Finished checkpoints (with meta.json), oldest first."""
+        return [p for p in self.step_dirs() if (p / META_FILE).is_file()]
+
+    def set_aside(self, path: Path, why: str) -> Path:
+        """Rename a checkpoint directory that cannot be resumed from to `step_<N>.incomplete-<time>` (kept on disk,
+        never deleted), and say so."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        target = path.with_name(f"{path.name}{INCOMPLETE}{stamp}")
+        n = 1
+        while target.exists():
+            n += 1
+            target = path.with_name(f"{path.name}{INCOMPLETE}{stamp}-{n}")
+        os.rename(path, target)
+        log.warning("checkpoint %s skipped: %s; moved aside to %s (kept, not deleted)", _shown(path), why,
+                    _shown(target))
+        return target
+
+    def resume_point(self) -> Optional[Path]:
+        """The newest complete, intact checkpoint. Every `step_<N>` directory newer than it (no meta.json, or
+        damaged: `verify`) is moved aside (`set_aside`) and named, so that no later save overwrites it."""
+        for path in reversed(self.step_dirs()):
+            problem = verify(path) if (path / META_FILE).is_file() else NO_META
+            if problem is None:
+                return path
+            self.set_aside(path, problem)
+        return None
 
     def latest(self, verified: bool = True) -> Optional[Path]:
         """The newest finished checkpoint; with `verified`, the newest intact one (a corrupt or incomplete one is
@@ -148,7 +183,7 @@ class CheckpointManager:
         if resume == "never":
             return None
         if resume in ("auto", "force"):
-            return self.latest()
+            return self.resume_point()
         path = Path(resume).expanduser()
         if not (path / META_FILE).is_file():
             raise CheckpointError(f"trainer.resume={resume}: not a finished checkpoint (no {META_FILE}); expected "
@@ -181,7 +216,9 @@ class CheckpointManager:
                 FILES_KEY: file_list(tmp)}
         write_atomic(tmp / META_FILE, json.dumps(meta, indent=2).encode())
         final = self.root / f"step_{step}"
-        if final.exists():  # the same step saved again (e.g. a resumed run re-reaching it): replace it
+        if final.exists() and not (final / META_FILE).is_file():  # not a checkpoint of ours: kept, never overwritten
+            self.set_aside(final, NO_META)
+        if final.exists():  # the same step saved again (a run resumed from an older checkpoint): replace it
             stale = self.root / f"{TMP_PREFIX}stale-step_{step}-{os.getpid()}"
             os.rename(final, stale)
             os.rename(tmp, final)
@@ -197,6 +234,13 @@ class CheckpointManager:
             return
         for old in self.completed()[:-self.max_keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _shown(path: Path) -> str:
+    """A path as a user types it: relative to the working directory when below it."""
+    p = os.path.abspath(str(path))
+    rel = os.path.relpath(p)
+    return p if rel.startswith("..") else rel
 
 
 def write_atomic(path: Path, data: Union[bytes, str]) -> None:

@@ -131,25 +131,68 @@ def _truncate(path):
     (lambda c: (c / "rng" / "rank_0.pt").unlink(), "rng/rank_0.pt is missing"),
     (lambda c: (c / "model" / ".metadata").write_bytes(b"n" * 100), "model/.metadata does not match its checksum"),
 ])
-def test_a_damaged_newest_checkpoint_is_named_and_skipped_for_the_older_one(tmp_path, caplog, damage, said):
+def test_a_damaged_newest_checkpoint_is_named_moved_aside_and_skipped_for_the_older_one(tmp_path, caplog, damage,
+                                                                                        said):
     mgr = ckpt.CheckpointManager(tmp_path, max_keep=0)
     _real(mgr, 2)
     newest = _real(mgr, 3)
     assert ckpt.verify(newest) is None
     damage(newest)
-    with caplog.at_level("ERROR", logger="qwen35rl.runtime.checkpoint"):
+    files = sorted(str(p.relative_to(newest)) for p in newest.rglob("*"))
+    with caplog.at_level("WARNING", logger="qwen35rl.runtime.checkpoint"):
         assert mgr.resolve("auto").name == "step_2"
+    (moved,) = tmp_path.glob("step_3.incomplete-*")
+    assert not newest.exists() and sorted(str(p.relative_to(moved)) for p in moved.rglob("*")) == files  # kept whole
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and f"checkpoint {newest} is damaged: {said}" in lines[0] and "trying step_2" in lines[0]
-    assert newest.is_dir()  # kept for a look, not deleted
+    assert len(lines) == 1 and lines[0].startswith(f"checkpoint {newest} skipped: {said}")
+    assert lines[0].endswith(f"; moved aside to {moved} (kept, not deleted)")
+    assert [p.name for p in mgr.completed()] == ["step_2"]
     with pytest.raises(ckpt.CheckpointError, match=f"damaged: {said}.*trainer.resume=.*step_2"):
-        mgr.resolve(str(newest))
+        mgr.resolve(str(moved))
 
 
 def test_only_damaged_checkpoints_resume_from_scratch(tmp_path):
     mgr = ckpt.CheckpointManager(tmp_path, max_keep=0)
     _truncate(_real(mgr, 1) / "trainer_state.pt")
-    assert mgr.resolve("auto") is None and mgr.latest(verified=False).name == "step_1"
+    assert mgr.resolve("auto") is None and mgr.latest(verified=False) is None
+    assert [p.name.split(".")[0] for p in tmp_path.glob("step_1.incomplete-*")] == ["step_1"]
+
+
+def test_an_incomplete_step_directory_is_moved_aside_never_overwritten(tmp_path, caplog):
+    """step_4 without meta.json (its meta.json deleted, or copied in part) and step_3 with a missing shard: the
+    resume names both and moves them aside; saving steps 3 and 4 again writes new directories beside them."""
+    mgr = ckpt.CheckpointManager(tmp_path, max_keep=0)
+    for step in (2, 3, 4):
+        _real(mgr, step)
+    (tmp_path / "step_4" / "meta.json").unlink()
+    (tmp_path / "step_3" / "rng" / "rank_0.pt").unlink()
+    with caplog.at_level("WARNING", logger="qwen35rl.runtime.checkpoint"):
+        assert mgr.resolve("auto") == tmp_path / "step_2"
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2
+    assert said[0].startswith(f"checkpoint {tmp_path / 'step_4'} skipped: no meta.json (a copy made in part, or its "
+                              f"meta.json deleted); moved aside to {tmp_path / 'step_4.incomplete-'}")
+    assert said[1].startswith(f"checkpoint {tmp_path / 'step_3'} skipped: rng/rank_0.pt is missing; moved aside")
+    aside = sorted(tmp_path.glob("*.incomplete-*"))
+    for step in (3, 4):
+        _real(mgr, step)
+    assert sorted(tmp_path.glob("*.incomplete-*")) == aside
+    assert (aside[1] / "model" / "__0_0.distcp").is_file() and not (aside[1] / "meta.json").exists()
+    assert [p.name for p in mgr.completed()] == ["step_2", "step_3", "step_4"]
+
+
+def test_a_save_that_finds_an_incomplete_directory_in_its_way_moves_it_aside(tmp_path, caplog):
+    """An explicit trainer.resume of an older checkpoint does not look at newer ones; the save of the same step
+    still never writes over a directory without meta.json."""
+    mgr = ckpt.CheckpointManager(tmp_path, max_keep=0)
+    stray = tmp_path / "step_5"
+    (stray / "model").mkdir(parents=True)
+    (stray / "model" / "__0_0.distcp").write_bytes(b"x" * 10)
+    with caplog.at_level("WARNING", logger="qwen35rl.runtime.checkpoint"):
+        saved = _real(mgr, 5)
+    (aside,) = tmp_path.glob("step_5.incomplete-*")
+    assert (aside / "model" / "__0_0.distcp").read_bytes() == b"x" * 10
+    assert ckpt.verify(saved) is None and "moved aside" in caplog.text
 
 
 def test_a_checkpoint_written_before_file_lists_still_loads(tmp_path):

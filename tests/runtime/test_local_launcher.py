@@ -332,8 +332,8 @@ def test_one_exit_code_table_for_the_help_and_every_module():
 
 
 def test_a_truncated_shard_of_the_newest_checkpoint_resumes_from_the_older_one(tmp_path, caplog):
-    """A real run's checkpoints (DCP shards): the newest one's shard cut in half is named in one line and skipped;
-    the run resumes from the one before and finishes."""
+    """A real run's checkpoints (DCP shards): the newest one's shard cut in half is named in one line and moved
+    aside (kept as it is); the run resumes from the one before and finishes."""
     from qwen35rl.runtime.checkpoint import verify as ckpt_verify
 
     def run(steps):
@@ -348,10 +348,12 @@ def test_a_truncated_shard_of_the_newest_checkpoint_resumes_from_the_older_one(t
     cut = shard.stat().st_size
     with caplog.at_level(logging.WARNING):
         assert run(3) == 0
-    damaged = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    damaged = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(damaged) == 1, damaged
-    assert damaged[0].startswith(f"checkpoint {step_2} is damaged: model/{shard.name} is {cut} bytes, ")
-    assert damaged[0].endswith("when saved (truncated or overwritten); skipped (kept on disk), trying step_1")
-    assert ckpt_verify(step_2) is None  # step 2 was trained again and saved over the damaged one
+    (aside,) = (tmp_path / "checkpoints").glob("step_2.incomplete-*")
+    assert damaged[0].startswith(f"checkpoint {step_2} skipped: model/{shard.name} is {cut} bytes, ")
+    assert damaged[0].endswith(f"when saved (truncated or overwritten); moved aside to {aside} (kept, not deleted)")
+    assert ckpt_verify(step_2) is None  # step 2 was trained again, beside the damaged one
+    assert (aside / "model" / shard.name).stat().st_size == cut
     assert json.loads((tmp_path / "provenance" / "start-002" / "run.json").read_text())["start_step"] == 1
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
