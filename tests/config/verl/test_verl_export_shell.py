@@ -167,7 +167,9 @@ def test_a_hostile_cluster_overlay_through_the_console_script(overlay, tmp_path)
     assert environ["NCCL_SOCKET_IFNAME"] == f"eth0\ntouch {MARKER}"
     assert environ["HF_HOME"] == f"/shared/$(touch {MARKER})/`touch {MARKER}`/'q' \"d\"/C:\\hf\\"
     assert environ["GREETING"] == "é ☃ \\n is not a line break"
-    assert f"trainer.experiment_name='qwen3_5_tiny-fsdp-cluster\ntouch {MARKER}'" in argv
+    # the run name ends with the hardware's name (the overlay's hostile one), quoted as one word
+    assert [a for a in argv if a.startswith("trainer.experiment_name='qwen3_5_tiny-")
+            and a.endswith(f"-cluster\ntouch {MARKER}'")], argv
     assert words(run.stdout)[-len(argv):] == argv
 
 

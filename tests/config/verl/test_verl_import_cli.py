@@ -128,3 +128,86 @@ def test_override_list_with_env_file_and_new_hardware(tmp_path, capsys, monkeypa
     assert set(why) == {"MY_DIR", "HF_TOKEN"} and "secret" in why["HF_TOKEN"]
     assert "hf_secret" not in out and "hf_secret" not in open(r["overlay"]).read()
     assert r["settings"]["parallelism.tp"] == 2 and r["settings"]["parallelism.ep"] == 8
+
+
+# --------------------------------------------------------------------------- refused parts and --force
+CLI = os.path.join(os.path.dirname(sys.executable), "qwen35rl-import")
+REFUSED_PARTS = {  # a part qwen35rl does not run -> a word of its reason
+    "actor_rollout_ref.actor.strategy": "megatron_lite",
+    "actor_rollout_ref.actor.megatron_lite.tp": "megatron_lite",
+    "actor_rollout_ref.actor.policy_loss.loss_mode": "PPO-clip",
+    "data.video_key": "video",
+}
+WITH_REFUSED_PARTS = SCRIPT.replace(
+    "trainer.experiment_name=geo3k_27b",
+    "trainer.experiment_name=geo3k_27b actor_rollout_ref.actor.strategy=megatron_lite \\\n"
+    "    +actor_rollout_ref.actor.megatron_lite.tp=2 actor_rollout_ref.actor.policy_loss.loss_mode=gspo \\\n"
+    "    data.video_key=videos")
+
+
+def console(tmp_path, body, *args):
+    src = tmp_path / "launch.sh"
+    src.write_text(body)
+    return subprocess.run([CLI, "verl", str(src), "--out", str(tmp_path / "conf"), *map(str, args)],
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+
+
+def test_refused_parts_are_all_named_and_nothing_is_written(tmp_path):
+    p = console(tmp_path, WITH_REFUSED_PARTS)
+    assert p.returncode == 2, p.stderr
+    for key, word in REFUSED_PARTS.items():
+        line = next((l for l in p.stderr.splitlines() if l.strip().startswith(key + "=")), "")
+        assert word in line, (key, p.stderr)
+    assert "--force imports the rest" in p.stderr
+    assert not (tmp_path / "conf").exists()
+    js = console(tmp_path, WITH_REFUSED_PARTS, "--format", "json")
+    out = json.loads(js.stdout)
+    assert js.returncode == 2 and {x["key"] for x in out["refused"]} == set(REFUSED_PARTS)
+
+
+def test_force_imports_the_rest_and_lists_what_it_left_out(tmp_path):
+    p = console(tmp_path, WITH_REFUSED_PARTS, "--force", "--format", "json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["plan"]["valid"] and r["backend"] == "fsdp"
+    dropped = {x["key"]: x for x in r["dropped"]}
+    assert set(dropped) == set(REFUSED_PARTS)
+    assert all(x["why"].strip() and x["instead"].strip() for x in dropped.values())
+    assert "backend=fsdp" in dropped["actor_rollout_ref.actor.strategy"]["instead"]
+    assert "PPO-clip" in dropped["actor_rollout_ref.actor.policy_loss.loss_mode"]["instead"]
+    reported = {*r["carried"], *r["defaults"], *r["fixed"], *(x["key"] for x in r["not_carried"])}
+    assert not reported & set(REFUSED_PARTS)  # left out, not also reported as something else
+    assert r["carried"]["actor_rollout_ref.model.path"] == "model.path"
+    overlay = open(r["overlay"]).read()
+    assert "# Left out with --force" in overlay and "#   data.video_key=videos: video data" in overlay
+    # the same with the text report, over the overlay just written (--force replaces it)
+    text = console(tmp_path, WITH_REFUSED_PARTS, "--force")
+    assert text.returncode == 0, text.stderr
+    assert "LEFT OUT (--force): 4 part(s)" in text.stdout and "4 left out" in text.stdout
+
+
+def test_force_picks_the_backend_asked_for(tmp_path):
+    p = console(tmp_path, WITH_REFUSED_PARTS, "--force", "--backend", "megatron", "--format", "json")
+    r = json.loads(p.stdout)
+    assert r["backend"] == "megatron" and r["picked"]["backend"] == "--backend"
+    why = {x["key"]: x["why"] for x in r["not_carried"]}
+    assert "fsdp engine only" in why["actor_rollout_ref.actor.fsdp_config.param_offload"]
+
+
+@pytest.mark.parametrize("path", ["/models/Qwen3-30B-A3B", "/models/Llama-3.1-8B"])
+def test_force_does_not_import_another_model(tmp_path, path):
+    body = WITH_REFUSED_PARTS.replace("CKPT=${CKPT:-$HOME/ckpt/Qwen3.5-27B}", f"CKPT={path}")
+    p = console(tmp_path, body, "--force")
+    assert p.returncode == 2 and "Qwen3.5" in p.stderr, p.stderr
+    assert not (tmp_path / "conf").exists()
+
+
+def test_unset_advantage_estimator_is_verls_gae(tmp_path):
+    """verl runs GAE (with a critic) when a script does not name the estimator: refused, not imported as GRPO."""
+    body = SCRIPT.replace("algorithm.adv_estimator=grpo \\\n", "")
+    p = console(tmp_path, body)
+    assert p.returncode == 2 and "algorithm.adv_estimator=gae" in p.stderr and "verl's default" in p.stderr
+    forced = json.loads(console(tmp_path, body, "--force", "--format", "json").stdout)
+    assert [x["key"] for x in forced["dropped"]] == ["algorithm.adv_estimator"]
+    assert "algorithm.adv_estimator" not in forced["settings"] and forced["plan"]["valid"]

@@ -177,8 +177,14 @@ BASE = ["actor_rollout_ref.model.path=/models/Qwen3.5-35B-A3B", "data.train_file
     (["data.train_files=/data/llava_video_178k/train.parquet"], "", "data.train_files", "video"),
     (["+actor_rollout_ref.rollout.limit_mm_per_prompt.video=1"], "",
      "actor_rollout_ref.rollout.limit_mm_per_prompt.video", "video"),
+    (["algorithm.adv_estimator=rloo"], "", "algorithm.adv_estimator", "rloo advantage estimator"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], "", "actor_rollout_ref.actor.policy_loss.loss_mode",
+     "gspo policy loss"),
+    (["reward_model.enable=True"], "", "reward_model.enable", "reward model"),
+    (["reward.reward_model.enable=True"], "", "reward.reward_model.enable", "reward model"),
 ], ids=["actor-strategy", "model-engine", "ref-strategy", "lite-keys", "distillation-keys", "distillation-entry",
-        "lite-config", "video-key", "video-files", "video-limit"])
+        "lite-config", "video-key", "video-files", "video-limit", "estimator", "policy-loss", "reward-model",
+        "reward-model-0.9"])
 def test_refused_not_mapped(extra, entry, key, words):
     from qwen35rl.config.verl.importer import ImportFailure
 
