@@ -116,7 +116,7 @@ def micro_sizes(cfg: Any, layout: Layout) -> List[int]:
     if share < 1:
         return [1]
     sizes = divisors(share)
-    if layout.backend == "megatron" and layout.pp > 1:
+    if layout.pp > 1:  # a pipeline fills its stages with at least PP micro batches
         sizes = [d for d in sizes if share // d >= layout.pp] or [1]
     return sizes
 

@@ -20,6 +20,7 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from qwen35rl.config.engine_specs import train_engine
 from qwen35rl.config.layout import placement
 from qwen35rl.config.problems import ERROR, WARNING, Problem
 
@@ -306,7 +307,7 @@ def checkpoint_layout(cfg: Any, layout: Any) -> Dict[str, Any]:
     any world / fsdp_size / sp: only the engine counts. The Megatron engine saves each rank's own shards of its
     model chunks and optimizer under keys of its coordinates, which only the same split reads back (a moved
     pipeline boundary could even load wrong layers); with placement=split its world is the training pool."""
-    if layout.backend != "megatron":
+    if train_engine(layout.backend).reshardable_checkpoints:
         return {"backend": layout.backend, **run_shape(cfg, layout)}
     b = cfg["backend"]
     return {"backend": "megatron", "world": layout.world, "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp,
@@ -353,7 +354,7 @@ def resume_problem(saved: Optional[Dict[str, Any]], current: Dict[str, Any],
         if shape is not None:
             return shape
     if not saved:
-        if current.get("backend") != "megatron":
+        if train_engine(str(current.get("backend"))).reshardable_checkpoints:
             return _shape_problem({}, current)  # FSDP's DTensor shards load onto any layout
         return Problem("resume_layout_unknown", key, "the checkpoint records no shard layout (written before "
                        "checkpoints recorded one), and Megatron shards load only on the layout that wrote them",

@@ -16,12 +16,13 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from omegaconf import OmegaConf
 
+from qwen35rl.config.engine_specs import TRAIN_ENGINES, train_engine
 from qwen35rl.config.paths import config_dir
 from qwen35rl.config.physical_fit import plainly_fits
 
 DATA = ("gsm8k", "geo3k")
 """Text and image data (the reference runs' geo3k)."""
-BACKENDS = ("fsdp", "megatron")
+BACKENDS = tuple(TRAIN_ENGINES)
 def models() -> List[str]:
     """The released sizes: conf/model files that name a hub checkpoint (the tiny test models do not)."""
     out = []
@@ -75,7 +76,7 @@ def searched(model: str, hw: str, backend: str) -> Optional[Any]:
 def file_text(model: str, hw: str, backend: str, candidate: Any, why: str) -> str:
     import textwrap
 
-    keys = ("tp", "pp", "cp", "ep", "etp") if backend == "megatron" else ("fsdp_size", "sp")
+    keys = train_engine(backend).layout_keys
     s = candidate.settings
     engine = s["parallelism.rollout.ep"] > 1  # one DP-attention engine: its DP and EP are part of the layout
     rollout = ", ".join(f"{k}: {s[f'parallelism.rollout.{k}']}" for k in (("tp", "dp", "ep") if engine else ("tp",)))

@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
+from qwen35rl.config.engine_specs import TRAIN_ENGINES
+
 MEMORY_CODES = ("train_memory_fits", "rollout_memory_fits", "no_valid_layout")
 
 
@@ -36,8 +38,8 @@ def _tries(cfg: DictConfig) -> Iterator[Tuple[str, Callable[[], Optional[DictCon
         if response // k >= 256:
             yield (f"data.max_response_length={response // k}",
                    lambda k=k: _searchable(_set(cfg, data__max_response_length=response // k)))
-    other = "megatron" if str(cfg.backend.name) == "fsdp" else "fsdp"
-    yield f"backend={other} (its defaults)", lambda: _other_backend(cfg, other)
+    for other in (name for name in TRAIN_ENGINES if name != str(cfg.backend.name)):
+        yield f"backend={other} (its defaults)", lambda other=other: _other_backend(cfg, other)
     per_node = int(cfg.hw.devices_per_node)
     for k in (2, 4, 8, 16):
         if per_node * k <= 16:

@@ -5,6 +5,8 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, List, Optional, Tuple
 
+from qwen35rl.config.engine_specs import TRAIN_ENGINES, train_engine
+
 SPLIT = "split"
 """`placement.mode` of a run whose rollout engines have devices of their own."""
 
@@ -61,8 +63,8 @@ class Layout:
 
     def train_dict(self) -> Dict[str, Any]:
         d = {k: getattr(self, k) for k in ("tp", "pp", "cp", "ep", "etp", "dp", "vpp")}
-        if self.backend == "fsdp":
-            d.update(fsdp_size=self.fsdp_size, sp=self.sp)
+        if not train_engine(self.backend).model_parallel:  # its own degrees: FSDP size, Ulysses SP
+            d.update({k: getattr(self, k) for k in train_engine(self.backend).layout_keys})
         return d
 
     def rollout_dict(self) -> Dict[str, int]:
@@ -123,7 +125,8 @@ def derive_layout(cfg: Any) -> Layout:
     par = cfg["parallelism"]
     world, rollout_world = pool_sizes(cfg)
     backend = str(cfg["backend"]["name"])
-    if backend == "fsdp":
+    spec = TRAIN_ENGINES.get(backend)  # an unknown name (the engine_known rule says so) reads every degree
+    if spec is not None and not spec.model_parallel:
         # FSDP shards parameters, not layers: only Ulysses SP takes devices away from data parallel.
         tp = pp = cp = ep = etp = 1
         sp = int(par["sp"])

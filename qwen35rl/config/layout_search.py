@@ -61,6 +61,7 @@ from qwen35rl.config import auto_batch, capabilities
 from qwen35rl.config import memory as M
 from qwen35rl.config import params as P
 from qwen35rl.config import rules as R
+from qwen35rl.config.engine_specs import train_engine
 from qwen35rl.config.layout import Layout, derive_layout, is_split, placement, pool_sizes
 from qwen35rl.config.problems import ERROR
 
@@ -119,7 +120,7 @@ def _pow2_upto(n: int) -> List[int]:
 def train_options(cfg: Any, world: int) -> Iterator[Dict[str, Any]]:
     """Training degrees to try (parallelism.* values)."""
     fixed = {"vpp": None, "pipeline_layout": None}
-    if str(cfg["backend"]["name"]) != "megatron":
+    if not train_engine(cfg).model_parallel:
         for f in _pow2_upto(world):
             for sp in _pow2_upto(world):
                 yield {**fixed, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": 1, "fsdp_size": f, "sp": sp}
@@ -136,7 +137,7 @@ def train_options(cfg: Any, world: int) -> Iterator[Dict[str, Any]]:
 
 def rollout_options(cfg: Any, world: int) -> Iterator[Dict[str, int]]:
     """Rollout degrees to try (parallelism.rollout.* values)."""
-    dp_attention = str(cfg["backend"]["name"]) == "megatron" and bool(cfg["model"]["moe"])
+    dp_attention = train_engine(cfg).expert_parallel_rollout and bool(cfg["model"]["moe"])
     for tp in _pow2_upto(world):
         yield {"tp": tp, "dp": world // tp, "ep": 1}
         if dp_attention:
@@ -320,7 +321,7 @@ def _search_variant(tree: Dict[str, Any], pool: Dict[str, Any]) -> List[Candidat
 
 
 def _settings(tree: Dict[str, Any], opt: Dict[str, Any], ropt: Dict[str, int]) -> Dict[str, Any]:
-    keys = ("tp", "pp", "cp", "ep", "etp") if str(tree["backend"]["name"]) == "megatron" else ("fsdp_size", "sp")
+    keys = train_engine(tree).layout_keys
     s: Dict[str, Any] = {f"parallelism.{k}": opt[k] for k in keys}
     s.update({f"parallelism.rollout.{k}": v for k, v in ropt.items()})
     return s
@@ -456,7 +457,7 @@ def train_comm_seconds(cfg: Any, layout: Layout, shard: M.TrainShard, micro_batc
     m, per_node = cfg["model"], int(cfg["hw"]["devices_per_node"])
     h, tokens = int(m["hidden_size"]), M.micro_batch_tokens(cfg)
     out: Dict[str, float] = {}
-    if layout.backend == "megatron":
+    if train_engine(layout.backend).model_parallel:
         layers = len(shard.layers)
         n_full, n_lin = shard.layers.count("full"), shard.layers.count("linear")
         t_cp = tokens / layout.cp
@@ -490,7 +491,7 @@ def offload_seconds(cfg: Any, layout: Layout, shard: M.TrainShard, micro_batches
     """PCIe copies and the CPU optimizer step of what the trainer offloads (see the module docstring)."""
     b, n = cfg["backend"], shard.dense + shard.expert
     pcie, adam = PCIE_GBPS * 1e9, HOST_ADAM_GBPS * 1e9
-    if layout.backend == "megatron":
+    if train_engine(layout.backend).model_parallel:
         cpu_states = 0.0
         if b["optimizer_cpu_offload"]:
             div = (layout.dp * layout.cp, layout.edp) if b["use_distributed_optimizer"] else (1, 1)
@@ -679,7 +680,7 @@ def tested_rank(cfg: Any, candidates: List[Candidate]) -> Optional[Dict[str, Any
                          candidates[0].settings.get("placement.rollout_devices"), merge=False)
     layout = derive_layout(out)
     out, _ = auto_batch.resolve(out, layout)  # the tested layout at its own best micro batch / checkpointing
-    keys = ("tp", "pp", "cp", "ep", "etp") if layout.backend == "megatron" else ("fsdp_size", "sp")
+    keys = train_engine(layout.backend).layout_keys
     shown = [*keys, *(k for k in ("vpp", "pipeline_layout") if preset[k] is not None), "rollout.tp", "rollout.dp",
              "rollout.ep"]
     info: Dict[str, Any] = {"name": name, "overrides": [f"parallelism.{k}={_value(preset[k])}" for k in shown],

@@ -37,6 +37,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from qwen35rl.config import params as P
+from qwen35rl.config.engine_specs import ROLLOUT_ENGINES, rollout_engine, train_engine
 from qwen35rl.config.layout import Layout, pipeline_stages
 
 GIB = float(2 ** 30)
@@ -96,7 +97,8 @@ def kl_on(cfg: Any) -> bool:
 
 
 def _megatron(layout: Layout) -> bool:
-    return layout.backend == "megatron"
+    """The training engine splits layers and tensors (Megatron's terms apply)."""
+    return train_engine(layout.backend).model_parallel
 
 
 def _fsdp_on_host(cfg: Any) -> bool:
@@ -696,7 +698,7 @@ def rollout_weights_params(cfg: Any, layout: Layout) -> float:
     m = cfg["model"]
     tp = max(layout.rollout_tp, 1)
     tower = vision_tower_params(cfg)
-    replicated = cfg["rollout"]["engine"] == "vllm" and (cfg["rollout"].get("engine_kwargs") or {}).get(
+    replicated = rollout_engine(cfg).tensor_parallel and (cfg["rollout"].get("engine_kwargs") or {}).get(
         "mm_encoder_tp_mode") == "data"
     expert = len(P.layer_kinds(m)) * P.layer_expert_params(m)
     split_experts = layout.rollout_ep if layout.rollout_ep > 1 else layout.rollout_tp
@@ -718,7 +720,7 @@ def sleeping_engine_gib(cfg: Any, layout: Layout) -> float:
     the training devices."""
     if layout.split:
         return 0.0
-    if cfg["rollout"]["engine"] == "hf":
+    if not rollout_engine(cfg).own_weights:
         if hf_engine_sleeps(cfg):
             return 0.0
         return gib(rollout_weights_params(cfg, layout) * dtype_bytes(cfg["model"]["dtype"]))
@@ -802,8 +804,9 @@ def auto_pool_fraction(cfg: Any, layout: Layout) -> float:
     """The gpu_memory_utilization an `auto` pool resolves to under `layout` (sized as for vLLM whatever the engine:
     the value the verl export and the engine read)."""
     tree = as_tree(cfg)
-    if tree["rollout"]["engine"] != "vllm":
-        tree = {**tree, "rollout": {**tree["rollout"], "engine": "vllm"}}
+    if not rollout_engine(tree).kv_pool:
+        pooled = next(s.name for s in ROLLOUT_ENGINES.values() if s.kv_pool)
+        tree = {**tree, "rollout": {**tree["rollout"], "engine": pooled}}
     est = estimate(tree, layout)
     return round(est.rollout_pool_gib / nominal_gib(tree), 2)
 
@@ -971,10 +974,10 @@ def rollout_terms(cfg: Any, layout: Layout, gdn: Optional[str] = None) -> Dict[s
     weights = gib(rollout_weights_params(cfg, layout) * dtype_bytes(cfg["model"]["dtype"]))
     terms = {"rollout/weights": weights, "train/sleeping_engine": sleeping_engine_gib(cfg, layout)}
     sleeps = not layout.split  # with placement=split the engine has its devices to itself: it never sleeps
-    if (sleeps and cfg["rollout"]["engine"] == "vllm" and cfg["rollout"]["free_cache_engine"]
+    if (sleeps and rollout_engine(cfg).own_weights and cfg["rollout"]["free_cache_engine"]
             and int(cfg["rollout"]["sleep_level"]) == 1):
         terms["host/sleeping_engine"] = weights  # sleep level 1 parks the weights in host memory
-    if cfg["rollout"]["engine"] == "hf":
+    if not rollout_engine(cfg).kv_pool:
         if sleeps and hf_engine_sleeps(cfg):
             terms["host/sleeping_engine"] = weights
         terms["rollout/kv_cache"] = hf_static_cache_gib(cfg, layout)

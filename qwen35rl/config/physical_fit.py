@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from qwen35rl.config import params as P
+from qwen35rl.config.engine_specs import train_engine
 
 PLAIN_SHARE = 0.7
 """The share of device memory a cell's training state and rollout weights may take to count as plainly fitting."""
@@ -21,7 +22,7 @@ def rollout_weights_fit(cfg: Any) -> bool:
     devices = int(hw["nodes"]) * int(hw["devices_per_node"])
     tp = devices if hw["multi_node_rollout_tp"] else min(devices, int(hw["devices_per_node"]))
     experts = len(P.layer_kinds(m)) * P.layer_expert_params(m)
-    ep = devices if (str(cfg["backend"]["name"]) == "megatron" and m["moe"]) else tp
+    ep = devices if (train_engine(cfg).expert_parallel_rollout and m["moe"]) else tp
     return 2 * ((count.total - experts) / tp + experts / ep) <= PLAIN_SHARE * float(hw["memory_gb"]) * 1e9
 
 

@@ -20,7 +20,7 @@ import math
 import typing
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from qwen35rl.config import capabilities, known_keys, memory, quirks, schema
+from qwen35rl.config import capabilities, engine_specs, known_keys, memory, quirks, schema
 from qwen35rl.names import REWARDS, TRACKERS, did_you_mean
 from qwen35rl.config.layout import (Layout, even_pipeline_layout, format_pipeline_layout, is_split,
                                     parse_pipeline_layout, placement)
@@ -88,6 +88,18 @@ def _moe(cfg: Any) -> bool:
 
 
 # ======================================================================================== degrees & the world
+@rule("config")
+def engine_known(cfg: Any, layout: Layout) -> List[Problem]:
+    """The training and rollout engines are ones qwen35rl has (engine_specs): every other rule asks them."""
+    out = []
+    for key, table in (("backend.name", engine_specs.TRAIN_ENGINES), ("rollout.engine", engine_specs.ROLLOUT_ENGINES)):
+        v = val(cfg, key)
+        if v not in table:
+            out += _err("engine_known", key, f"{key}={v!r} is not one of {', '.join(table)}",
+                        did_you_mean(str(v), table) or _try(key, next(iter(table))))
+    return out
+
+
 @rule("config")
 def degrees_positive(cfg: Any, layout: Layout) -> List[Problem]:
     """Every parallel degree is a positive integer (the other layout rules assume it)."""
@@ -728,7 +740,7 @@ def rollout_is_weights_are_one(cfg: Any, layout: Layout) -> List[Problem]:
 CHOICES: Dict[str, Sequence[Any]] = {
     "placement.mode": tuple(capabilities.PLACEMENT),
     "algorithm.rollout_is": ("auto", "token", "sequence", "off"),
-    "rollout.engine": ("vllm", "hf"),
+    "rollout.engine": tuple(engine_specs.ROLLOUT_ENGINES),
     "algorithm.adv_estimator": ("grpo",),
     "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "algorithm.kl_loss_type": ("kl", "mse", "low_var_kl", "abs"),
@@ -736,7 +748,7 @@ CHOICES: Dict[str, Sequence[Any]] = {
     "data.kind": ("synthetic", "text", "multimodal"),
     "model.init": ("pretrained", "random"),
     "model.dtype": ("bfloat16", "float16", "float32"),
-    "backend.name": ("fsdp", "megatron"),
+    "backend.name": tuple(engine_specs.TRAIN_ENGINES),
     "backend.lr_scheduler": ("constant", "cosine"),
     "backend.mixed_precision": ("auto", "bf16", "fp32"),
     "backend.recompute_granularity": ("full", "selective", None),
@@ -1258,14 +1270,14 @@ def rollout_memory_fits(cfg: Any, layout: Layout) -> List[Problem]:
 
 
 # ========================================================================================================= entry
-GATES = ("degrees_positive", "value_in_range")
+GATES = ("engine_known", "degrees_positive", "value_in_range")
 """Rules that run first, whatever the scopes: while they find a value out of its range no other rule runs (the
 other rules, the layout search and the memory model compute with these values)."""
 
 
 def gate_problems(cfg: Any, layout: Optional[Layout] = None) -> List[Problem]:
     """The out-of-range values (an empty list: the config's numbers are safe to compute with)."""
-    return degrees_positive(cfg, layout) + value_in_range(cfg, layout)
+    return engine_known(cfg, layout) + degrees_positive(cfg, layout) + value_in_range(cfg, layout)
 
 
 def run_rules(cfg: Any, layout: Layout, scopes: Iterable[str] = SCOPES, stop_at_error: bool = False,

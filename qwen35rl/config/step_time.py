@@ -24,6 +24,7 @@ from typing import Any, Dict, Optional, Tuple
 from qwen35rl.config import layout_search
 from qwen35rl.config import memory as M
 from qwen35rl.config.capabilities import single_on_policy_update
+from qwen35rl.config.engine_specs import rollout_engine
 from qwen35rl.config.layout import Layout
 
 MFU_MEASURED: Tuple[float, float, float] = (0.08, 0.25, 0.50)
@@ -98,13 +99,13 @@ def estimate(cfg: Any, layout: Layout, est: M.MemoryEstimate) -> Optional[StepTi
     passes = int(bool(a["use_kl_loss"] or a["use_kl_in_reward"]))
     passes += int(not backend["use_rollout_log_probs"] and not single_on_policy_update(tree))
     forward = tuple(passes * c / 3 for c in _scaled(compute))
-    engine = str(tree["rollout"]["engine"])
+    engine = rollout_engine(tree)
     model_step = _decode_step_s(tree, layout, est)
     steps = _decode_steps(tree, layout, est)
-    floor = DECODE_FLOOR_S.get(engine, DECODE_FLOOR_S["vllm"])
+    floor = DECODE_FLOOR_S[engine.name]
     generation = tuple(steps * max(model_step, f) for f in floor)
     phases: Dict[str, Tuple[float, float, float]] = {"generation": generation}  # type: ignore[dict-item]
-    if engine == "vllm":
+    if engine.own_weights:  # refreshed from the trainer after every update
         gb = est.terms["rollout/weights"] * M.GIB / 1e9
         phases["weight_sync"] = tuple(gb / bw for bw in SYNC_GBPS)  # type: ignore[assignment]
     phases["log_prob_passes"] = forward  # type: ignore[assignment]

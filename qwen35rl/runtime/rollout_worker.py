@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from omegaconf import OmegaConf
 
+from qwen35rl.config import engine_specs
 from qwen35rl.config.layout import Layout
 from qwen35rl.config.schema import typed
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult
@@ -58,7 +59,7 @@ class RolloutWorker:
             from qwen35rl.models.processor import build_processor
 
             processor = build_processor(self.cfg.model, tokenizer)
-        if self.cfg.rollout.engine != "hf":  # the plan refuses it (split_rollout_needs_hf); said here too
+        if not engine_specs.rollout_engine(self.cfg).split_pool:  # the plan refuses it (split_rollout_needs_hf)
             raise RuntimeError(f"placement=split runs rollout.engine=hf, not {self.cfg.rollout.engine}")
         self.rollout = hf_rollout_engine(self.cfg, self.device, tokenizer, processor, self.text_only)
 

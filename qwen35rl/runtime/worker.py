@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from qwen35rl.config import engine_specs
 from qwen35rl.config.layout import Layout
 from qwen35rl.config.schema import typed
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult, TrainEngine
@@ -119,13 +120,7 @@ class PolicyWorker:
             torch.set_num_threads(threads)
 
     def _train_engine(self, reference: bool) -> TrainEngine:
-        backend = self.cfg.backend.name
-        if backend == "fsdp":
-            from qwen35rl.engines.fsdp_engine import FsdpTrainEngine as engine_cls
-        elif backend == "megatron":
-            from qwen35rl.engines.megatron.engine import MegatronTrainEngine as engine_cls
-        else:
-            raise NotImplementedError(f"backend={backend}: expected fsdp or megatron")
+        engine_cls = engine_specs.load(engine_specs.train_engine(self.cfg).builder)
         return engine_cls(self.cfg, layout=self.layout, rank=self.rank, world_size=self.world_size, device=self.device,
                           reference=reference, total_steps=self.optimizer_steps)
 
@@ -133,7 +128,7 @@ class PolicyWorker:
         """Which share of the data this worker takes. Training: its data-parallel rank (the ranks of one
         tensor/pipeline-parallel group take the same micro batches). Rollout: its rollout TP group (the ranks of
         one TP group generate the same prompts)."""
-        rollout_tp = self.layout.rollout_tp if self.cfg.rollout.engine == "vllm" else 1
+        rollout_tp = self.layout.rollout_tp if engine_specs.rollout_engine(self.cfg).tensor_parallel else 1
         return {"train_dp_rank": int(getattr(self.actor, "dp_rank", self.rank)),
                 "train_dp_size": int(getattr(self.actor, "dp_size", self.world_size)),
                 "rollout_group": self.rank // rollout_tp, "rollout_groups": self.world_size // rollout_tp}
@@ -141,20 +136,16 @@ class PolicyWorker:
     def _rollout_engine(self) -> RolloutEngine:
         """The driver syncs the policy's weights into the rollout engine before every generation (fresh or
         resumed), so with a random init the hf engine's model is only allocated, not initialised."""
-        engine = self.cfg.rollout.engine
-        if engine == "hf":
+        spec = engine_specs.rollout_engine(self.cfg)
+        if not spec.own_weights:  # generates with a model the weight sync fills in place
             return hf_rollout_engine(self.cfg, self.device, self.tokenizer, self.processor, self.text_only)
-        if engine == "vllm":
-            from qwen35rl.engines.vllm_rollout import VllmRolloutEngine
-
-            if self.cfg.model.init == "pretrained":
-                model_dir = self.cfg.model.path
-            else:  # vLLM starts from a checkpoint directory: write the random init once, shared by every rank
-                model_dir = str(self.run_dir / ".rollout_init_hf")
-                self.export_hf(model_dir, vision_form=self.text_only and self.cfg.model.vision is not None
-                               and not installed_vllm_loads_text_checkpoint())
-            return VllmRolloutEngine(self.cfg, model_dir, self.layout)
-        raise NotImplementedError(f"rollout.engine={engine}: expected hf or vllm")
+        if self.cfg.model.init == "pretrained":
+            model_dir = self.cfg.model.path
+        else:  # an engine with its own weights starts from a checkpoint directory: the random init, written once
+            model_dir = str(self.run_dir / ".rollout_init_hf")
+            self.export_hf(model_dir, vision_form=self.text_only and self.cfg.model.vision is not None
+                           and not installed_vllm_loads_text_checkpoint())
+        return engine_specs.load(spec.builder)(self.cfg, model_dir, self.layout)
 
     @property
     def pad_token_id(self) -> int:

@@ -28,9 +28,9 @@ def searched(overrides):
     return _cache[key]
 
 
-def test_397b_on_a3_search_is_fast_and_ranked():
-    cfg, cands, seconds = searched(MG397_A3)
-    assert seconds < 4.0  # bench/bench_plan.py records the unloaded time (< 2 s)
+def test_397b_on_a3_search_is_ranked():
+    # its time is a benchmark's (bench/bench_plan.py: under 2 s unloaded), not a test's: a busy machine is slower
+    cfg, cands, _ = searched(MG397_A3)
     assert len(cands) > 100
     scores = [c.score for c in cands]
     assert scores == sorted(scores)

@@ -74,6 +74,7 @@ CASES = [
      "data.train_files", ERROR),  # a .py file is no data file
     ("names_valid", "tiny", {"trainer__run_name": "a-b"}, {"trainer__run_name": "a/b"}, "trainer.run_name", ERROR),
     ("model_path_missing", "tiny", {}, {"model__init": "pretrained"}, "model.path", ERROR),
+    ("engine_known", "tiny", {}, {"backend__name": "fsdp2"}, "backend.name", ERROR),
     ("degrees_positive", "mg35", {}, {"parallelism__pp": 0}, "parallelism.pp", ERROR),
     ("degrees_match_backend", "fsdp27", {}, {"parallelism__tp": 2}, "parallelism.tp", ERROR),
     ("world_size_matches_devices", "mg35", {"parallelism__pp": 2, "parallelism__ep": 4},
@@ -354,7 +355,7 @@ def test_parse_pipeline_layout():
 
 def test_did_you_mean_hints():
     assert "token-mean" in by_code(tree("tiny", algorithm__loss_agg_mode="token_mean"), "known_choice")[0].hint
-    assert "'vllm'" in by_code(tree("tiny", rollout__engine="vlm"), "known_choice")[0].hint
+    assert "'vllm'" in by_code(tree("tiny", rollout__engine="vlm"), "engine_known")[0].hint
     reward = by_code(tree("tiny", data__reward="mathh"), "known_choice")[0]
     assert reward.key == "data.reward" and "'math'" in reward.hint
     assert "known_choice" not in codes(tree("tiny", data__reward="mypkg.rewards:score"))
