@@ -151,7 +151,7 @@ class Refused(ImportFailure):
     def render(self) -> str:
         lines = [f"qwen35rl-import: cannot import this launch: {len(self.refusals)} part(s) qwen35rl does not run"]
         for r in self.refusals:
-            lines.append(f"  {r.key}={_shown(r.value)}: {r.why}")
+            lines.append(_one_line(f"  {r.key}={_shown(r.value)}: {r.why}"))
             lines.append(f"    hint: {r.hint}")
         lines.append("  --force imports the rest: these parts are left out and listed")
         return "\n".join(lines)
