@@ -15,7 +15,7 @@ __doc__ += _exit_code_table() + "\n"
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from qwen35rl.cli.common import EXIT_CONFIG, run_hydra, start
 from qwen35rl.cli.stdout import console_script
@@ -23,6 +23,9 @@ from qwen35rl.config.compose import resolve_in_place
 from qwen35rl.config.problems import ERROR, Problem
 
 _exit_codes: List[int] = []
+_checked: Dict[str, Any] = {}
+"""A single run's config as `main` composed, resolved and checked it before Hydra started the job: the job takes
+it instead of searching the layout and running the rules a second time (a sweep's jobs each do it themselves)."""
 
 
 def launch_problems(cfg: DictConfig) -> List[Problem]:
@@ -50,8 +53,12 @@ def _train_job(cfg: DictConfig) -> Dict[str, Any]:
     from qwen35rl.config.plan import select_layout
 
     resolve_in_place(cfg)  # a literal ${ in a value stays literal
-    cfg, _, problems = select_layout(cfg)
-    problems += launch_problems(cfg)
+    checked = _checked.pop("run", None)
+    if checked is not None and checked[0] == OmegaConf.to_container(cfg):  # the config main checked: as it was
+        cfg, problems = checked[1], list(checked[2])
+    else:
+        cfg, _, problems = select_layout(cfg)
+        problems += launch_problems(cfg)
     errors = [p for p in problems if p.severity == ERROR]
     _print_problems(problems)
     if errors:  # a sweep job that is invalid returns without launching anything
@@ -108,15 +115,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if _run_dir_refused(args):
             return EXIT_CONFIG
 
+        composed = OmegaConf.to_container(cfg)
         cfg, _, problems = select_layout(cfg)
-        errors = [p for p in problems + launch_problems(cfg) if p.severity == ERROR]
+        problems += launch_problems(cfg)
+        errors = [p for p in problems if p.severity == ERROR]
         if errors:
             _print_problems(errors)
             return EXIT_CONFIG
         if _reward_refused(str(cfg.data.reward)):
             return EXIT_CONFIG
+        _checked["run"] = (composed, cfg, problems)
     _exit_codes.clear()
-    run_hydra(_train_job, args, "train")
+    try:
+        run_hydra(_train_job, args, "train")
+    finally:
+        _checked.clear()
     if not _exit_codes:
         return 1
     if args.multirun:

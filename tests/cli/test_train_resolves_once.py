@@ -1,0 +1,44 @@
+"""`qwen35rl-train` composes, resolves and checks a single run once: the Hydra job takes the config `main` checked
+(the layout search does not run again), and a job whose config differs from it is checked on its own."""
+import pytest
+
+from qwen35rl.cli import train as T
+from qwen35rl.config import layout_search
+
+
+@pytest.fixture
+def counted(monkeypatch, tmp_path):
+    calls = {"search": 0, "trained": []}
+    search = layout_search.search
+
+    def counting(*a, **k):
+        calls["search"] += 1
+        return search(*a, **k)
+
+    monkeypatch.setattr(layout_search, "search", counting)
+    import qwen35rl.runtime.entry as entry
+
+    monkeypatch.setattr(entry, "train", lambda cfg, run_dir: calls["trained"].append(cfg) or 0)
+    monkeypatch.chdir(tmp_path)
+    return calls
+
+
+def test_a_single_run_searches_its_layout_once(counted, tmp_path):
+    assert T.main(["parallelism=auto", f"trainer.output_root={tmp_path}/runs"]) == 0
+    assert counted["search"] == 1
+    (cfg,) = counted["trained"]
+    assert cfg.parallelism.auto is False and str(cfg.parallelism.name).startswith("auto/")  # the searched layout
+    assert T._checked == {}  # nothing is kept for a later call
+
+
+def test_a_job_with_another_config_is_checked_on_its_own(counted, tmp_path, monkeypatch):
+    original = T._train_job
+
+    def job(cfg):  # as if Hydra's job had composed something else than main checked
+        composed, resolved, problems = T._checked["run"]
+        T._checked["run"] = ({**composed, "seed_of_another_config": 1}, resolved, problems)
+        return original(cfg)
+
+    monkeypatch.setattr(T, "_train_job", job)
+    assert T.main(["parallelism=auto", f"trainer.output_root={tmp_path}/runs"]) == 0
+    assert counted["search"] == 2 and len(counted["trained"]) == 1
