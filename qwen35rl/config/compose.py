@@ -471,7 +471,7 @@ def verl_hint(key: str, value: Optional[str] = None) -> str:
     shown = f"={value}" if value is not None else "=..."
     for k in verl_keys.KEYS:
         if key in k.names() and k.qwen != key:
-            return f"this is verl's key; qwen35rl's is {k.qwen}: try {k.qwen}{shown}"
+            return f"this is verl's key; qwen35rl's is {k.qwen}: try {k.qwen}{_converted(k, value)}"
     if key in verl_keys.CHOICE_KEYS:
         target = verl_keys.CHOICE_KEYS[key]
         if target == "backend.name":
@@ -490,6 +490,23 @@ def verl_hint(key: str, value: Optional[str] = None) -> str:
         return (f"this is verl's key; qwen35rl has no such setting ({verl_keys.why_not_carried(key)}); "
                 "qwen35rl-import verl converts a whole verl launch")
     return ""
+
+
+def _converted(key: Any, value: Optional[str]) -> str:
+    """`=value` in qwen35rl's terms for verl's `value` of `key` (its converter on the parsed value; the value as
+    given when it does not convert: the hint then shows what was typed)."""
+    if value is None:
+        return "=..."
+    from omegaconf import OmegaConf
+
+    try:
+        parsed = OmegaConf.create({"v": value})["v"]
+        converted = key.to_qwen(parsed, None)
+    except Exception:  # noqa: BLE001 - a value verl's converter refuses: shown as typed
+        return f"={value}"
+    if isinstance(converted, bool):
+        return "=" + str(converted).lower()
+    return f"={converted}" if converted is not None else "=null"
 
 
 def _unknown_key(full_key: str, value: Optional[str], stray: str, parent_fields: Sequence[str],

@@ -205,3 +205,12 @@ def test_a_config_that_crossed_a_process_boundary_is_typed_again():
     plain["backend"]["lr"] = "fast"
     with pytest.raises(Exception):
         typed(plain)
+
+
+def test_a_verl_key_gets_the_qwen35rl_key_with_the_value_converted():
+    from qwen35rl.config.compose import verl_hint
+
+    assert verl_hint("actor_rollout_ref.actor.megatron.dtype", "bfloat16").endswith("try backend.bf16=true")
+    assert verl_hint("actor_rollout_ref.rollout.n", "8").endswith("try rollout.n=8")
+    assert verl_hint("actor_rollout_ref.actor.optim.lr_warmup_steps", "-1").endswith("try backend.lr_warmup_steps=0")
+    assert verl_hint("actor_rollout_ref.rollout.n").endswith("try rollout.n=...")
