@@ -30,11 +30,13 @@ MEANINGS = {
                              "over data.reward_failure_window steps (its first errors are printed)",
     ExitCode.DISK_FULL: "no space left on device: what could not be written, the free space and the last complete "
                         "checkpoint are printed (nothing written before is lost)",
-    ExitCode.INTERRUPTED: "interrupted (Ctrl-C), after writing a checkpoint",
+    ExitCode.INTERRUPTED: "interrupted (Ctrl-C): the step under way finished and checkpointed if that took at most "
+                          "trainer.stop_timeout_s, else given up; the last line names the checkpoint the same command "
+                          "resumes from",
     ExitCode.STDOUT_CLOSED: "stdout was closed by its reader (piped into `head`, say): the command stopped writing "
                             "and exited quietly, any command (128 + SIGPIPE, as the shell reports a command that "
                             "SIGPIPE ended)",
-    ExitCode.TERMINATED: "preempted (SIGTERM), after writing a checkpoint",
+    ExitCode.TERMINATED: "preempted (SIGTERM), within seconds as for Ctrl-C (130)",
 }
 
 EXIT_CONFIG = int(ExitCode.CONFIG)

@@ -423,9 +423,13 @@ class DataConfig:
     system_prompt: Optional[str] = None
     reward: str = "exact_match"
     """Reward function: exact_match | math | format | a dotted path `pkg.module:function`."""
-    reward_timeout_s: float = positive(10.0)
-    """A reward call over this limit scores 0 and is counted. A step's scoring as a whole is bounded too: by the
-    time its calls would take if each used the whole limit (the responses spread over the reward workers)."""
+    reward_timeout_s: float = positive(5.0)
+    """Seconds one reward call (one response) may take: a call over it is killed, scores 0 and is counted
+    (reward/timeout, and a warning line per step). When the first calls of a batch all run past it (two per reward
+    worker, at least 4) and none returns, the function counts as hung: the batch's other responses score 0 without
+    being run, so a hung reward costs about two limits a step, and max_reward_failure_rate then stops the run. A
+    step's scoring as a whole is bounded too: by the time its calls would take if each used the whole limit (the
+    responses spread over the reward workers)."""
     max_reward_failure_rate: float = between(0.0, 1.0, 0.5)
     """The run stops (exit code 5, the reward's first errors printed) when more than this share of the responses
     of the last `reward_failure_window` steps failed to score (raised, returned a non-number or timed out).
@@ -528,6 +532,10 @@ class TrainerConfig:
     max_keep_checkpoints: int = at_least(0, 2)
     """Finished checkpoints kept (older ones are deleted after a new one is complete); 0 keeps all."""
     log_every: int = at_least(1, 1)
+    stop_timeout_s: float = at_least(1.0, 10.0, high=INF)
+    """After Ctrl-C or SIGTERM the run finishes its step and checkpoints it if that takes at most this long; else
+    (or at a second signal) it abandons the step and stops, the last checkpoint still the one to resume from.
+    Schedulers give about 30 s between SIGTERM and SIGKILL."""
     placement_timeout_s: float = at_least(0.0, 300.0, high=INF)
     """Seconds to wait for the cluster to offer the run's devices (nodes still joining, a placement group still
     pending) before failing with what is missing. A local cluster started by the run fails at once."""

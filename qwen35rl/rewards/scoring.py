@@ -5,6 +5,11 @@ on. Time limits are enforced by killing the worker process (a hung call in a thr
 the caller is never blocked longer than the limit per call, and reward code needs no signal handling. One scoring
 call (a step's batch) is bounded as well: by the time its calls would take if each used its whole limit, spread over
 the workers, plus one worker start-up (`step_limit`); responses still unscored then count as timed out.
+A reward function that hangs for good is given up on: when the first calls of a batch all run past the limit
+(`hung_after`: two per worker, at least 4) and none has returned, the batch's other responses are not run; they
+score 0 and count as timed out, and a warning says so. A batch then takes about two limits, not one per response.
+A scoring call can be cancelled (`cancel`, polled a few times a second): its workers are killed at once and
+`ScoringCancelled` is raised. Whatever stops a call (cancelled, an interrupt), no worker of it is left running.
 Workers persist across calls (forked from a forkserver that preloads the built-in rewards), so a step pays no
 process start-up. Starting a worker and loading a task (which imports the reward's module) is not part of the
 limit: under load that alone can take longer than a call, and would time out every call of a fresh worker. A
@@ -33,6 +38,9 @@ STARTUP_TIMEOUT_S = 120.0
 """Time a worker may take to start or to load a task (unpickling imports the reward's module) before it is
 given up on; the per-call limit starts once it has the task."""
 _STARTED = "started"  # worker -> pool: task loaded, scoring begins
+HUNG_AFTER_MIN = 4
+"""Timed-out calls, none returned, after which a batch's reward function counts as hung (at least; 2 per worker)."""
+_CANCEL_POLL_S = 0.2
 _PING = "ping"  # pool -> worker -> pool: alive and ready
 
 
@@ -59,6 +67,10 @@ def _worker_main(conn: Connection) -> None:
                 conn.send((position, True, value))
             except Exception as e:  # noqa: BLE001 - any failure of user code scores 0
                 conn.send((position, False, f"{type(e).__name__}: {e}"))
+
+
+class ScoringCancelled(RuntimeError):
+    """A scoring call stopped by its `cancel` (the run is stopping): its responses have no scores."""
 
 
 class _Worker:
@@ -109,11 +121,17 @@ class RewardPool:
         plus one worker start-up."""
         return limit * math.ceil(max(num_responses, 1) / self.num_workers) + STARTUP_TIMEOUT_S
 
+    def hung_after(self) -> int:
+        """Timed-out calls of a batch, none returned, that make its reward function count as hung."""
+        return max(HUNG_AFTER_MIN, 2 * self.num_workers)
+
     def score(self, fn: Callable, responses: Sequence[str], answers: Sequence[str], examples: Sequence[Any],
               timeout_s: Optional[float], errors: Optional[List[str]] = None,
-              step_timeout_s: Optional[float] = None) -> Tuple[List[float], Dict[str, int]]:
+              step_timeout_s: Optional[float] = None,
+              cancel: Optional[Callable[[], bool]] = None) -> Tuple[List[float], Dict[str, int]]:
         """`errors` (when given) receives one line per failed response ("response <i>: <error>"). `step_timeout_s`
-        bounds the whole call (default `step_limit`; none without a per-call limit)."""
+        bounds the whole call (default `step_limit`; none without a per-call limit). `cancel`: polled while
+        waiting; True stops the call (ScoringCancelled)."""
         if not (len(responses) == len(answers) == len(examples)):
             raise ValueError(f"{len(responses)} responses, {len(answers)} answers, {len(examples)} examples")
         try:
@@ -125,15 +143,21 @@ class RewardPool:
         if step_timeout_s is None or step_timeout_s <= 0:
             step_timeout_s = self.step_limit(len(responses), limit)
         with self._lock:
-            return self._score(fn, responses, answers, examples, limit, float(step_timeout_s),
-                               [] if errors is None else errors)
+            busy: List[_Worker] = []
+            try:
+                return self._score(fn, responses, answers, examples, limit, float(step_timeout_s),
+                                   [] if errors is None else errors, cancel, busy)
+            except BaseException:  # cancelled, interrupted: no scoring process of this call is left running
+                for worker in busy:
+                    worker.kill()
+                raise
 
-    def _score(self, fn, responses, answers, examples, limit, step_timeout_s, errors):
+    def _score(self, fn, responses, answers, examples, limit, step_timeout_s, errors, cancel, busy):
         scores = [0.0] * len(responses)
         stats = {"reward/failed": 0, "reward/timeout": 0}
+        returned = [0]  # calls that returned (a score or an error): a function that returns is not hung
         step_deadline = time.monotonic() + step_timeout_s
         pending = deque(_chunks_by_example(responses, answers, examples))
-        busy: List[_Worker] = []
 
         def fail(worker: _Worker, kind: str, message: str) -> None:
             position, _, _ = worker.items.popleft()
@@ -159,19 +183,37 @@ class RewardPool:
                 busy.append(worker)
             next_deadline = min(min(w.deadline for w in busy), step_deadline)
             wait_s = None if math.isinf(next_deadline) else max(0.0, next_deadline - time.monotonic())
+            if cancel is not None:
+                wait_s = _CANCEL_POLL_S if wait_s is None else min(wait_s, _CANCEL_POLL_S)
             for conn in wait([w.conn for w in busy], timeout=wait_s):
                 worker = next(w for w in busy if w.conn is conn)
-                self._drain(worker, scores, stats, errors, limit, fail)
+                self._drain(worker, scores, stats, errors, limit, fail, returned)
+            if cancel is not None and cancel():
+                raise ScoringCancelled(f"scoring of {len(responses)} responses cancelled")
             now = time.monotonic()
             for worker in [w for w in busy if w.deadline <= now]:
                 if worker.conn.poll():  # answered just in time
-                    self._drain(worker, scores, stats, errors, limit, fail)
+                    self._drain(worker, scores, stats, errors, limit, fail, returned)
                 if worker in busy and worker.deadline <= now:
                     fail(worker, "reward/timeout", f"no result within {limit:g} s" if worker.started
                          else f"worker did not load the task within {STARTUP_TIMEOUT_S:g} s")
             for worker in [w for w in busy if not w.items]:
                 busy.remove(worker)
                 self._idle.append(worker)
+            if (pending or busy) and not returned[0] and stats["reward/timeout"] >= self.hung_after():
+                left = [pos for w in busy for pos, _, _ in w.items] + [pos for _, items in pending for pos, _, _ in items]
+                stats["reward/timeout"] += len(left)
+                why = (f"not run: the reward function looks hung (its first {stats['reward/timeout'] - len(left)} "
+                       f"calls of this batch ran past {limit:g} s and none returned)")
+                errors.extend(f"response {pos}: {why}" for pos in sorted(left))
+                logger.warning("reward: the reward function looks hung: its first %d calls of this batch ran past "
+                               "data.reward_timeout_s=%g s and none returned; the other %d responses score 0 "
+                               "without being run (counted in reward/timeout)", stats["reward/timeout"] - len(left),
+                               limit, len(left))
+                for worker in busy:
+                    worker.kill()
+                busy.clear()
+                pending.clear()
             if (pending or busy) and time.monotonic() >= step_deadline:
                 left = [pos for w in busy for pos, _, _ in w.items] + [pos for _, items in pending for pos, _, _ in items]
                 stats["reward/timeout"] += len(left)
@@ -179,15 +221,16 @@ class RewardPool:
                               for pos in sorted(left))
                 for worker in busy:
                     worker.kill()
-                busy, pending = [], deque()
+                busy.clear()
+                pending.clear()
         if errors:
             logger.warning("reward: %d failed, %d timed out of %d; first: %s", stats["reward/failed"],
                            stats["reward/timeout"], len(responses), errors[0])
         return scores, stats
 
     @staticmethod
-    def _drain(worker, scores, stats, errors, limit, fail) -> None:
-        """Collect every answer the worker has sent so far."""
+    def _drain(worker, scores, stats, errors, limit, fail, returned) -> None:
+        """Collect every answer the worker has sent so far (`returned[0]` counts them)."""
         while worker.items and worker.conn.poll():
             try:
                 message = worker.conn.recv()
@@ -199,6 +242,7 @@ class RewardPool:
                 continue
             position, ok, value = message
             worker.items.popleft()
+            returned[0] += 1
             if ok:
                 scores[position] = value
             else:
@@ -251,8 +295,10 @@ def warm_pool() -> None:
 
 def score_responses(fn: Callable, responses: Sequence[str], answers: Sequence[str], examples: Sequence[Any],
                     timeout_s: Optional[float], errors: Optional[List[str]] = None,
-                    step_timeout_s: Optional[float] = None) -> Tuple[List[float], Dict[str, int]]:
+                    step_timeout_s: Optional[float] = None,
+                    cancel: Optional[Callable[[], bool]] = None) -> Tuple[List[float], Dict[str, int]]:
     """Scores of `fn(response, answer, example)` per response, in order, and the counts `reward/failed` (raised,
-    returned a non-number or the worker died) and `reward/timeout` (ran past `timeout_s`, or the call past
-    `step_timeout_s`); both score 0. `errors` receives one line per failure."""
-    return _shared_pool().score(fn, responses, answers, examples, timeout_s, errors, step_timeout_s)
+    returned a non-number or the worker died) and `reward/timeout` (ran past `timeout_s`, the call past
+    `step_timeout_s`, or not run because the function looks hung); both score 0. `errors` receives one line per
+    failure. `cancel`: see RewardPool.score."""
+    return _shared_pool().score(fn, responses, answers, examples, timeout_s, errors, step_timeout_s, cancel)

@@ -139,6 +139,27 @@ def unreachable_cluster(cfg: Any, resolve_auto: bool = False) -> Optional[str]:
     return problem
 
 
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Any:
+    """ray.init installs a C-level SIGTERM handler of its own that aborts the process with a stack trace, in place
+    of the run's clean stop (qwen35rl.runtime.signals): the Python handlers in place before it are put back as
+    soon as it returns. (Blocking the signals meanwhile is no way out: the Ray processes it starts would inherit
+    the blocked mask, and a later SIGTERM would no longer stop them.)"""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in handlers.items():
+            if handler is not None:
+                signal.signal(s, handler)
+
+
 def connect(cfg: Any, platform: Platform, world: int) -> bool:
     """Connect the driver to Ray. Returns True when this call started a local cluster (and must stop it)."""
     import ray
@@ -151,7 +172,8 @@ def connect(cfg: Any, platform: Platform, world: int) -> bool:
         problem = unreachable_cluster(cfg, resolve_auto=True)  # ray.init would wait for minutes, uninterruptibly
         if problem:
             raise ClusterError(problem)
-        ray.init(address=address, **quiet)
+        with _signal_handlers_kept():
+            ray.init(address=address, **quiet)
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private single-user cluster
     kwargs: Dict[str, Any] = dict(include_dashboard=False, **quiet)
@@ -160,7 +182,8 @@ def connect(cfg: Any, platform: Platform, world: int) -> bool:
         kwargs.update(num_cpus=world + 1, object_store_memory=CPU_OBJECT_STORE_BYTES)
     elif platform.ray_resource not in ("GPU",):
         kwargs.update(resources={platform.ray_resource: cfg.hw.devices_per_node})
-    ray.init(**kwargs)
+    with _signal_handlers_kept():
+        ray.init(**kwargs)
     return True
 
 

@@ -17,9 +17,10 @@ import json
 import logging
 import re
 import shutil
+import sys
 import time
 from collections import defaultdict, deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -48,6 +49,7 @@ from qwen35rl.runtime.prefetch import Prefetcher, Rollouts
 from qwen35rl.runtime.preflight import EXIT_PREFLIGHT, PreflightError, run_local_preflight, run_preflight
 from qwen35rl.runtime.run_identity import PROVENANCE_KEY
 from qwen35rl.runtime.rollouts import RolloutBatch, data_metrics, logprob_diff_metrics
+from qwen35rl.runtime import signals
 from qwen35rl.runtime.signals import StopRequest
 from qwen35rl.runtime.tracking import Tracking, plot_curves_safely
 from qwen35rl.runtime.worker import PolicyWorker, needs_reference
@@ -137,6 +139,22 @@ def report_disk_full(e: BaseException, run_dir: Path) -> int:
     return EXIT_DISK_FULL
 
 
+def _log_files_quiet_when_full() -> None:
+    """A log file on a full disk loses its records quietly: logging would print '--- Logging error ---' and a
+    traceback on stderr for every record, around the one block that says the disk is full."""
+    for name in (None, report.FILE_ONLY):
+        for handler in logging.getLogger(name).handlers:
+            if not isinstance(handler, logging.FileHandler) or getattr(handler, "_quiet_when_full", False):
+                continue
+
+            def handle_error(record: logging.LogRecord, default: Callable = handler.handleError) -> None:
+                if not disk_full(sys.exc_info()[1]):
+                    default(record)
+
+            handler.handleError = handle_error  # type: ignore[method-assign]
+            handler._quiet_when_full = True  # type: ignore[attr-defined]
+
+
 class _Where:
     """What the run is doing, for a failure's block: the start-up phase, then the trainer's activity."""
 
@@ -150,15 +168,18 @@ class _Where:
         return f"start-up ({self.phases.current})"
 
 
-def run_training(cfg: DictConfig, run_dir: Path, *, decision: Any = None, phases: Optional[report.Phases] = None) -> int:
+def run_training(cfg: DictConfig, run_dir: Path, *, decision: Any = None, phases: Optional[report.Phases] = None,
+                 stop: Optional[StopRequest] = None) -> int:
     """Train with the resolved, validated `cfg` in `run_dir`; returns the process exit code (qwen35rl.exit_codes).
     `decision`: what run_identity decided about the run directory (decided here when not given); `phases`: the
-    start-up clock of the launch. A full disk anywhere ends the run with EXIT_DISK_FULL and one block saying what
-    could not be written; any other failure ends it with one block too (its traceback in the log file)."""
+    start-up clock of the launch; `stop`: the launch's signal handling, installed already (else installed here once
+    Ray is up). A full disk anywhere ends the run with EXIT_DISK_FULL and one block saying what could not be
+    written; any other failure ends it with one block too (its traceback in the log file)."""
     run_dir = Path(run_dir).resolve()
     where = _Where(phases or report.Phases())
+    _log_files_quiet_when_full()
     try:
-        return _run_training(cfg, run_dir, decision, where)
+        return _run_training(cfg, run_dir, decision, where, stop)
     except Exception as e:  # noqa: BLE001 - every failure ends in one block and an exit code
         if disk_full(e):
             return report_disk_full(e, run_dir)
@@ -178,7 +199,7 @@ def _describe_data(train_set: Sequence[Any], loader: Any, val_set: Sequence[Any]
             f"{total_steps} step(s) to run")
 
 
-def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) -> int:
+def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where, given_stop: Optional[StopRequest]) -> int:
     from qwen35rl.runtime import run_identity
 
     phases = where.phases
@@ -261,9 +282,11 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) 
                    if resume_from else ""))
     code = EXIT_ERROR
     trainer = None
+    stop = given_stop or StopRequest(cfg.trainer.get("stop_timeout_s", signals.STOP_TIMEOUT_S))
     try:
         phases.begin("Ray up" if cfg.trainer.launcher == "ray" else "preflight")
-        with launcher(cfg, platform, layout.devices, phases) as (preflight, group_cls), StopRequest() as stop:
+        with launcher(cfg, platform, layout.devices, phases) as (preflight, group_cls), \
+                (nullcontext(stop) if given_stop else stop):
             phases.begin("preflight")
             provenance.record_cluster(start_dir, preflight())
             phases.mark("preflight")  # the preflight says its own line
@@ -295,14 +318,19 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where) 
                 code = trainer.fit()
                 return code
             finally:
-                if trainer is not None:
+                stop.ending()  # a signal from here on does not cut the clean-up short
+                if trainer is not None and not stop.abandoned:
                     trainer.prefetch.close()
                 workers.shutdown()
                 if rollout_workers is not workers:
                     rollout_workers.shutdown()
-    except KeyboardInterrupt:
-        log.warning("interrupted; the last finished checkpoint is intact")
-        code = EXIT_INTERRUPTED
+                if trainer is not None and stop.abandoned:  # its generation ended with the workers
+                    trainer.prefetch.close()
+    except KeyboardInterrupt:  # a second signal, the stop timeout, or a signal during start-up
+        code = stop.exit_code or EXIT_INTERRUPTED
+        if trainer is None:
+            report.say(f"stopped by {stop.reason or 'an interrupt'} during {where} (exit code {code}); "
+                       f"{signals.last_checkpoint(run_dir)}")
         return code
     except (PreflightError, ClusterError) as e:
         log.error("%s", e)
@@ -374,9 +402,16 @@ def _say_summary(trainer: "GRPOTrainer", run_dir: Path, code: int, phases: repor
         done_steps = trainer.step - trainer.first_step
         if code == 0:
             head = f"done: step {trainer.step} of {trainer.total_steps}"
+        elif trainer.stop.abandoned and trainer.activity:  # the step under way was given up: its work is lost
+            done_steps = max(0, done_steps - 1)
+            head = (f"stopped in {trainer.activity} (exit code {code}): {trainer.stop.reason}; what it did is not "
+                    f"kept, {signals.last_checkpoint(run_dir)}")
+        elif trainer.stop.abandoned:
+            head = (f"stopped by {trainer.stop.reason} during start-up ({phases.current}) (exit code {code}); "
+                    f"{signals.last_checkpoint(run_dir)}")
         else:
-            head = (f"stopped at step {trainer.step} of {trainer.total_steps} (exit code {code}); the same command "
-                    f"resumes from its checkpoint")
+            head = (f"stopped at step {trainer.step} of {trainer.total_steps} (exit code {code}); "
+                    f"{signals.last_checkpoint(run_dir)}")
         report.say(report.summary(run_dir, rows, trainer.total_steps, head=head, wall_s=phases.total_s(),
                                   steps_this_launch=done_steps))
     except Exception as e:  # noqa: BLE001
@@ -512,6 +547,7 @@ class GRPOTrainer:
     # ==================================================================================================== loop
     def fit(self) -> int:
         self.first_step = self.step
+        self.stop.run_loop()  # a signal now lets the step finish (within trainer.stop_timeout_s)
         self.activity = "the first weight sync"
         self.sync_weights()  # the rollout engines start from the policy (fresh or restored)
         if self.cfg.trainer.val_before_train and self.step == 0 and self.val_set:
@@ -738,7 +774,8 @@ class GRPOTrainer:
         examples = batch.response_examples()
         errors: List[str] = []
         scores, stats = score_responses(self.reward_fn, texts, [ex.answer for ex in examples], examples,
-                                        self.data.reward_timeout_s, errors=errors)
+                                        self.data.reward_timeout_s, errors=errors,
+                                        cancel=lambda: self.stop.abandoned)
         if tally is not None:
             tally[0] += int(stats.get("reward/failed", 0) + stats.get("reward/timeout", 0))
             tally[1] += len(texts)

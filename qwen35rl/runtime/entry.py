@@ -21,30 +21,45 @@ def _describe_config(cfg: Any, run_dir: Path) -> str:
 
 
 def train(cfg: Any, run_dir: Path) -> int:
-    """One training job: returns its exit code (qwen35rl.exit_codes)."""
+    """One training job: returns its exit code (qwen35rl.exit_codes). Ctrl-C / SIGTERM stop it within seconds at any
+    point, the last line naming the checkpoint the same command resumes from (qwen35rl.runtime.signals)."""
+    from qwen35rl.exit_codes import EXIT_INTERRUPTED
+    from qwen35rl.runtime.signals import STOP_TIMEOUT_S, StopRequest, last_checkpoint
+
     phases = report.Phases(report.job_started_s_ago())
+    stop = StopRequest(cfg.trainer.get("stop_timeout_s", STOP_TIMEOUT_S))
     try:
-        phases.done("config + plan checked", _describe_config(cfg, run_dir), since_start=True)
-        decision = run_identity.settle(cfg, run_dir)
-        if decision.exit_code is not None:
-            return decision.exit_code
-        if cfg.trainer.launcher == "ray":  # a cluster that does not answer is said in seconds, before the imports
-            from qwen35rl.exit_codes import EXIT_PREFLIGHT
-            from qwen35rl.runtime.cluster import unreachable_cluster
-
-            problem = unreachable_cluster(cfg)
-            if problem:
-                log.error("%s", problem)
-                return EXIT_PREFLIGHT
-        phases.begin("libraries imported")
-        t0 = time.monotonic()
-        from qwen35rl.runtime.driver import run_training  # torch, transformers: the slow imports
-
-        import torch
-        import transformers
-
-        if time.monotonic() - t0 > 0.05:
-            phases.done("libraries imported", f"torch {torch.__version__}, transformers {transformers.__version__}")
-        return run_training(cfg, run_dir, decision=decision, phases=phases)
+        with stop:
+            return _train(cfg, Path(run_dir), phases, stop)
+    except KeyboardInterrupt:  # before the driver's own handling: start-up
+        code = stop.exit_code or EXIT_INTERRUPTED
+        report.say(f"stopped by {stop.reason or 'an interrupt'} during start-up ({phases.current}) (exit code "
+                   f"{code}); {last_checkpoint(run_dir)}")
+        return code
     finally:
         report.job_ended()
+
+
+def _train(cfg: Any, run_dir: Path, phases: report.Phases, stop: Any) -> int:
+    phases.done("config + plan checked", _describe_config(cfg, run_dir), since_start=True)
+    decision = run_identity.settle(cfg, run_dir)
+    if decision.exit_code is not None:
+        return decision.exit_code
+    if cfg.trainer.launcher == "ray":  # a cluster that does not answer is said in seconds, before the imports
+        from qwen35rl.exit_codes import EXIT_PREFLIGHT
+        from qwen35rl.runtime.cluster import unreachable_cluster
+
+        problem = unreachable_cluster(cfg)
+        if problem:
+            log.error("%s", problem)
+            return EXIT_PREFLIGHT
+    phases.begin("libraries imported")
+    t0 = time.monotonic()
+    from qwen35rl.runtime.driver import run_training  # torch, transformers: the slow imports
+
+    import torch
+    import transformers
+
+    if time.monotonic() - t0 > 0.05:
+        phases.done("libraries imported", f"torch {torch.__version__}, transformers {transformers.__version__}")
+    return run_training(cfg, run_dir, decision=decision, phases=phases, stop=stop)

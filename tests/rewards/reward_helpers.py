@@ -36,3 +36,18 @@ def digit_or_raise(response, answer, example):
     if not response.strip().isdigit():
         raise ValueError(f"not a digit: {response!r}")
     return float(response.strip() == answer)
+
+
+def always_hangs(response, answer, example):
+    time.sleep(3600)
+    return 0.0
+
+
+def hang_when_told(response, answer, example):
+    """copy_digit's score, until the file named by QWEN35RL_TEST_HANG exists: then it notes that it hangs (that
+    file + ".hanging") and hangs."""
+    flag = os.environ.get("QWEN35RL_TEST_HANG")
+    if flag and os.path.exists(flag):
+        open(flag + ".hanging", "w").close()
+        time.sleep(3600)
+    return float(response.strip() == answer)
