@@ -515,9 +515,7 @@ class GRPOTrainer:
         # One optimizer step per batch: the old (proximal) log-probs are the current policy's, so the update takes
         # them from its own forward (detached) instead of a separate pass giving the same numbers, unless the
         # importance weights need them first.
-        self.single_on_policy_update = (self.algo.ppo_epochs == 1
-                                        and self.algo.mini_batch_size >= self.data.train_batch_size
-                                        and not self.algo.use_kl_in_reward and self.is_mode == "off")
+        self.single_on_policy_update = capabilities.single_on_policy_update(cfg)
         self.staleness = int(self.algo.max_staleness)
         self.version = 0
         """The policy version the rollout engines hold: the training steps whose update they have."""
