@@ -18,7 +18,7 @@ from qwen35rl.models.tokenizer import build_tokenizer
 from qwen35rl.rewards import get_reward_fn
 from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.runtime.batching import Sequences
-from qwen35rl.runtime.driver import GRPOTrainer, Timer, step_seed
+from qwen35rl.runtime.grpo import GRPOTrainer, Timer, step_seed
 from qwen35rl.runtime.signals import StopRequest
 from qwen35rl.runtime.tracking import METRICS_FILE, Tracking, read_metrics
 
@@ -289,7 +289,7 @@ def test_decode_cuda_graph_share_is_logged_and_a_failed_capture_warned_once(tmp_
     w0, w1 = workers.workers
     w0.decode = dict(rows=4, steps=8, cuda_graph=True, graph_error="")
     w1.decode = dict(rows=4, steps=8, cuda_graph=False, graph_error="RuntimeError: operation not permitted")
-    with caplog.at_level(logging.WARNING, logger="qwen35rl.runtime.driver"):
+    with caplog.at_level(logging.WARNING, logger="qwen35rl.runtime.grpo"):
         for step in (1, 2):
             trainer.step = step
             assert trainer.train_step()["rollout/cuda_graph"] == pytest.approx(0.5)
@@ -302,7 +302,7 @@ def test_decode_cuda_graph_share_is_logged_and_a_failed_capture_warned_once(tmp_
 
 
 def test_a_reward_that_always_fails_stops_the_run_with_its_error(tmp_path):
-    from qwen35rl.runtime.driver import RewardFailure
+    from qwen35rl.runtime.grpo import RewardFailure
 
     trainer, _ = make_trainer(tmp_path, ["data.train_batch_size=4", "rollout.n=2", "algorithm.mini_batch_size=4",
                                          "trainer.total_steps=5", "trainer.test_freq=-1", "trainer.save_freq=-1",

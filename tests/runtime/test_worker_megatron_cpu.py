@@ -26,7 +26,7 @@ from qwen35rl.config.compose import compose
 from qwen35rl.config.layout import derive_layout
 from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST
 from qwen35rl.runtime.batching import Sequences, split_even, split_sequences
-from qwen35rl.runtime.driver import step_seed
+from qwen35rl.runtime.grpo import step_seed
 from qwen35rl.runtime.cluster import free_port
 from tests.shared_results import result_dict
 
