@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from qwen35rl.config.engine_specs import train_engine
 from qwen35rl.config.layout import placement
@@ -78,9 +78,10 @@ class Support:
     asked: Predicate
     verdict: str
     """REFUSED or NOT_APPLIED"""
-    why: str
-    """What the engine does instead (NOT_APPLIED) or why it cannot (REFUSED)."""
-    hint: str
+    why: Union[str, Callable[[Any], str]]
+    """What the engine does instead (NOT_APPLIED) or why it cannot (REFUSED); a function of the config where that
+    depends on it (a version)."""
+    hint: Union[str, Callable[[Any], str]]
     stack_needs: Optional[Callable[[Stack], Optional[bool]]] = None
     """Only for entries that depend on the stack: True where the stack provides the setting (then it applies and
     nothing is reported), False where it does not, None where that is unknown (nothing reported yet)."""
@@ -118,11 +119,7 @@ def _te(stack: Stack) -> Optional[bool]:
 DECLARATION: List[Support] = [
     # ------------------------------------------------------------------------------------------------ Megatron
     Support("megatron_context_parallel", "megatron", "parallelism.cp", lambda cfg, layout: layout.cp > MAX_DEGREE["megatron"]["cp"],
-            REFUSED,
-            "context parallelism needs Transformer Engine's attention (the local attention has no CP), and the "
-            "Megatron engine builds megatron-core's local layer specs",
-            "try parallelism.cp=1; long sequences split over parallelism.tp (sequence parallel) or "
-            "backend.dynamic_batch_size=true"),
+            REFUSED, lambda cfg: _cp_why(cfg), lambda cfg: _cp_hint(cfg)),
     Support("megatron_pads_sequences", "megatron", "backend.remove_padding",
             lambda cfg, layout: cfg["backend"]["remove_padding"] is True, NOT_APPLIED,
             "the Megatron engine trains padded (right-aligned) batches: packed THD sequences need Transformer "
@@ -162,6 +159,37 @@ DECLARATION: List[Support] = [
 ]
 
 
+def _core_version(cfg: Any) -> str:
+    return str(cfg["backend"].get("megatron_core_version") or "")
+
+
+def _cp_why(cfg: Any) -> str:
+    """Why the Megatron engine builds no context parallelism, for the configured megatron-core: before 0.18 its
+    Gated DeltaNet has none either; from 0.18 GDN has it, and only the full-attention layers lack it here."""
+    from qwen35rl.config import megatron_versions as mv
+    from qwen35rl.config.quirks import version_below
+
+    v, first = _core_version(cfg), ".".join(map(str, mv.GDN_PACKED_AND_CP))
+    attention = ("the engine's full-attention layers are megatron-core's local spec with torch SDPA, which has no "
+                 "CP (Transformer Engine's attention has it; the engine does not build it)")
+    if version_below(v, first):
+        return (f"megatron-core {v}'s Gated DeltaNet has no context parallelism (its TransformerConfig asserts "
+                f"context_parallel_size == 1 for gated_delta_net; GDN runs CP from megatron-core {first}.0, "
+                f"NVIDIA/Megatron-LM PR #2642), and {attention}")
+    return (f"megatron-core {v} runs the Gated DeltaNet layers with context parallelism (from {first}.0: an "
+            f"all-to-all from sequence to head shards), but {attention}")
+
+
+def _cp_hint(cfg: Any) -> str:
+    from qwen35rl.config import megatron_versions as mv
+    from qwen35rl.config.quirks import version_below
+
+    more = (f" (GDN's own CP needs megatron-core >= {'.'.join(map(str, mv.GDN_PACKED_AND_CP))})"
+            if version_below(_core_version(cfg), ".".join(map(str, mv.GDN_PACKED_AND_CP))) else "")
+    return ("try parallelism.cp=1; long sequences split over parallelism.tp (sequence parallel) or "
+            "backend.dynamic_batch_size=true" + more)
+
+
 def _reported(entry: Support, cfg: Any, layout: Any, stack: Stack) -> bool:
     if entry.engine != str(cfg["backend"]["name"]) or not entry.asked(cfg, layout):
         return False
@@ -173,7 +201,7 @@ def _reported(entry: Support, cfg: Any, layout: Any, stack: Stack) -> bool:
 def problems(cfg: Any, layout: Any, stack: Optional[Stack] = None) -> List[Problem]:
     """What the engine of `cfg` refuses (errors) or does not apply (warnings) on `stack` (default: the declared)."""
     stack = stack or Stack.declared(cfg)
-    return [Problem(e.code, e.key, _message(e, cfg), e.hint, e.verdict)
+    return [Problem(e.code, e.key, _message(e, cfg), _text(e.hint, cfg), e.verdict)
             for e in DECLARATION if _reported(e, cfg, layout, stack)]
 
 
@@ -183,7 +211,11 @@ def _message(entry: Support, cfg: Any) -> str:
         node = node[part]
     value = str(node).lower() if isinstance(node, bool) else node
     verdict = "is not built" if entry.verdict == REFUSED else "is accepted but not applied"
-    return f"{entry.key}={value} {verdict}: {entry.why}"
+    return f"{entry.key}={value} {verdict}: {_text(entry.why, cfg)}"
+
+
+def _text(text: Union[str, Callable[[Any], str]], cfg: Any) -> str:
+    return text(cfg) if callable(text) else text
 
 
 class Unsupported(RuntimeError):

@@ -3,7 +3,12 @@
 
 What changes across 0.16 - 0.19 and how the backend copes:
 - GDN (GatedDeltaNet) accepts packed (THD) sequences and context parallelism from 0.18 (`GDN_PACKED_AND_CP`);
-  before, it raises NotImplementedError: batches must be padded (right padding) and CP = 1.
+  before, it raises NotImplementedError for packed sequences and TransformerConfig asserts
+  `context_parallel_size == 1` for `gated_delta_net` (0.16.1, 0.17.1): batches must be padded (right padding) and
+  CP = 1. From 0.18.0 (NVIDIA/Megatron-LM PR #2642) GDN runs CP by an all-to-all from sequence shards to head shards
+  and back; 0.18.x's GatedDeltaNet does not take the `cp_comm_type` argument TransformerLayer passes it when
+  `TransformerConfig.cp_comm_type` is set (0.19 accepts and ignores it). Checked in the 0.16.1, 0.17.1, 0.18.0,
+  0.18.2, 0.19.0 and 0.19.2 wheels.
 - `megatron.core.ssm.gated_delta_net` is a module up to 0.18 and a package in 0.19; the import path is the same.
 - TransformerLayer builds its norms with `build_module(spec, ...)` in 0.16 and calls them as builders from 0.17;
   MLP / MoE submodules became builder callables too. The backend starts from megatron's own
@@ -87,8 +92,9 @@ class Capabilities:
                                f"gradients like dense ones then and misses the sum over TP ranks (fixed in "
                                f"{'.'.join(map(str, EXPERT_GROUPS_WITHOUT_EP))}); set parallelism.etp={tp} or ep > 1")
         if cp > 1 and not self.gdn_context_parallel:
-            raise RuntimeError(f"parallelism.cp={cp}: megatron-core {name} GDN needs CP=1 (CP from "
-                               f"{'.'.join(map(str, GDN_PACKED_AND_CP))})")
+            raise RuntimeError(f"parallelism.cp={cp}: megatron-core {name}'s Gated DeltaNet has no context "
+                               f"parallelism (its TransformerConfig asserts CP == 1 for gated_delta_net; GDN runs CP "
+                               f"from {'.'.join(map(str, GDN_PACKED_AND_CP))}.0)")
         if cp > 1 and not self.has_te:
             raise RuntimeError(f"parallelism.cp={cp} needs Transformer Engine attention (the local attention has no CP)")
         if packed and not self.gdn_packed_sequences:
