@@ -120,15 +120,27 @@ def group_sources(group: str) -> List[Path]:
     return [root for root in search_dirs() if (root / group).is_dir()]
 
 
+GLOBAL_GROUPS = {"cluster": "cluster@_global_"}
+"""Groups whose options are merged at the root (conf/config.yaml's defaults list names them so): a plain
+`cluster/<name>.yaml` sets `ray_address` or `hw.nodes` without a `# @package _global_` header."""
+
+
 def normalize_overrides(overrides: Sequence[str]) -> List[str]:
     """Group choices written either way mean the same: `+cluster=x` for a group the defaults list already has
     (Hydra: "Multiple values for cluster") becomes `cluster=x`, and `experiment=x` / `++experiment=x` for an overlay
-    group it lacks (Hydra: "No match in the defaults list") becomes `+experiment=x`. Everything else is kept."""
+    group it lacks (Hydra: "No match in the defaults list") becomes `+experiment=x`. A group of `GLOBAL_GROUPS` is
+    chosen by its defaults-list name (`cluster=x` -> `cluster@_global_=x`; `cluster=null` and `~cluster` drop
+    it). Everything else is kept."""
     out, groups = [], None
     for o in overrides:
         key, eq, value = o.partition("=")
         bare = key.lstrip("+")
         plus = len(key) - len(bare)
+        if bare.lstrip("~") in GLOBAL_GROUPS and (eq or bare.startswith("~")) and plus <= 2:
+            name = GLOBAL_GROUPS[bare.lstrip("~")]
+            none = bare.startswith("~") or value.strip() in ("null", "None")  # no overlay: the entry goes
+            out.append(f"~{name}" if none else f"{name}={value}")
+            continue
         if eq and plus <= 2 and re.fullmatch(r"[A-Za-z_][\w-]*", bare or "-"):
             if bare in GROUPS:
                 o = f"{bare}={value}" if plus else o

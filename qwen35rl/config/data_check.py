@@ -124,7 +124,8 @@ def _kind(value: Any) -> str:
         return "an empty list"
     if isinstance(value, str) and not value.strip():
         return "an empty string"
-    return f"a {type(value).__name__}"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -169,14 +170,17 @@ def row_problem(row: Any, keys: Keys, multimodal: bool, decode: bool = True) -> 
         close = difflib.get_close_matches(key, [str(c) for c in row], n=1, cutoff=0.6)
         fix = f"set {setting[key]}={close[0]} if that column holds it" if close else \
             f"set {setting[key]} to the column that holds it"
+        if _is_chat(row.get(VERL_PROMPT)) and lookup(row, VERL_ANSWER) is _MISSING:
+            fix += f" (verl's preprocessed rows carry the answer in {VERL_ANSWER}, which these lack)"
         return RowProblem(key, setting[key], f"no column {key!r} ({setting[key]}); the row has {columns}",
                           f"{fix}, or write the file with `qwen35rl-data prepare` (README: Data)")
 
     answer = lookup(row, keys.answer)
     if answer is _MISSING:
         return missing(keys.answer)
-    if answer is None or isinstance(answer, (list, tuple, dict, bool)) or (isinstance(answer, float) and answer != answer) \
-            or (isinstance(answer, str) and not answer.strip()):
+    nan = isinstance(answer, float) and answer != answer
+    if answer is None or nan or isinstance(answer, (list, tuple, dict, bool)) or \
+            (isinstance(answer, str) and not answer.strip()):
         shown = "NaN" if isinstance(answer, float) else _kind(answer).replace("a list", "list").replace("a dict", "dict")
         return RowProblem(keys.answer, setting[keys.answer], f"the answer ({keys.answer}) is {shown}, not a string or "
                           "number",
@@ -216,7 +220,8 @@ def row_problem(row: Any, keys: Keys, multimodal: bool, decode: bool = True) -> 
                 decode_image(image)
             except Exception as e:  # noqa: BLE001 - PIL raises UnidentifiedImageError (OSError), ValueError, ...
                 return RowProblem(keys.image, setting[keys.image], f"image {i} of {keys.image!r} does not decode "
-                                  f"({type(e).__name__}: {e})", "fix or re-encode the image (PNG / JPEG bytes or a readable file path), or "
+                                  f"({type(e).__name__}: {e})",
+                                  "fix or re-encode the image (PNG / JPEG bytes or a readable file path), or "
                                   "skip such rows with data.skip_bad_rows=true")
     return None
 
@@ -243,7 +248,8 @@ def read_head(path: str, limit: Optional[int] = HEAD_ROWS) -> Tuple[List[Any], O
         import pyarrow.parquet as pq
 
         try:
-            pf = pq.ParquetFile(path)
+            # buffered reads without pre-buffering: the first rows cost their own pages
+            pf = pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False) if limit else pq.ParquetFile(path)
             total = int(pf.metadata.num_rows)
             if limit is None:
                 rows = pf.read().to_pylist()
@@ -273,7 +279,8 @@ def read_head(path: str, limit: Optional[int] = HEAD_ROWS) -> Tuple[List[Any], O
                 if limit is not None and len(rows) >= limit:
                     break
     except UnicodeDecodeError:
-        raise FileProblem(f"{path} cannot be read as a data file: not UTF-8 text", "a .jsonl file holds one JSON object per line; for parquet "
+        raise FileProblem(f"{path} cannot be read as a data file: not UTF-8 text",
+                          "a .jsonl file holds one JSON object per line; for parquet "
                           "data, name the file .parquet") from None
     except OSError as e:
         raise FileProblem(f"{path} cannot be read ({e.strerror or e})", "check the path and its permissions") from None
@@ -285,17 +292,21 @@ def read_head(path: str, limit: Optional[int] = HEAD_ROWS) -> Tuple[List[Any], O
 _CACHE: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
 
 
+def _unread(path: str, why: str) -> Dict[str, Any]:
+    return {"path": path, "checked": False, "why": why, "error": None, "fix": None, "format": None, "columns": None,
+            "rows_read": 0, "rows": None, "bad_rows": []}
+
+
 def check_file(path: str, data_cfg: Any) -> Dict[str, Any]:
     """The check of one data file (cached per file version and data settings): {path, checked, why (not checked),
     error + fix (the file cannot be read), format, columns, rows_read, rows (count, where known), bad_rows
     ([{row, column, setting, problem, fix}])}."""
-    out: Dict[str, Any] = {"path": path, "checked": False, "why": None, "error": None, "fix": None, "format": None,
-                           "columns": None, "rows_read": 0, "rows": None, "bad_rows": []}
+    out = _unread(path, None)
     if "://" in path:
-        out["why"] = "a remote file (the nodes read it)"
+        out["why"] = "a remote file: the nodes read it"
         return out
     if not os.path.exists(path):
-        out["why"] = "not here (data_file_missing)"
+        out["why"] = "not here: data_file_missing"
         return out
     multimodal = str(_get(data_cfg, "kind", "text")) == "multimodal"
     keys = (str(_get(data_cfg, "prompt_key", "")), str(_get(data_cfg, "answer_key", "")),
@@ -334,10 +345,16 @@ def check(cfg: Any) -> Optional[Dict[str, Any]]:
     d = cfg["data"]
     if str(_get(d, "kind", "synthetic")) == "synthetic":
         return None
+    t = _get(cfg, "trainer", {})
+    validates = int(_get(t, "test_freq", 0)) > 0 or bool(_get(t, "val_before_train", False))
     files = []
     for key in ("data.train_files", "data.val_files"):
         for path in _get(d, key.split(".")[1], []) or []:
-            files.append({"key": key, **check_file(str(path), d)})
+            if key == "data.val_files" and not validates:  # training never reads them
+                files.append({"key": key, **_unread(str(path), "the run does not validate: trainer.test_freq=-1, "
+                                                               "trainer.val_before_train=false")})
+            else:
+                files.append({"key": key, **check_file(str(path), d)})
     return {"rows_per_file": HEAD_ROWS, "skip_bad_rows": bool(_get(d, "skip_bad_rows", False)), "files": files}
 
 
@@ -384,13 +401,13 @@ def render_lines(result: Optional[Dict[str, Any]]) -> List[str]:
     if not result:
         return []
     lines, seen = [], set()
-    for f in result["files"]:
+    for f in sorted(result["files"], key=lambda f: not f["checked"]):
         name = f["path"]
         if name in seen:  # the same file for training and validation: said once
             continue
         seen.add(name)
         if not f["checked"]:
-            lines.append(f"  data check {name}: not read here ({f['why']})")
+            lines.append(f"  data check {name}: not read ({f['why']})")
         elif f["error"]:
             lines.append(f"  data check {name}: UNUSABLE ({f['error']})")
         else:

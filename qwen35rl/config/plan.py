@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from qwen35rl.config import (auto_batch, capabilities, data_check, fit_hint, layout_search, memory, params, quirks,
-                             redact, rules, step_time, vllm_facts)
+                             redact, rules, run_name, step_time, vllm_facts)
 from qwen35rl.config.layout import Layout, derive_layout, is_split, placement, pools_per_node
 from qwen35rl.config.problems import ERROR, WARNING, Problem
 from qwen35rl.config.run_summary import render_lines as run_lines, run_summary
@@ -96,7 +96,8 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "valid": not any(p.severity == ERROR for p in problems),
         "problems": [p.to_dict() for p in problems],
         "model": str(cfg.model.name),
-        "hw": str(cfg.hw.name),
+        "hw": run_name.hw_label(cfg.hw),
+        "hw_preset": str(cfg.hw.name),
         "backend": str(cfg.backend.name),
         "rollout_engine": str(cfg.rollout.engine),
         "world_size": layout.world,
@@ -107,7 +108,7 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "layout_overrides": changed,
         "params": count.to_dict(),
         "memory_gib": mem.to_dict(),
-        "offload": offload_settings(cfg, mem),
+        "offload": offload_settings(cfg, mem, layout, memory.pool_is_auto(searched_from)),
         "compile": compile_settings(cfg),
         "cost": {**layout_search.cost(cfg, layout, mem), "score_unit": layout_search.SCORE_UNIT},
         "step_time": _step_time(cfg, layout, mem, run["total_steps"]),
@@ -170,8 +171,11 @@ def placement_plan(cfg: DictConfig, layout: Layout, mem: memory.MemoryEstimate) 
     }
 
 
-def offload_settings(cfg: DictConfig, mem) -> Dict[str, Any]:
-    """What the trainer keeps in host memory and when, and the host memory that takes per device (GiB)."""
+def offload_settings(cfg: DictConfig, mem, layout: Optional[Layout] = None, pool_auto: bool = False) -> Dict[str, Any]:
+    """What the trainer keeps in host memory and when, and the host memory that takes per device (GiB). With
+    offload on (a recipe or tested layout may set it for its own hardware, and it stays on when an overlay adds
+    nodes), `without`: the train and rollout peaks with every offload key off (an `auto` vLLM pool sized again),
+    whether that fits, and the keys."""
     b = cfg.backend
     out: Dict[str, Any] = {"param": bool(b.param_offload), "grad": bool(b.grad_offload),
                            "optimizer": bool(b.optimizer_offload), "host_gib": round(float(mem.host_gib), 3)}
@@ -179,6 +183,16 @@ def offload_settings(cfg: DictConfig, mem) -> Dict[str, Any]:
         out["optimizer_cpu_fraction"] = float(b.optimizer_offload_fraction) if b.optimizer_cpu_offload else 0.0
     else:
         out["offload_policy"] = bool(b.offload_policy)
+    keys = [k for k in layout_search.OFFLOAD_KEYS.get(str(b.name), ()) if OmegaConf.select(cfg, k) is True]
+    if keys and layout is not None:
+        tree = memory.as_tree(cfg)
+        for k in keys:
+            tree["backend"][k.split(".", 1)[1]] = False
+        if pool_auto:
+            tree["rollout"]["gpu_memory_utilization"] = memory.AUTO
+        est = memory.estimate(tree, layout)
+        out["without"] = {"keys": [f"{k}=false" for k in keys], "train_peak_gib": round(est.train_peak_gib, 3),
+                          "rollout_peak_gib": round(est.rollout_peak_gib, 3), "fits": bool(est.fits)}
     return out
 
 
@@ -217,7 +231,8 @@ def refused_plan(cfg: DictConfig, problems: List[Problem]) -> Dict[str, Any]:
     zero = {"total": 0, "active": 0, "text": 0, "vision": 0, "mtp": 0}
     return {
         "valid": False, "problems": [p.to_dict() for p in problems], "model": str(cfg.model.name),
-        "hw": str(cfg.hw.name), "backend": str(cfg.backend.name), "rollout_engine": str(cfg.rollout.engine),
+        "hw": run_name.hw_label(cfg.hw), "hw_preset": str(cfg.hw.name), "backend": str(cfg.backend.name),
+        "rollout_engine": str(cfg.rollout.engine),
         "world_size": None, "train": {}, "rollout": {"tp": None, "dp": None, "ep": None},
         "layout_name": str(cfg.parallelism.name), "layout_preset": None, "layout_overrides": [], "params": zero,
         "memory_gib": {}, "offload": {}, "cost": {}, "step_time": None, "placement": {},
@@ -304,6 +319,12 @@ def _offload_line(plan: Dict[str, Any]) -> str:
         return "  offload    none (the trainer's state stays on the device)"
     host = _terms(m, "host")
     parts.append(f"host {_fmt_gib(o.get('host_gib', m.get('host')) or 0.0)} per device" + (f" ({host})" if host else ""))
+    w = o.get("without")
+    if w:
+        peaks = f"train peak {_fmt_gib(w['train_peak_gib'])}, rollout peak {_fmt_gib(w['rollout_peak_gib'])}"
+        parts.append(f"not needed here: without it {peaks} of {_fmt_gib(m.get('capacity'))} usable fit "
+                     f"({' '.join(w['keys'])} saves the copies)" if w["fits"] else
+                     f"needed here: without it {peaks} of {_fmt_gib(m.get('capacity'))} usable do not fit")
     return "  offload    " + "; ".join(parts)
 
 
@@ -361,7 +382,7 @@ def _placement_lines(plan: Dict[str, Any]) -> List[str]:
 
 def render_text(plan: Dict[str, Any]) -> str:
     if plan.get("world_size") is None:  # refused_plan: a value out of range, nothing was computed with it
-        return "\n".join([f"qwen35rl plan: {plan['model']} on {plan['hw']} with {plan['backend']} (INVALID)",
+        return "\n".join([f"qwen35rl plan: {plan['model']} on {_hw(plan)} with {plan['backend']} (INVALID)",
                           "  not planned: no layout, batch or memory arithmetic over the value(s) out of range "
                           "below", *_problem_lines(plan)])
     t, r, b, m, p = plan["train"], plan["rollout"], plan["batch"], plan["memory_gib"], plan["params"]
@@ -372,7 +393,7 @@ def render_text(plan: Dict[str, Any]) -> str:
              f"rollout pool {pools['rollout']['devices']}" if pools else f"world {plan['world_size']}")
     peaks = ("training pool peak", "rollout pool peak") if pools else ("train peak", "rollout peak")
     lines = [
-        f"qwen35rl plan: {plan['model']} on {plan['hw']} with {plan['backend']}"
+        f"qwen35rl plan: {plan['model']} on {_hw(plan)} with {plan['backend']}"
         f" ({'VALID' if plan['valid'] else 'INVALID'})",
         f"  model      {_fmt_count(p['total'])} total, {_fmt_count(p['active'])} active"
         f" (text {_fmt_count(p['text'])}, vision {_fmt_count(p['vision'])}, MTP {_fmt_count(p['mtp'])})",
@@ -438,6 +459,12 @@ def render_text(plan: Dict[str, Any]) -> str:
             lines.append(f"    {' '.join(tested['overrides'])}")
     lines += _problem_lines(plan)
     return "\n".join(lines)
+
+
+def _hw(plan: Dict[str, Any]) -> str:
+    """The hardware label, and the preset it was resized from (hw=gpu_1node with hw.nodes=4: gpu_4x8)."""
+    preset = plan.get("hw_preset")
+    return plan["hw"] + (f" (hw={preset} with other node / device counts)" if preset and preset != plan["hw"] else "")
 
 
 def _problem_lines(plan: Dict[str, Any]) -> List[str]:

@@ -520,8 +520,10 @@ class TrainerConfig:
     seed: int = at_least(0, 1)
     trackers: List[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     project_name: str = "qwen35rl"
-    run_name: str = "${model.name}-${backend.name}-${hw.name}"
-    """Names the run directory ${trainer.output_root}/${trainer.run_name}: the same command again resumes."""
+    run_name: str = "${model.name}-${data.name}-${algorithm.name}-${qwen35rl_layout:}-${qwen35rl_hw:}"
+    """Names the run directory ${trainer.output_root}/${trainer.run_name}: the same command again resumes. The
+    default names the model, data, algorithm, training layout and hardware (`qwen35rl/config/run_name.py`), e.g.
+    qwen3_5_4b-gsm8k-dapo-fsdp8-gpu_1node."""
     output_root: str = "runs"
     kernel_cache_dir: Optional[str] = None
     """Compiled-kernel caches (Triton with its autotuning results, TileLang, torch.compile / Inductor, vLLM's compile

@@ -15,6 +15,9 @@ def register() -> None:
     from qwen35rl.config import batch_scale
 
     batch_scale.register()  # ${qwen35rl_batch:...}: the batch sizes' defaults
+    from qwen35rl.config import run_name
+
+    run_name.register()  # ${qwen35rl_layout:}, ${qwen35rl_hw:}: the default run name's parts
     cs = ConfigStore.instance()
     cs.store(name="schema", node=schema.RunConfig)
     cs.store(group="schema/backend", name="fsdp", node=schema.FsdpConfig)

@@ -145,8 +145,9 @@ def test_flags_are_taken_wherever_they_stand():
     assert flags == ["-m", "--cfg", "job", "--resolve", "--info", "--info", "defaults", "-p", "rollout"]
     assert overrides == ["a=1", "b=2", "c=3", "d=4", "-e=5"]
     args = common.parse_args(["hw=cpu", "--multirun", "+cluster=example", "--cfg=job"])
-    assert args.multirun and args.cfg == "job" and args.overrides == ["hw=cpu", "cluster=example"]
-    assert args.argv == ["--multirun", "--cfg=job", "hw=cpu", "cluster=example"]
+    # cluster options merge at the root: the group is chosen by its defaults-list name
+    assert args.multirun and args.cfg == "job" and args.overrides == ["hw=cpu", "cluster@_global_=example"]
+    assert args.argv == ["--multirun", "--cfg=job", "hw=cpu", "cluster@_global_=example"]
 
 
 @pytest.mark.parametrize("entry", ["plan", "train"])
@@ -284,13 +285,15 @@ def test_the_plan_reports_the_directory_training_writes_to(overlay, tmp_path):
                        timeout=300, cwd=tmp_path, env={**os.environ, "RAY_TMPDIR": str(tmp_path / "ray")})
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads(r.stdout.strip().splitlines()[-1])
-    expected = [[f"{tmp_path}/runs/qwen3_5_tiny-fsdp-cpu"], [f"{tmp_path}/explicit"], [f"{tmp_path}/root/named"],
+    expected = [[f"{tmp_path}/runs/qwen3_5_tiny-synthetic-grpo-fsdp2-cpu"], [f"{tmp_path}/explicit"],
+                [f"{tmp_path}/root/named"],
                 [f"{tmp_path}/r/train/1"], [f"{tmp_path}/from_overlay"], [f"{tmp_path}/sweep/0", f"{tmp_path}/sweep/1"]]
     real = lambda paths: [str((tmp_path / p).resolve()) for p in paths]  # noqa: E731 - relative to the cwd
     for case, res, want in zip(cases, results, expected):
         assert res["plan_rc"] == 0 and res["train_rc"] == 0, (case, res)
         assert real(res["planned"]) == real(want) == real(res["trained"]), (case, res)
-    assert results[0]["planned"] == ["runs/qwen3_5_tiny-fsdp-cpu"]  # as the config says it, relative to the cwd
+    # as the config says it, relative to the cwd
+    assert results[0]["planned"] == ["runs/qwen3_5_tiny-synthetic-grpo-fsdp2-cpu"]
 
 
 def test_plan_text_shows_the_run_directory(tmp_path, capsys):

@@ -105,8 +105,9 @@ def test_sweep_with_a_typo_starts_nothing(tmp_path):
 def test_megatron_on_image_data_plans_valid(tmp_path):
     """Image data trains the vision tower on the Megatron engine too: the CPU layouts of its tests and a reference
     run on geo3k plan valid (exit 0), with the tower's activations in the estimate."""
-    files = tmp_path / "geo3k.parquet"  # a CPU run is local: its data files must exist here
-    files.write_bytes(b"")
+    from tests.runtime.geo3k_fixture import write_geo3k
+
+    files = write_geo3k(tmp_path / "geo3k.parquet", 4)  # a CPU run is local: its data files are read here
     cpu = ["backend=megatron", "data=geo3k", "hw=cpu", "hw.devices_per_node=2", f"data.train_files=[{files}]",
            f"data.val_files=[{files}]"]
     for layout in (["model=qwen3_5_tiny_vl", "parallelism.tp=2"],

@@ -33,7 +33,7 @@ def test_default_is_tiny_on_cpu_with_hf_rollout():
     assert (cfg.model.name, cfg.hw.name, cfg.backend.name, cfg.rollout.engine, cfg.data.name) == (
         "qwen3_5_tiny", "cpu", "fsdp", "hf", "synthetic")
     assert cfg.hw.collective_backend == "gloo" and cfg.hw.ray_resource == "CPU"
-    assert cfg.trainer.run_name == "qwen3_5_tiny-fsdp-cpu"
+    assert cfg.trainer.run_name == "qwen3_5_tiny-synthetic-grpo-fsdp2-cpu"
 
 
 @pytest.mark.parametrize("group,expected", [("model", MODELS), ("hw", HWS)])

@@ -53,13 +53,18 @@ def test_memory_breakdown_and_host_offload_are_in_the_text():
     assert f"vLLM pool {terms['rollout/pool']:.1f} GiB" in lines[at + 2]
     # the backend's offload settings and the host memory they take (also in the JSON)
     off = plan["offload"]
+    without = off.pop("without")
     assert off == {"param": True, "grad": True, "optimizer": True, "host_gib": mem["host"],
                    "optimizer_cpu_fraction": 1.0}
+    # offload that stays on says whether it is needed: here the peaks without it do not fit
+    assert without["fits"] is False and max(without["train_peak_gib"], without["rollout_peak_gib"]) > mem["capacity"]
+    assert "backend.param_offload=false" in without["keys"]
     offload = line(text, "offload")
     assert "params, grads, optimizer states to the host between phases" in offload
     assert "CPU optimizer step on 100% of the states" in offload
     assert (f"host {mem['host']:.1f} GiB per device (trainer {terms['host/trainer_offload']:.1f} GiB, sleeping engine "
             f"{terms['host/sleeping_engine']:.1f} GiB)") in offload
+    assert f"needed here: without it train peak {without['train_peak_gib']:.1f} GiB" in offload, offload
     _, tiny = plan_of()
     assert line(tiny, "offload") == "  offload    none (the trainer's state stays on the device)"
 
