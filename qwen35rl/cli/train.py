@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from qwen35rl.exit_codes import table as _exit_code_table
+from qwen35rl.exit_codes import EXIT_INTERRUPTED, EXIT_TERMINATED, table as _exit_code_table
 
 __doc__ += _exit_code_table() + "\n"
 from pathlib import Path
@@ -52,6 +52,11 @@ def _train_job(cfg: DictConfig) -> Dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
     from qwen35rl.config.plan import select_layout
 
+    stopped = next((c for c in _exit_codes if c in (EXIT_INTERRUPTED, EXIT_TERMINATED)), None)
+    if stopped is not None:  # Ctrl-C / SIGTERM stopped an earlier job of this sweep: the rest do not start
+        print("qwen35rl: not started: the sweep was stopped by a signal in an earlier job", file=sys.stderr)
+        _exit_codes.append(stopped)
+        return {"valid": True, "problems": [], "exit_code": stopped, "skipped": "the sweep was stopped"}
     resolve_in_place(cfg)  # a literal ${ in a value stays literal
     checked = _checked.pop("run", None)
     if checked is not None and checked[0] == OmegaConf.to_container(cfg):  # the config main checked: as it was

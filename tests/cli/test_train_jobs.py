@@ -1,5 +1,5 @@
-"""`qwen35rl-train` composes, resolves and checks a single run once: the Hydra job takes the config `main` checked
-(the layout search does not run again), and a job whose config differs from it is checked on its own."""
+"""`qwen35rl-train`'s jobs: a single run is composed, resolved and checked once (the Hydra job takes the config `main`
+checked; a job whose config differs is checked on its own), and a sweep stopped by a signal starts no further job."""
 import pytest
 
 from qwen35rl.cli import train as T
@@ -42,3 +42,14 @@ def test_a_job_with_another_config_is_checked_on_its_own(counted, tmp_path, monk
     monkeypatch.setattr(T, "_train_job", job)
     assert T.main(["parallelism=auto", f"trainer.output_root={tmp_path}/runs"]) == 0
     assert counted["search"] == 2 and len(counted["trained"]) == 1
+
+
+def test_a_sweep_stopped_by_a_signal_starts_no_further_job(counted, tmp_path, monkeypatch, capsys):
+    import qwen35rl.runtime.entry as entry
+    from qwen35rl.exit_codes import EXIT_TERMINATED
+
+    monkeypatch.setattr(entry, "train", lambda cfg, run_dir: counted["trained"].append(cfg) or EXIT_TERMINATED)
+    code = T.main(["-m", "trainer.seed=1,2,3", f"trainer.output_root={tmp_path}/runs",
+                   f"hydra.sweep.dir={tmp_path}/sweep"])
+    assert len(counted["trained"]) == 1 and T._exit_codes == [EXIT_TERMINATED] * 3
+    assert code == EXIT_TERMINATED and "the sweep was stopped" in capsys.readouterr().err
