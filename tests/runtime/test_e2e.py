@@ -183,10 +183,20 @@ def test_kill_and_resume_is_bitwise_identical(tmp_path):
     assert "trainer.resume=never" in other.stderr and "trainer.resume=force" in other.stderr
 
 
+def stop_bound():
+    """(trainer.stop_timeout_s override, seconds to wait for the run to exit) for a test of a stop that finishes its
+    step and checkpoints: on a loaded 2-core box a step and its checkpoint took longer than the default 10 s, the
+    step was abandoned and the test saw a half-written checkpoint."""
+    bound = scaled(300)
+    return f"trainer.stop_timeout_s={bound * 2 / 3:.0f}", bound
+
+
 def test_ctrl_c_finishes_the_step_checkpoints_and_exits(tmp_path):
     """Ctrl-C in a terminal signals the whole foreground process group (driver and local Ray alike)."""
     run = tmp_path / "run"
-    proc = subprocess.Popen([*TRAIN, f"hydra.run.dir={run}", *SMALL, "trainer.total_steps=100", "trainer.test_freq=-1"],
+    stop_timeout, bound = stop_bound()
+    proc = subprocess.Popen([*TRAIN, f"hydra.run.dir={run}", *SMALL, "trainer.total_steps=100", "trainer.test_freq=-1",
+                             stop_timeout],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env=dict(os.environ))
     metrics = run / "metrics.jsonl"
@@ -196,7 +206,7 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_exits(tmp_path):
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)
     try:
-        _, err = proc.communicate(timeout=scaled(300))
+        _, err = proc.communicate(timeout=bound)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -273,10 +283,11 @@ def test_sigterm_to_the_driver_checkpoints_and_exits(tmp_path):
     """How a scheduler preempts (kill <pid>, a container's stop): the step finishes, a checkpoint is written and
     the run exits 128 + SIGTERM; the same command resumes from it."""
     run, err = tmp_path / "run", tmp_path / "stderr.txt"
-    proc = _start_and_wait_for_a_step(run, err)
+    stop_timeout, bound = stop_bound()
+    proc = _start_and_wait_for_a_step(run, err, stop_timeout)
     try:
         os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=scaled(300))
+        proc.wait(timeout=bound)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
