@@ -6,23 +6,25 @@
 #   bash bench/gpu/vllm_runs.sh stage     (carry .vllm-b)      -> "staged 2/2 parts"
 #   bash bench/gpu/vllm_runs.sh gdn       (carry .whl-gdn)     fla + TileLang into /tmp/site-gdn
 #   bash bench/gpu/vllm_runs.sh install   (carry .vllm-deps .whl-x, and .kcache-vllm if an earlier session brought
-#        one back) installs vLLM, Hydra, megatron-core, TRL; then a 2-step run that compiles the kernels (a cold
-#        vLLM start took 194 s on an H100) and brings the caches back as $OUT/kcache-vllm.tar.gz (unpack into
-#        .kcache-vllm/ and carry it next time)
+#        one back) installs vLLM, Hydra, megatron-core, TRL and writes the data
+#   bash bench/gpu/vllm_runs.sh warmup    a 2-step run that compiles the kernels (a cold vLLM start took 194 s on an
+#        H100) and brings the caches back as $OUT/kcache-vllm.tar.gz (unpack into .kcache-vllm/, carry it next time)
+# Stages run one after another in one call (`install megatron`); each run gets what is left of the call's 10 min,
+# and a run cut off by the limit continues from its checkpoint when its stage is called again.
 #   bash bench/gpu/vllm_runs.sh text      run A: 0.8B architecture, FSDP + vLLM colocated, GSM8K-shaped text, 50 steps
 #   bash bench/gpu/vllm_runs.sh images    run B: the same on Geometry3K-shaped images
-#   bash bench/gpu/vllm_runs.sh megatron  run C: Megatron TP1 + vLLM on the images
+#   bash bench/gpu/vllm_runs.sh megatron  run C: Megatron TP1 + vLLM on the images, byte-sized vocabulary (LEARN)
 #   bash bench/gpu/vllm_runs.sh 4b        run D: 4B architecture, FSDP + vLLM, text
 #   bash bench/gpu/vllm_runs.sh peers     bare vLLM generate and TRL's GRPOTrainer (vLLM colocate) on run A's workload
 # Each run's card memory comes from the device (hw.memory_gb), never a constant. Kernel caches live in
 # /tmp/kcache (trainer.kernel_cache_dir) for the whole warm machine: the first engine start compiles, later ones
 # reuse. Results: $OUT/<run>/ (metrics.jsonl, plan.json, the log's tail) and one summary line per run.
 set -u
-stage=${1:?usage: vllm_runs.sh stage|gdn|install|text|images|megatron|4b|peers}
+[ $# -gt 0 ] || { echo "usage: vllm_runs.sh STAGE... (stage gdn install warmup text images megatron 4b peers)"; exit 2; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-/tmp/out}
-LOGS=/tmp/logs/vllm-$stage
+LOGS=/tmp/logs/vllm
 KCACHE=/tmp/kcache
 RUNS=/tmp/runs
 mkdir -p "$OUT" "$LOGS" "$KCACHE" "$RUNS"
@@ -37,20 +39,24 @@ card() {
 }
 
 # $1: run name, $2: time limit (s), then Hydra overrides. The plan of the same overrides goes beside the metrics.
+# A run stopped at the call's time limit (SIGINT: the step in flight finishes and checkpoints) continues from its
+# checkpoint when the same stage runs again on the warm machine (trainer.resume=auto); FRESH=1 starts it over.
 q_run() {
   local name=$1 limit=$2; shift 2
   local dir="$RUNS/$name"
-  mkdir -p "$OUT/$name" && rm -rf "$dir"
+  [ "${FRESH:-0}" = 1 ] && rm -rf "$dir"
+  [ "$limit" -lt 120 ] && { elapsed "run $name: only $limit s left in this call, not started"; return; }
+  mkdir -p "$OUT/$name"
   python3 -m qwen35rl.cli.plan "$@" format=json > "$OUT/$name/plan.json" 2> "$LOGS/$name-plan.log"
   elapsed "plan $name: exit $? ($(python3 -c "import json; p = json.load(open('$OUT/$name/plan.json')); m = p['memory_gib']; print('valid', p['valid'], 'train', round(m['train_peak'], 1), 'rollout', round(m['rollout_peak'], 1), 'usable', round(m['capacity'], 1), p.get('vllm'))" 2>&1 | tail -1))"
-  timeout -s INT "$limit" python3 -m qwen35rl.cli.train "hydra.run.dir=$dir" "$@" > "$LOGS/$name.log" 2>&1
+  timeout -s INT -k 90 "$limit" python3 -m qwen35rl.cli.train "hydra.run.dir=$dir" trainer.stop_timeout_s=75 "$@" \
+    >> "$LOGS/$name.log" 2>&1
   local rc=$?
   cp "$dir/metrics.jsonl" "$OUT/$name/" 2>/dev/null
   tail -c 20000 "$LOGS/$name.log" > "$OUT/$name/log-tail.txt"
-  grep -h "engine started\|kernel caches\|out of memory\|Error\|error:" "$LOGS/$name.log" | cut -c1-400 | tail -8
-  elapsed "run $name: exit $rc, $(grep -c '\[qwen35rl\] step' "$LOGS/$name.log") steps"
+  grep -h "engine started\|kernel caches\|resum\|out of memory\|Error\|error:" "$LOGS/$name.log" | cut -c1-400 | tail -8
+  elapsed "run $name: exit $rc, $(cat "$dir/metrics.jsonl" 2>/dev/null | wc -l) steps logged"
   python3 bench/gpu/vllm_summary.py "$OUT/$name" | tee "$OUT/$name/summary.txt"
-  rm -rf "$dir"
 }
 
 data() {
@@ -68,7 +74,7 @@ MEM() { python3 -c "import torch; print(int(torch.cuda.get_device_properties(0).
 common() {
   echo model.init=random model.tokenizer=byte hw=gpu_1x "hw.memory_gb=$(MEM)" rollout=vllm \
     trainer.total_steps=${STEPS:-50} trainer.launcher=local trainer.export_hf=false trainer.test_freq=-1 \
-    trainer.resume=never "trainer.trackers=[console,jsonl]" "trainer.kernel_cache_dir=$KCACHE" \
+    trainer.resume=auto "trainer.trackers=[console,jsonl]" "trainer.kernel_cache_dir=$KCACHE" \
     data.reward=bench.gpu.learnable:decoded_length backend.lr=2e-5 backend.lr_warmup_steps=0 trainer.seed=1 \
     backend.use_rollout_log_probs=false
 }
@@ -76,9 +82,14 @@ TEXT=(data=gsm8k "data.train_files=[/tmp/data/gsm8k/train.jsonl]" "data.val_file
 IMAGES=(data=geo3k "data.train_files=[/tmp/data/geo3k/train.parquet]" "data.val_files=[/tmp/data/geo3k/test.parquet]")
 SMALL=(data.train_batch_size=8 algorithm.mini_batch_size=8 rollout.n=8 data.max_prompt_length=256
        data.max_response_length=128 backend.micro_batch_size_per_device=16)
+# A byte-sized vocabulary (the byte tokenizer's 256 bytes + specials) so that a random-init policy samples text and
+# the digit-share reward has spread within a group: a task the policy can learn in 50 steps (over the 248k
+# vocabulary a random policy rarely samples a byte token and the reward stays flat).
+LEARN=(model.vocab_size=320 data.reward=bench.gpu.learnable:digit_share backend.lr=1e-4)
 MEGATRON=(backend=megatron backend.megatron_core_version=0.19.2 backend.param_offload=false
           backend.grad_offload=false backend.optimizer_offload=false backend.optimizer_cpu_offload=false)
 
+for stage in "$@"; do
 case "$stage" in
 stage)
   bash bench/gpu/install-vllm.sh ;;
@@ -89,31 +100,33 @@ install)
   bash bench/gpu/install-vllm.sh 2>&1 | tail -3 || exit 1
   SITE=/tmp/site bash bench/gpu/install-wheels.sh .whl-x 2>&1 | tail -1
   python3 -c "import vllm, hydra, fla, tilelang, megatron.core, trl; print('imports ok: vllm', vllm.__version__)" 2>&1 | tail -1
-  data
+  [ -f /tmp/data/geo3k/test.parquet ] || data
   [ -f .kcache-vllm/kcache-vllm.tar.gz ] && tar xzf .kcache-vllm/kcache-vllm.tar.gz -C "$KCACHE" && echo "kernel caches carried in"
-  STEPS=2 q_run warmup "$(left 540)" model=qwen3_5_0_8b backend=fsdp $(common) "${TEXT[@]}" "${SMALL[@]}"
+  ;;
+warmup)
+  STEPS=2 FRESH=1 q_run warmup "$(left 540)" model=qwen3_5_0_8b backend=fsdp $(common) "${TEXT[@]}" "${SMALL[@]}"
   # what the next machine needs to start warm: Triton's compiled kernels and autotuning results, vLLM's compile
   # cache (Inductor's and TileLang's are rebuilt from these quickly)
   (cd "$KCACHE" && tar czf "$OUT/kcache-vllm.tar.gz" triton vllm 2>/dev/null); ls -la "$OUT/kcache-vllm.tar.gz"
   ;;
 text)
   card
-  q_run text-0.8b "$(left 585)" model=qwen3_5_0_8b backend=fsdp $(common) "${TEXT[@]}" "${SMALL[@]}"
+  q_run text-0.8b "$(left 480)" model=qwen3_5_0_8b backend=fsdp $(common) "${TEXT[@]}" "${SMALL[@]}"
   ;;
 images)
   card
-  q_run images-0.8b-fsdp "$(left 585)" model=qwen3_5_0_8b backend=fsdp $(common) "${IMAGES[@]}" "${SMALL[@]}"
+  q_run images-0.8b-fsdp "$(left 480)" model=qwen3_5_0_8b backend=fsdp $(common) "${IMAGES[@]}" "${SMALL[@]}"
   ;;
 megatron)
   card
-  q_run images-0.8b-megatron "$(left 585)" model=qwen3_5_0_8b "${MEGATRON[@]}" $(common) "${IMAGES[@]}" "${SMALL[@]}" \
-    rollout.gpu_memory_utilization=0.5
+  q_run images-0.8b-megatron "$(left 480)" model=qwen3_5_0_8b "${MEGATRON[@]}" $(common) "${IMAGES[@]}" "${SMALL[@]}" \
+    "${LEARN[@]}" rollout.gpu_memory_utilization=0.5
   ;;
 4b)
   card
-  q_run text-4b-fsdp "$(left 575)" model=qwen3_5_4b backend=fsdp $(common) "${TEXT[@]}" \
-    data.train_batch_size=${B4:-16} algorithm.mini_batch_size=${B4:-16} rollout.n=8 data.max_prompt_length=256 \
-    data.max_response_length=128 backend.micro_batch_size_per_device=16 backend.optimizer_offload=true \
+  q_run text-4b-fsdp "$(left 450)" model=qwen3_5_4b backend=fsdp $(common) "${TEXT[@]}" \
+    data.train_batch_size=${B4:-8} algorithm.mini_batch_size=${B4:-8} rollout.n=8 data.max_prompt_length=256 \
+    data.max_response_length=128 backend.micro_batch_size_per_device=auto backend.optimizer_offload=true \
     rollout.gpu_memory_utilization=0.4
   ;;
 peers)
@@ -129,4 +142,5 @@ peers)
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac
+done
 elapsed "done"
