@@ -32,7 +32,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -480,6 +480,12 @@ def _group_alive(pgid: int) -> bool:
         return True
     if not os.path.isdir("/proc"):
         return True
+    return any(len(fields) >= 3 and fields[2] == str(pgid) and fields[0] != "Z" for _, fields in _proc_stats())
+
+
+def _proc_stats() -> Iterator[Tuple[int, List[str]]]:
+    """(pid, the fields of /proc/<pid>/stat after the command name: state, ppid, pgrp, ...) of every process that
+    can be read now (one that ends meanwhile is left out)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -488,10 +494,7 @@ def _group_alive(pgid: int) -> bool:
                 stat = f.read().decode("ascii", "replace")
         except OSError:
             continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) >= 3 and fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False
+        yield int(entry), stat[stat.rfind(")") + 2:].split()
 
 
 def _kill_group(pgid: int) -> None:
@@ -511,19 +514,11 @@ def _descendants(root: int) -> Dict[int, str]:
     """pid -> state letter (R, S, Z, ...) of every descendant of `root`, read from /proc."""
     children: Dict[int, List[int]] = {}
     state: Dict[int, str] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode("ascii", "replace")
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
+    for pid, fields in _proc_stats():
         if len(fields) < 2 or not fields[1].isdigit():
             continue
-        state[int(entry)] = fields[0]
-        children.setdefault(int(fields[1]), []).append(int(entry))
+        state[pid] = fields[0]
+        children.setdefault(int(fields[1]), []).append(pid)
     found: Dict[int, str] = {}
     todo = [root]
     while todo:
