@@ -52,23 +52,36 @@ def weights_digest(run_dir: Path) -> str:
     return h.hexdigest()[:16] if files else "-"
 
 
-def train(out: Path, name: str, seed: int, overrides: list, fresh: bool) -> dict:
+STOPPED = (143, 130, -15, -2, -9, 137)
+"""Exit codes of a run stopped from outside (SIGTERM / SIGINT / SIGKILL): it is resumed from its checkpoint."""
+
+
+def train(out: Path, name: str, seed: int, overrides: list, fresh: bool, attempts: int = 5) -> dict:
+    """One finished run of `seed`: read from `out/name` if it finished there, else run (a run stopped from outside
+    is resumed from its newest checkpoint, which continues it exactly; the table marks its wall time as resumed)."""
     run_dir = out / name
     rows = read_rows(run_dir)
-    wall = None
+    wall, resumed = None, 0
     if fresh or not rows or not (run_dir / "final").exists():
-        cmd = [*TRAIN, f"trainer.output_root={out}", f"trainer.run_name={name}", f"trainer.seed={seed}",
-               "trainer.resume=never", *overrides]
-        start = time.perf_counter()
-        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        wall = time.perf_counter() - start
-        if proc.returncode != 0:
-            sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        (run_dir / "wall_s.txt").write_text(f"{wall:.1f}\n")
+        base = [*TRAIN, f"trainer.output_root={out}", f"trainer.run_name={name}", f"trainer.seed={seed}", *overrides]
+        wall, restart = 0.0, fresh or not rows
+        for attempt in range(attempts):
+            cmd = [*base, "trainer.resume=never" if attempt == 0 and restart else "trainer.resume=auto"]
+            start = time.perf_counter()
+            proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            wall += time.perf_counter() - start
+            if proc.returncode == 0:
+                break
+            if proc.returncode not in STOPPED or attempt == attempts - 1:
+                sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+            resumed += 1
+            print(f"{name}: stopped from outside (exit {proc.returncode}), resuming", file=sys.stderr, flush=True)
+        (run_dir / "wall_s.txt").write_text(f"{wall:.1f} {resumed}\n")
         rows = read_rows(run_dir)
     elif (run_dir / "wall_s.txt").exists():
-        wall = float((run_dir / "wall_s.txt").read_text())
-    return summarise(run_dir, seed, rows, wall)
+        parts = (run_dir / "wall_s.txt").read_text().split()
+        wall, resumed = float(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+    return {**summarise(run_dir, seed, rows, wall), "resumed": resumed}
 
 
 def summarise(run_dir: Path, seed: int, rows: list, wall) -> dict:
@@ -97,6 +110,7 @@ def table(results: list, reward_target: float, val_target: float) -> str:
     for r in results:
         ok = r["reward_last5"] >= reward_target and r["val_last"] >= val_target
         wall = f"{r['wall_s']:.0f} s" if r["wall_s"] else "-"
+        wall += f" (resumed {r['resumed']}x)" if r.get("resumed") else ""
         lines.append(f"| {r['seed']} | {r['reward_first5']:.3f} | {r['reward_last5']:.3f} | {r['val_last']:.3f} "
                      f"| {r['val_best']:.3f} | {first_reaching(r['val'], val_target) or '-'} | {wall} "
                      f"| {'yes' if ok else 'no'} |")
