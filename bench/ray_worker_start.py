@@ -1,9 +1,10 @@
 """How long Ray takes to give the driver two ready CPU workers that have imported torch and transformers, three ways
 (each in a fresh local cluster, as `qwen35rl-train` starts one):
 
-  per-actor-env   each actor gets runtime_env={"env_vars": ...} (what runtime/cluster.py does): Ray starts new worker
-                  processes for it, since the job's prestarted workers have another runtime env
-  job-env         the same variables set once for the job (ray.init(runtime_env=...)): actors may take prestarted workers
+  per-actor-env   each actor gets runtime_env={"env_vars": ...} (what runtime/cluster.py does), so its runtime env
+                  differs from that of the workers Ray prestarts for the job
+  job-env         the same variables set once for the job (ray.init(runtime_env=...)), so that actors could take the
+                  prestarted workers (whether they are faster for it is what this measures)
   job-env+hook    as job-env, plus a worker_process_setup_hook that imports torch + transformers in every worker as it
                   starts, while the driver does other work for `--driver-work` seconds (the plan, the data, the preflight)
 
@@ -38,7 +39,8 @@ def one(way: str, driver_work: float) -> dict:
 
     runtime_env = {} if way == "per-actor-env" else {"env_vars": ENV}
     if way == "job-env+hook":
-        runtime_env["worker_process_setup_hook"] = "bench.ray_worker_start.preload"  # a name: a function of __main__ does not unpickle there
+        # by name: a function of __main__ does not unpickle in the worker
+        runtime_env["worker_process_setup_hook"] = "bench.ray_worker_start.preload"
     t0 = time.perf_counter()
     ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR", runtime_env=runtime_env or None)
     t_init = time.perf_counter() - t0

@@ -55,7 +55,7 @@ q_run() {
   cp "$dir/metrics.jsonl" "$OUT/$name/" 2>/dev/null
   tail -c 20000 "$LOGS/$name.log" > "$OUT/$name/log-tail.txt"
   grep -h "engine started\|kernel caches\|resum\|out of memory\|Error\|error:" "$LOGS/$name.log" | cut -c1-400 | tail -8
-  elapsed "run $name: exit $rc, $(cat "$dir/metrics.jsonl" 2>/dev/null | wc -l) steps logged"
+  elapsed "run $name: exit $rc, $(wc -l 2>/dev/null < "$dir/metrics.jsonl" || echo 0) steps logged"
   python3 bench/gpu/vllm_summary.py "$OUT/$name" | tee "$OUT/$name/summary.txt"
 }
 
@@ -82,9 +82,6 @@ TEXT=(data=gsm8k "data.train_files=[/tmp/data/gsm8k/train.jsonl]" "data.val_file
 IMAGES=(data=geo3k "data.train_files=[/tmp/data/geo3k/train.parquet]" "data.val_files=[/tmp/data/geo3k/test.parquet]")
 SMALL=(data.train_batch_size=8 algorithm.mini_batch_size=8 rollout.n=8 data.max_prompt_length=256
        data.max_response_length=128 backend.micro_batch_size_per_device=16)
-# With one mini batch per step the trainer takes the update's own log-probs as the old ones and runs no old-log-prob
-# pass, so the vLLM / trainer gap (rollout/logprob_diff_*) is logged only where a step has two or more mini batches
-# (the 4B run: two).
 # A byte-sized vocabulary (the byte tokenizer's 256 bytes + specials) so that a random-init policy samples text and
 # the digit-share reward has spread within a group: a task the policy can learn in 50 steps (over the 248k
 # vocabulary a random policy rarely samples a byte token and the reward stays flat).
@@ -126,6 +123,8 @@ megatron)
     "${LEARN[@]}" rollout.gpu_memory_utilization=0.5
   ;;
 4b)
+  # two mini batches per step: with one, the trainer takes the update's own log-probs as the old ones and runs no
+  # old-log-prob pass, so the vLLM / trainer gap (rollout/logprob_diff_*) would not be logged
   card
   q_run text-4b-fsdp "$(left 450)" model=qwen3_5_4b backend=fsdp $(common) "${TEXT[@]}" \
     data.train_batch_size=${B4:-8} algorithm.mini_batch_size=$(( ${B4:-8} / 2 )) rollout.n=8 data.max_prompt_length=256 \
