@@ -14,13 +14,15 @@
 #   bash bench/gpu/vllm_runs.sh text      run A: 0.8B architecture, FSDP + vLLM colocated, GSM8K-shaped text, 50 steps
 #   bash bench/gpu/vllm_runs.sh images    run B: the same on Geometry3K-shaped images
 #   bash bench/gpu/vllm_runs.sh megatron  run C: Megatron TP1 + vLLM on the images, byte-sized vocabulary (LEARN)
+#   bash bench/gpu/vllm_runs.sh warm4b    run D's kernels compiled (2 steps, killed), so that `4b` fits one call
 #   bash bench/gpu/vllm_runs.sh 4b        run D: 4B architecture, FSDP + vLLM, text
 #   bash bench/gpu/vllm_runs.sh peers     bare vLLM generate and TRL's GRPOTrainer (vLLM colocate) on run A's workload
+#   bash bench/gpu/vllm_runs.sh trl       TRL's half of peers alone
 # Each run's card memory comes from the device (hw.memory_gb), never a constant. Kernel caches live in
 # /tmp/kcache (trainer.kernel_cache_dir) for the whole warm machine: the first engine start compiles, later ones
 # reuse. Results: $OUT/<run>/ (metrics.jsonl, plan.json, the log's tail) and one summary line per run.
 set -u
-[ $# -gt 0 ] || { echo "usage: vllm_runs.sh STAGE... (stage gdn install warmup text images megatron 4b peers)"; exit 2; }
+[ $# -gt 0 ] || { echo "usage: vllm_runs.sh STAGE... (stage gdn install warmup text images megatron warm4b 4b peers trl)"; exit 2; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-/tmp/out}
@@ -49,9 +51,14 @@ q_run() {
   mkdir -p "$OUT/$name"
   python3 -m qwen35rl.cli.plan "$@" format=json > "$OUT/$name/plan.json" 2> "$LOGS/$name-plan.log"
   elapsed "plan $name: exit $? ($(python3 -c "import json; p = json.load(open('$OUT/$name/plan.json')); m = p['memory_gib']; print('valid', p['valid'], 'train', round(m['train_peak'], 1), 'rollout', round(m['rollout_peak'], 1), 'usable', round(m['capacity'], 1), p.get('vllm'))" 2>&1 | tail -1))"
+  # metrics and the log's tail copied as they grow: a call cut off at its limit still brings them back
+  ( while sleep 10; do cp "$dir/metrics.jsonl" "$OUT/$name/" 2>/dev/null
+      tail -c 20000 "$LOGS/$name.log" > "$OUT/$name/log-tail.txt"; done ) &
+  local copier=$!
   timeout -s INT -k 90 "$limit" python3 -m qwen35rl.cli.train "hydra.run.dir=$dir" trainer.stop_timeout_s=75 "$@" \
     >> "$LOGS/$name.log" 2>&1
   local rc=$?
+  kill $copier 2>/dev/null
   cp "$dir/metrics.jsonl" "$OUT/$name/" 2>/dev/null
   tail -c 20000 "$LOGS/$name.log" > "$OUT/$name/log-tail.txt"
   grep -h "engine started\|kernel caches\|resum\|out of memory\|Error\|error:" "$LOGS/$name.log" | cut -c1-400 | tail -8
@@ -89,6 +96,18 @@ LEARN=(model.vocab_size=320 data.reward=bench.gpu.learnable:digit_share backend.
 MEGATRON=(backend=megatron backend.megatron_core_version=0.19.2 backend.param_offload=false
           backend.grad_offload=false backend.optimizer_offload=false backend.optimizer_cpu_offload=false)
 
+# run D: the 4B policy's fp32 weights, gradients and Adam states (64 GB) live on the host (FSDP2 CPU offload), beside
+# vLLM's pool of 0.4 of the card
+D4=(data.train_batch_size=${B4:-8} "algorithm.mini_batch_size=$(( ${B4:-8} / 2 ))" rollout.n=8 data.max_prompt_length=256
+    data.max_response_length=128 backend.micro_batch_size_per_device=auto backend.optimizer_offload=true
+    rollout.gpu_memory_utilization=0.4)
+
+trl_peer() {
+  timeout "$(left 580)" python3 bench/gpu/peers.py trl-vllm "${W[@]}" --micro 16 --steps ${TRL_STEPS:-8} \
+    --work-dir /tmp/peers/trl --out "$OUT/peers/trl.json" 2>&1 | tail -12
+  elapsed "TRL (vLLM colocate) done"
+}
+
 for stage in "$@"; do
 case "$stage" in
 stage)
@@ -122,14 +141,21 @@ megatron)
   q_run images-0.8b-megatron "$(left 480)" model=qwen3_5_0_8b "${MEGATRON[@]}" $(common) "${IMAGES[@]}" "${SMALL[@]}" \
     "${LEARN[@]}" rollout.gpu_memory_utilization=0.5
   ;;
+warm4b)
+  # run D's kernels compiled (vLLM's torch.compile, Triton autotuning of the 4B shapes) into /tmp/kcache, so that
+  # the `4b` call's 10 minutes go to its 50 steps: two steps, then the process is killed (a 4B checkpoint with
+  # host Adam states takes minutes to write and the next run starts fresh anyway)
+  card
+  FRESH=1 q_run warm-4b "$(left 560)" model=qwen3_5_4b backend=fsdp $(common) "${TEXT[@]}" "${D4[@]}" &
+  qpid=$!
+  while kill -0 $qpid 2>/dev/null && [ "$(cat "$RUNS/warm-4b/metrics.jsonl" 2>/dev/null | wc -l)" -lt 2 ]; do sleep 2; done
+  pkill -9 -f "hydra.run.dir=$RUNS/warm-4b"; wait $qpid
+  ;;
 4b)
   # two mini batches per step: with one, the trainer takes the update's own log-probs as the old ones and runs no
   # old-log-prob pass, so the vLLM / trainer gap (rollout/logprob_diff_*) would not be logged
   card
-  q_run text-4b-fsdp "$(left 450)" model=qwen3_5_4b backend=fsdp $(common) "${TEXT[@]}" \
-    data.train_batch_size=${B4:-8} algorithm.mini_batch_size=$(( ${B4:-8} / 2 )) rollout.n=8 data.max_prompt_length=256 \
-    data.max_response_length=128 backend.micro_batch_size_per_device=auto backend.optimizer_offload=true \
-    rollout.gpu_memory_utilization=0.4
+  q_run text-4b-fsdp "$(left 520)" model=qwen3_5_4b backend=fsdp $(common) "${TEXT[@]}" "${D4[@]}"
   ;;
 peers)
   # run A's workload: 8 prompts x 8, prompts of 256 tokens, responses of 128; vLLM at the same memory share
@@ -138,9 +164,13 @@ peers)
   python3 bench/gpu/peers.py bare-vllm "${W[@]}" --model-dir /tmp/peers/ckpt08 --write-model \
     --out "$OUT/peers/bare.json" --timeout "$(( $(left 585) / 3 ))" 2>&1 | tail -12
   elapsed "bare vLLM against qwen35rl's engine done"
-  timeout "$(left 580)" python3 bench/gpu/peers.py trl-vllm "${W[@]}" --micro 16 --steps ${TRL_STEPS:-8} \
-    --work-dir /tmp/peers/trl --out "$OUT/peers/trl.json" 2>&1 | tail -12
-  elapsed "TRL (vLLM colocate) done"
+  trl_peer
+  ;;
+trl)
+  # the TRL half of `peers` alone
+  card
+  W=(--model qwen3_5_0_8b --prompts 8 --n 8 --prompt-len 256 --response-len 128 --gpu-memory-utilization 0.6)
+  trl_peer
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac

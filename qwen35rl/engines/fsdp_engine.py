@@ -29,7 +29,7 @@ from qwen35rl.config.layout import Layout
 from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
 from qwen35rl.engines.logprob import chunked_logprobs_entropy
 from qwen35rl.engines.packed_attention import use_packed_attention
-from qwen35rl.engines import packed_gdn
+from qwen35rl.engines import host_optimizer, packed_gdn
 from qwen35rl.engines.gdn_layer import use_training_forward
 from qwen35rl.engines.packed_gdn import enable_packing
 from qwen35rl.engines.ulysses import SpGroup, gather_tokens, sequence_parallel, use_ulysses
@@ -249,6 +249,7 @@ class FsdpTrainEngine(TrainEngine):
         b = self.backend
         self.offloaded = self.distributed and self.device.type != "cpu" and bool(
             b.offload_policy or b.param_offload or b.optimizer_offload or b.grad_offload)
+        self.host_threads = host_optimizer.node_thread_share(cfg.hw.devices_per_node)
 
         # A frozen reference never updates: keep it in the compute dtype. The policy keeps fp32 master weights.
         param_dtype = self.compute_dtype if reference else torch.float32
@@ -285,7 +286,7 @@ class FsdpTrainEngine(TrainEngine):
         self.optimizer = self.scheduler = None
         if not reference:
             trainable = [p for p in self.module.parameters() if p.requires_grad]
-            self.optimizer = torch.optim.AdamW(trainable, lr=b.lr, betas=tuple(b.betas), weight_decay=b.weight_decay)
+            self.optimizer = host_optimizer.adamw(trainable, b, on_host=self.offloaded)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(
                 b.lr_warmup_steps, b.lr_scheduler, total_steps, b.min_lr_ratio))
 
@@ -399,30 +400,36 @@ class FsdpTrainEngine(TrainEngine):
         agg = mini_batch_agg(micro_batches, global_scale, algo, self.cfg.data.max_response_length, self.grad_ranks,
                              self._all_reduce)
 
-        self.module.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        # sums over this rank: aggregated losses, then masked token sums and counts for the token-mean metrics
-        # (kept on the device: reading them per micro batch would stall the launch queue)
-        sums = torch.zeros(len(ACTOR_SUMS), dtype=torch.float64, device=self.device)
-        for mb in micro_batches:
-            logp, ent = self._forward(mb, with_entropy=True)
-            loss, mb_sums = actor_loss(logp, ent, _on(mb.old_log_probs, self.device), _on(mb.ref_log_probs, self.device),
-                                       mb.advantages.to(self.device), mb.response_mask.to(self.device), algo, agg)
-            loss.backward()
-            sums += mb_sums
-        sums = self._all_reduce(sums)
-        grad_norm = self._clip_grad_norm()
-        lr = self.optimizer.param_groups[0]["lr"]
-        nonfinite_loss = sums[ACTOR_SUMS.index("nonfinite")] > 0
-        if nonfinite_loss or not math.isfinite(grad_norm):
-            self.skipped_steps += 1
-            log.warning("skipping optimizer step: non-finite %s", "loss" if nonfinite_loss else f"grad norm {grad_norm}")
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():  # the schedule follows steps taken or skipped; torch warns on a skipped first
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-            self.scheduler.step()
+        # offloaded: gradients accumulate and the optimizer steps on the host, on this device's share of its cores
+        threads = host_optimizer.torch_threads(self.host_threads) if self.offloaded else contextlib.nullcontext()
+        with threads:
+            self.module.train()
+            self.optimizer.zero_grad(set_to_none=True)
+            # sums over this rank: aggregated losses, then masked token sums and counts for the token-mean metrics
+            # (kept on the device: reading them per micro batch would stall the launch queue)
+            sums = torch.zeros(len(ACTOR_SUMS), dtype=torch.float64, device=self.device)
+            for mb in micro_batches:
+                logp, ent = self._forward(mb, with_entropy=True)
+                loss, mb_sums = actor_loss(logp, ent, _on(mb.old_log_probs, self.device),
+                                           _on(mb.ref_log_probs, self.device), mb.advantages.to(self.device),
+                                           mb.response_mask.to(self.device), algo, agg)
+                loss.backward()
+                sums += mb_sums
+            sums = self._all_reduce(sums)
+            grad_norm = self._clip_grad_norm()
+            lr = self.optimizer.param_groups[0]["lr"]
+            nonfinite_loss = sums[ACTOR_SUMS.index("nonfinite")] > 0
+            if nonfinite_loss or not math.isfinite(grad_norm):
+                self.skipped_steps += 1
+                log.warning("skipping optimizer step: non-finite %s",
+                            "loss" if nonfinite_loss else f"grad norm {grad_norm}")
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            # the schedule follows steps taken or skipped; torch warns on a skipped first
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                self.scheduler.step()
         self.module.eval()
         return {
             **actor_metrics(sums, self.grad_ranks),
@@ -438,9 +445,7 @@ class FsdpTrainEngine(TrainEngine):
         (CPU offload)."""
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in local:
-            sq += g.detach().double().pow(2).sum().to(self.device)
+        sq = host_optimizer.squared_norm(local, self.offloaded, self.device)
         norm = math.sqrt(float(self._all_reduce(sq, self.shard_group))) if self.distributed else math.sqrt(float(sq))
         clip = self.backend.grad_clip or 0
         if clip > 0 and math.isfinite(norm) and norm > clip:

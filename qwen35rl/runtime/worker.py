@@ -28,6 +28,7 @@ from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult, 
 from qwen35rl.models.build import trains_vision
 from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.engines import kernel_cache
+from qwen35rl.engines.host_optimizer import node_thread_share
 from qwen35rl.runtime.batching import Sequences, build_batch, response_values
 from qwen35rl.runtime.cluster import connected_ray, free_port, node_ip
 from qwen35rl.runtime.micro_batches import fixed_groups, token_budget_groups
@@ -109,7 +110,7 @@ class PolicyWorker:
         threads = torch.get_num_threads()
         if self.platform.is_accelerator:
             # Ray gives each worker one CPU (one torch thread); the CPU-side model init may use the node's share
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(cfg.hw.devices_per_node, 1)))
+            torch.set_num_threads(node_thread_share(cfg.hw.devices_per_node))
         try:
             self.actor = self._train_engine(reference=False)
             if needs_reference(cfg):
