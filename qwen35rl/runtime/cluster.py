@@ -16,6 +16,7 @@ import os
 import re
 import socket
 import sys
+import time
 import traceback
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -187,15 +188,86 @@ def connect(cfg: Any, platform: Platform, world: int) -> bool:
     return True
 
 
+class EarlyLocalRay:
+    """The local Ray cluster of a run that starts one, started in a thread while the driver imports torch and
+    prepares its data: Ray's own processes come up on the other cores meanwhile (on a 2-core machine that hides
+    most of Ray's 2-3 s start). `ray_session` takes it over; `close` stops it when the run ends before that (a
+    config or data error, a signal).
+    The thread lives until the cluster is stopped: Ray starts GCS and raylet with PR_SET_PDEATHSIG, which Linux
+    ties to the thread that forked them, so they would be killed the moment a finished thread exited."""
+
+    def __init__(self, cfg: Any, platform: Platform, world: int):
+        import threading
+
+        self.started_local, self.watchdog, self.error = False, None, None
+        self.seconds = 0.0
+        self.taken = False
+        self.ready, self.stopped = threading.Event(), threading.Event()
+        t0 = time.monotonic()
+
+        def start() -> None:
+            # Ray's note that a thread cannot install its SIGTERM handler: the run's own handlers stop it
+            logging.getLogger("ray._private.worker").addFilter(
+                lambda record: "SIGTERM handler is not set" not in record.getMessage())
+            try:
+                self.started_local = connect(cfg, platform, world)
+                self.watchdog = LocalClusterWatchdog.start() if self.started_local else None
+            except BaseException as e:  # noqa: BLE001 - raised where the driver takes the cluster over
+                self.error = e
+            finally:
+                self.seconds = time.monotonic() - t0
+                self.ready.set()
+            self.stopped.wait()
+
+        self.thread = threading.Thread(target=start, name="qwen35rl-ray-start", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def wanted(cls, cfg: Any) -> bool:
+        """The run starts a local cluster of its own (trainer.launcher=ray, no cluster address)."""
+        return cfg.trainer.launcher == "ray" and not ray_address(cfg)
+
+    def take(self) -> Tuple[bool, Optional["LocalClusterWatchdog"]]:
+        """Wait for the start; (whether a local cluster was started, its watchdog), or the start's error. The
+        taker stops the cluster, then calls `done`."""
+        self.ready.wait()
+        self.taken = True
+        if self.error is not None:
+            self.done()
+            raise self.error
+        return self.started_local, self.watchdog
+
+    def done(self) -> None:
+        """The cluster is stopped: the start thread may end."""
+        self.stopped.set()
+        self.thread.join()
+
+    def close(self) -> None:
+        """Stop the cluster if nobody took it over."""
+        if self.taken:
+            return
+        self.taken = True
+        self.ready.wait()
+        ray = connected_ray()
+        if self.started_local and ray is not None:
+            ray.shutdown()
+        if self.watchdog is not None:
+            self.watchdog.release()
+        self.done()
+
+
 @contextlib.contextmanager
-def ray_session(cfg: Any, platform: Platform, world: int):
+def ray_session(cfg: Any, platform: Platform, world: int, early: Optional[EarlyLocalRay] = None):
     """Connected to Ray for the duration (yields whether this run started a local cluster, which is stopped on
     exit). A local cluster is watched by `LocalClusterWatchdog`, so that it goes away with the driver even when
-    the driver is killed."""
+    the driver is killed. `early`: the cluster's start already under way (`EarlyLocalRay`)."""
     import ray
 
-    started_local = connect(cfg, platform, world)
-    watchdog = LocalClusterWatchdog.start() if started_local else None
+    if early is not None:
+        started_local, watchdog = early.take()
+    else:
+        started_local = connect(cfg, platform, world)
+        watchdog = LocalClusterWatchdog.start() if started_local else None
     try:
         yield started_local
     finally:
@@ -203,6 +275,8 @@ def ray_session(cfg: Any, platform: Platform, world: int):
             ray.shutdown()
         if watchdog is not None:
             watchdog.release()
+        if early is not None:
+            early.done()
 
 
 class LocalClusterWatchdog:

@@ -48,17 +48,17 @@ class _Where:
 
 
 def run_training(cfg: DictConfig, run_dir: Path, *, decision: Any = None, phases: Optional[report.Phases] = None,
-                 stop: Optional[StopRequest] = None) -> int:
+                 stop: Optional[StopRequest] = None, early_ray: Any = None) -> int:
     """Train with the resolved, validated `cfg` in `run_dir`; returns the process exit code (qwen35rl.exit_codes).
     `decision`: what run_identity decided about the run directory (decided here when not given); `phases`: the
     start-up clock of the launch; `stop`: the launch's signal handling, installed already (else installed here once
-    Ray is up). A full disk anywhere ends the run with EXIT_DISK_FULL and one block saying what could not be
+    Ray is up); `early_ray`: the local cluster's start under way (`cluster.EarlyLocalRay`). A full disk anywhere ends the run with EXIT_DISK_FULL and one block saying what could not be
     written; any other failure ends it with one block too (its traceback in the log file)."""
     run_dir = Path(run_dir).resolve()
     where = _Where(phases or report.Phases())
     quiet_log_files_when_full()
     try:
-        return _run_training(cfg, run_dir, decision, where, stop)
+        return _run_training(cfg, run_dir, decision, where, stop, early_ray)
     except Exception as e:  # noqa: BLE001 - every failure ends in one block and an exit code
         if disk_full(e):
             return report_disk_full(e, run_dir)
@@ -78,7 +78,8 @@ def _describe_data(train_set: Sequence[Any], loader: Any, val_set: Sequence[Any]
             f"{total_steps} step(s) to run")
 
 
-def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where, given_stop: Optional[StopRequest]) -> int:
+def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where, given_stop: Optional[StopRequest],
+                  early_ray: Any = None) -> int:
     from qwen35rl.runtime import run_identity
 
     phases = where.phases
@@ -164,7 +165,7 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where, 
     stop = given_stop or StopRequest(cfg.trainer.get("stop_timeout_s", signals.STOP_TIMEOUT_S))
     try:
         phases.begin("Ray up" if cfg.trainer.launcher == "ray" else "preflight")
-        with launcher(cfg, platform, layout.devices, phases) as (preflight, group_cls), \
+        with launcher(cfg, platform, layout.devices, phases, early_ray) as (preflight, group_cls), \
                 (nullcontext(stop) if given_stop else stop):
             phases.begin("preflight")
             provenance.record_cluster(start_dir, preflight())
@@ -298,20 +299,23 @@ def _say_summary(trainer: "GRPOTrainer", run_dir: Path, code: int, phases: repor
 
 
 @contextmanager
-def launcher(cfg: DictConfig, platform: Platform, world: int,
-             phases: Optional[report.Phases] = None) -> Iterator[Tuple[Callable[[], Dict[str, Any]], type]]:
+def launcher(cfg: DictConfig, platform: Platform, world: int, phases: Optional[report.Phases] = None,
+             early_ray: Any = None) -> Iterator[Tuple[Callable[[], Dict[str, Any]], type]]:
     """How the workers start (trainer.launcher): yields the preflight to run and the worker group class. `ray`
     connects to Ray for the duration (a local cluster it starts is stopped on exit); `local` needs nothing: the
-    one worker lives in this process and the probe runs here."""
+    one worker lives in this process and the probe runs here. A local CPU cluster is probed here too: its one
+    node is this host, and a probe task would cost a process start."""
     if cfg.trainer.launcher == "local":
         yield partial(run_local_preflight, cfg, platform), LocalWorkerGroup
         return
-    with ray_session(cfg, platform, world) as started_local:
+    with ray_session(cfg, platform, world, early_ray) as started_local:
         if phases is not None:
-            phases.done("Ray up", _describe_ray(started_local))
+            beside = f"; started beside the imports, {early_ray.seconds:.1f} s in all" if early_ray else ""
+            phases.done("Ray up", _describe_ray(started_local) + beside)
         # a cluster still being assembled gets time to reach its size; a local one is what it is
         wait_s = 0.0 if started_local else cfg.trainer.placement_timeout_s
-        yield partial(run_preflight, cfg, platform, wait_s=wait_s), WorkerGroup
+        here = started_local and platform.device_type == "cpu"
+        yield partial(run_preflight, cfg, platform, wait_s=wait_s, in_process=here), WorkerGroup
 
 
 def _describe_ray(started_local: bool) -> str:

@@ -53,13 +53,30 @@ def _train(cfg: Any, run_dir: Path, phases: report.Phases, stop: Any) -> int:
         if problem:
             log.error("%s", problem)
             return EXIT_PREFLIGHT
-    phases.begin("libraries imported")
-    t0 = time.monotonic()
-    from qwen35rl.runtime.driver import run_training  # torch, transformers: the slow imports
+    early = _early_local_ray(cfg)
+    try:
+        phases.begin("libraries imported")
+        t0 = time.monotonic()
+        from qwen35rl.runtime.driver import run_training  # torch, transformers: the slow imports
 
-    import torch
-    import transformers
+        import torch
+        import transformers
 
-    if time.monotonic() - t0 > 0.05:
-        phases.done("libraries imported", f"torch {torch.__version__}, transformers {transformers.__version__}")
-    return run_training(cfg, run_dir, decision=decision, phases=phases, stop=stop)
+        if time.monotonic() - t0 > 0.05:
+            phases.done("libraries imported", f"torch {torch.__version__}, transformers {transformers.__version__}")
+        return run_training(cfg, run_dir, decision=decision, phases=phases, stop=stop, early_ray=early)
+    finally:
+        if early is not None:
+            early.close()
+
+
+def _early_local_ray(cfg: Any) -> Any:
+    """The run's own local Ray cluster, starting now in a thread (`cluster.EarlyLocalRay`), or None."""
+    from qwen35rl.runtime.cluster import EarlyLocalRay
+
+    if not EarlyLocalRay.wanted(cfg):
+        return None
+    from qwen35rl.config.layout import derive_layout
+    from qwen35rl.runtime.platform import resolve_platform
+
+    return EarlyLocalRay(cfg, resolve_platform(cfg), derive_layout(cfg).devices)

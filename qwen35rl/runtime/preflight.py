@@ -387,11 +387,15 @@ def check_probes(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
     return problems
 
 
-def run_preflight(cfg: Any, platform: Platform, *, wait_s: float) -> Dict[str, Any]:
-    """All checks against the connected Ray cluster. Returns what was seen, for the run's provenance."""
+def run_preflight(cfg: Any, platform: Platform, *, wait_s: float, in_process: bool = False) -> Dict[str, Any]:
+    """All checks against the connected Ray cluster. Returns what was seen, for the run's provenance.
+    `in_process`: the cluster is this host's CPUs alone (a local CPU cluster), probed in this process."""
     t0 = time.monotonic()
     nodes = wait_for_resources(cfg, platform, wait_s)
-    probes = probe_nodes(platform, nodes, cfg.trainer.placement_timeout_s, plain_config(cfg))
+    if in_process and len(nodes) == 1:
+        probes = [probe_node(platform.device_type, plain_config(cfg))]
+    else:
+        probes = probe_nodes(platform, nodes, cfg.trainer.placement_timeout_s, plain_config(cfg))
     warnings = check_probes(cfg, probes)
     log.info("preflight passed in %.1f s: %d node(s) can host the run", time.monotonic() - t0, len(nodes))
     return {"nodes": [{"node_id": n.node_id, "address": n.address, "resources": n.resources} for n in nodes],
