@@ -209,6 +209,12 @@ class EarlyLocalRay:
             # Ray's note that a thread cannot install its SIGTERM handler: the run's own handlers stop it
             logging.getLogger("ray._private.worker").addFilter(
                 lambda record: "SIGTERM handler is not set" not in record.getMessage())
+            # ray.init in the main thread installs a C-level SIGTERM handler that aborts the driver, and
+            # `_signal_handlers_kept` puts the run's handlers back over it; a thread cannot, so the driver's core
+            # worker is told not to install it (this process only: workers read their own environment)
+            from ray._private import ray_constants
+
+            ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
             try:
                 self.started_local = connect(cfg, platform, world)
                 self.watchdog = LocalClusterWatchdog.start() if self.started_local else None
@@ -231,10 +237,10 @@ class EarlyLocalRay:
         """Wait for the start; (whether a local cluster was started, its watchdog), or the start's error. The
         taker stops the cluster, then calls `done`."""
         self.ready.wait()
-        self.taken = True
         if self.error is not None:
-            self.done()
+            self.close()
             raise self.error
+        self.taken = True
         return self.started_local, self.watchdog
 
     def done(self) -> None:
