@@ -340,11 +340,35 @@ def load_rng(ckpt: Path, rank: int, device_module: Any = None) -> bool:
     return True
 
 
+def _dcp(call: Any, what: str, *args: Any, **kwargs: Any) -> Any:
+    """A DCP save or load, its failure re-raised as what it is. DCP gathers every rank's exception into a
+    CheckpointException, which is a BaseException: it would pass every `except Exception` on its way up and end the
+    run in a raw traceback. A stop's KeyboardInterrupt inside the write (trainer.stop_timeout_s ran out while a
+    large checkpoint was being written) is raised as itself, so the run stops as stops do; anything else becomes a
+    RuntimeError caused by this rank's exception (a full disk stays recognisable through the cause)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return call(*args, **kwargs)
+    except CheckpointException as e:
+        failures = [pair[0] for pair in e.failures.values() if pair and isinstance(pair[0], BaseException)]
+        for exc in failures:
+            seen = exc
+            while seen is not None:
+                if isinstance(seen, KeyboardInterrupt):
+                    raise seen from None
+                seen = seen.__cause__ or seen.__context__
+        first = failures[0] if failures else None
+        raise RuntimeError(f"{what} failed on rank(s) {sorted(e.failures)}: "
+                           f"{type(first).__name__ if first else 'unknown'}: {first}") from first
+
+
 def save_engine_state(ckpt: Path, engine: Any) -> None:
     """Collective over all ranks: each writes its shards of model + optimizer (+ scheduler) with DCP."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save({"engine": engine.state_dict_for_checkpoint()}, checkpoint_id=str(Path(ckpt) / MODEL_DIR))
+    _dcp(dcp.save, f"writing {Path(ckpt) / MODEL_DIR}", {"engine": engine.state_dict_for_checkpoint()},
+         checkpoint_id=str(Path(ckpt) / MODEL_DIR))
 
 
 def load_engine_state(ckpt: Path, engine: Any) -> None:
@@ -352,5 +376,5 @@ def load_engine_state(ckpt: Path, engine: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
     state = {"engine": engine.state_dict_for_checkpoint()}
-    dcp.load(state, checkpoint_id=str(Path(ckpt) / MODEL_DIR))
+    _dcp(dcp.load, f"reading {Path(ckpt) / MODEL_DIR}", state, checkpoint_id=str(Path(ckpt) / MODEL_DIR))
     engine.load_checkpoint_state(state["engine"])

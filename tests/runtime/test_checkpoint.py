@@ -237,3 +237,47 @@ def test_explicit_resume_of_a_damaged_checkpoint_exits_2_before_anything_starts(
     cfg = compose(["trainer.launcher=local", "hw.devices_per_node=1", f"trainer.resume={bad}"])
     assert driver.run_training(cfg, tmp_path) == 2
     assert f"trainer.resume={bad}: the checkpoint is damaged: meta.json is empty" in caplog.text
+
+
+# ------------------------------------------------------------------------- DCP failures, raised as what they are
+def _dcp_failure(exc):
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    def raise_it():
+        raise CheckpointException("CheckpointException ranks:[0]", {0: _wrap_exception(exc)})
+    return raise_it
+
+
+def test_a_dcp_write_cut_by_the_stop_timeout_raises_the_stop_itself():
+    try:  # as torch.save's zip writer does: the interrupt, then its own error while closing the file
+        try:
+            raise KeyboardInterrupt("SIGINT, and the step did not finish within 75 s (trainer.stop_timeout_s)")
+        finally:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    except RuntimeError as e:
+        write_error = e
+    with pytest.raises(KeyboardInterrupt, match="stop_timeout_s"):
+        ckpt._dcp(_dcp_failure(write_error), "writing x")
+
+
+def test_a_dcp_failure_is_an_exception_and_a_full_disk_stays_one(tmp_path):
+    import errno
+
+    from qwen35rl.runtime.disk_full import disk_full
+
+    with pytest.raises(RuntimeError, match=r"writing x failed on rank\(s\) \[0\]: OSError") as e:
+        ckpt._dcp(_dcp_failure(OSError(errno.ENOSPC, "No space left on device")), "writing x")
+    assert disk_full(e.value)
+    with pytest.raises(RuntimeError, match="ValueError: bad shard"):
+        ckpt._dcp(_dcp_failure(ValueError("bad shard")), "reading y")
+
+
+def test_a_real_dcp_save_into_an_impossible_place_is_an_exception(tmp_path):
+    class Engine:
+        def state_dict_for_checkpoint(self):
+            return {"w": torch.ones(3)}
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(Exception, match="writing .*failed"):  # an Exception: the driver's failure block reports it
+        ckpt.save_engine_state(blocker / "step_1", Engine())
