@@ -188,6 +188,11 @@ def connect(cfg: Any, platform: Platform, world: int) -> bool:
     return True
 
 
+def _no_thread_sigterm_note(record: logging.LogRecord) -> bool:
+    """Ray's note that a thread cannot install its SIGTERM handler: the run's own handlers stop it."""
+    return "SIGTERM handler is not set" not in record.getMessage()
+
+
 class EarlyLocalRay:
     """The local Ray cluster of a run that starts one, started in a thread while the driver imports torch and
     prepares its data: Ray's own processes come up on the other cores meanwhile (on a 2-core machine that hides
@@ -206,9 +211,7 @@ class EarlyLocalRay:
         t0 = time.monotonic()
 
         def start() -> None:
-            # Ray's note that a thread cannot install its SIGTERM handler: the run's own handlers stop it
-            logging.getLogger("ray._private.worker").addFilter(
-                lambda record: "SIGTERM handler is not set" not in record.getMessage())
+            logging.getLogger("ray._private.worker").addFilter(_no_thread_sigterm_note)  # once: the same object
             # ray.init in the main thread installs a C-level SIGTERM handler that aborts the driver, and
             # `_signal_handlers_kept` puts the run's handlers back over it; a thread cannot, so the driver's core
             # worker is told not to install it (this process only: workers read their own environment)
