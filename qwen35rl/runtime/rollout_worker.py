@@ -18,7 +18,7 @@ from qwen35rl.config import engine_specs
 from qwen35rl.config.layout import Layout
 from qwen35rl.config.schema import typed
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult
-from qwen35rl.models.build import trains_vision
+from qwen35rl.config.memory import trains_vision  # the config rule: the modeling loads with the engines
 from qwen35rl.runtime.memory_peaks import MemoryPeaks
 from qwen35rl.runtime.platform import require_stack, resolve_platform
 from qwen35rl.runtime.quiet import quiet_known_warnings
@@ -39,7 +39,7 @@ class RolloutWorker:
         require_stack(self.platform, self.cfg.rollout.engine)
         self.device = self.platform.torch_device(self.platform.local_device_index(accelerator_ids(self.platform)))
         self.memory = MemoryPeaks(self.platform.device_module())
-        self.text_only = not trains_vision(self.cfg.model, self.cfg.data)
+        self.text_only = not trains_vision({"model": self.cfg.model, "data": self.cfg.data})
         self.rollout: Optional[RolloutEngine] = None
         self.sync_group = None
         self.version = -1

@@ -25,7 +25,7 @@ from qwen35rl.config import engine_specs
 from qwen35rl.config.layout import Layout
 from qwen35rl.config.schema import typed
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult, TrainEngine
-from qwen35rl.models.build import trains_vision
+from qwen35rl.config.memory import trains_vision  # the config rule: the modeling loads with the engines
 from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.engines import kernel_cache
 from qwen35rl.engines.host_optimizer import node_thread_share
@@ -75,7 +75,7 @@ class PolicyWorker:
         self.ref: Optional[TrainEngine] = None
         self.rollout: Optional[RolloutEngine] = None
         self.tokenizer = None
-        self.text_only = not trains_vision(self.cfg.model, self.cfg.data)
+        self.text_only = not trains_vision({"model": self.cfg.model, "data": self.cfg.data})
         self.processor = None
         """The model's processor when the policy sees images (its image processor builds the vision inputs)."""
 
