@@ -13,6 +13,8 @@
 # and a run cut off by the limit continues from its checkpoint when its stage is called again.
 #   bash bench/gpu/vllm_runs.sh text      run A: 0.8B architecture, FSDP + vLLM colocated, GSM8K-shaped text, 50 steps
 #   bash bench/gpu/vllm_runs.sh images    run B: the same on Geometry3K-shaped images
+#   bash bench/gpu/vllm_runs.sh textl     runs A / B on the byte-sized vocabulary with a reward the policy can learn
+#   bash bench/gpu/vllm_runs.sh imagesl   (LEARN, as run C)
 #   bash bench/gpu/vllm_runs.sh megatron  run C: Megatron TP1 + vLLM on the images, byte-sized vocabulary (LEARN)
 #   bash bench/gpu/vllm_runs.sh warm4b    run D's kernels compiled (2 steps, killed), so that `4b` fits one call
 #   bash bench/gpu/vllm_runs.sh 4b        run D: 4B architecture, FSDP + vLLM, text
@@ -22,7 +24,7 @@
 # /tmp/kcache (trainer.kernel_cache_dir) for the whole warm machine: the first engine start compiles, later ones
 # reuse. Results: $OUT/<run>/ (metrics.jsonl, plan.json, the log's tail) and one summary line per run.
 set -u
-[ $# -gt 0 ] || { echo "usage: vllm_runs.sh STAGE... (stage gdn install warmup text images megatron warm4b 4b peers trl)"; exit 2; }
+[ $# -gt 0 ] || { echo "usage: vllm_runs.sh STAGE... (stage gdn install warmup text images textl imagesl megatron warm4b 4b peers trl)"; exit 2; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-/tmp/out}
@@ -98,7 +100,7 @@ MEGATRON=(backend=megatron backend.megatron_core_version=0.19.2 backend.param_of
 
 # run D: the 4B policy's fp32 weights, gradients and Adam states (64 GB) live on the host (FSDP2 CPU offload), beside
 # vLLM's pool of 0.4 of the card
-D4=(data.train_batch_size=${B4:-8} "algorithm.mini_batch_size=$(( ${B4:-8} / 2 ))" rollout.n=8 data.max_prompt_length=256
+D4=(data.train_batch_size=${B4:-8} "algorithm.mini_batch_size=${B4:-8}" rollout.n=8 data.max_prompt_length=256
     data.max_response_length=128 backend.micro_batch_size_per_device=auto backend.optimizer_offload=true
     rollout.gpu_memory_utilization=0.4)
 
@@ -136,6 +138,12 @@ images)
   card
   q_run images-0.8b-fsdp "$(left 480)" model=qwen3_5_0_8b backend=fsdp $(common) "${IMAGES[@]}" "${SMALL[@]}"
   ;;
+textl|imagesl)
+  # runs A and B on the byte-sized vocabulary with the digit-share reward (LEARN): a task the policy can learn
+  card
+  if [ "$stage" = textl ]; then name=text-0.8b-fsdp-learn; set_=("${TEXT[@]}"); else name=images-0.8b-fsdp-learn; set_=("${IMAGES[@]}"); fi
+  q_run "$name" "$(left 540)" model=qwen3_5_0_8b backend=fsdp $(common) "${set_[@]}" "${SMALL[@]}" "${LEARN[@]}"
+  ;;
 megatron)
   card
   q_run images-0.8b-megatron "$(left 480)" model=qwen3_5_0_8b "${MEGATRON[@]}" $(common) "${IMAGES[@]}" "${SMALL[@]}" \
@@ -152,8 +160,8 @@ warm4b)
   pkill -9 -f "hydra.run.dir=$RUNS/warm-4b"; wait $qpid
   ;;
 4b)
-  # two mini batches per step: with one, the trainer takes the update's own log-probs as the old ones and runs no
-  # old-log-prob pass, so the vLLM / trainer gap (rollout/logprob_diff_*) would not be logged
+  # one mini batch per step: one host optimizer step, and the update's own pass is the old log-probs (no separate
+  # pass); it logs the vLLM / trainer gap (rollout/logprob_diff_*) itself
   card
   q_run text-4b-fsdp "$(left 520)" model=qwen3_5_4b backend=fsdp $(common) "${TEXT[@]}" "${D4[@]}"
   ;;

@@ -164,15 +164,20 @@ def agg_settings(algo: Any, max_response_length: int, *, global_tokens: float, g
                 norm_const=float(norm_const))
 
 
-ACTOR_SUMS = ("pg", "kl", "entropy", "nonfinite", "clipfrac", "approx_kl", "clipfrac_lower", "tokens")
-"""What `actor_loss` returns per micro batch for the metrics, in this order (summed over micro batches and ranks)."""
+ACTOR_SUMS = ("pg", "kl", "entropy", "nonfinite", "clipfrac", "approx_kl", "clipfrac_lower", "tokens", "logprob_diff")
+"""What `actor_loss` returns per micro batch for the metrics, in this order (summed over micro batches and ranks),
+followed by one more entry, GAP_MAX, that combines by max (`add_actor_sums`) and stays per rank."""
+GAP_MAX = len(ACTOR_SUMS)
 
 
 def actor_loss(log_probs: Tensor, entropy: Tensor, old_log_probs: Optional[Tensor], ref_log_probs: Optional[Tensor],
-               advantages: Tensor, mask: Tensor, algo: Any, agg: Dict[str, Any]) -> Tuple[Tensor, Tensor]:
+               advantages: Tensor, mask: Tensor, algo: Any, agg: Dict[str, Any],
+               rollout_log_probs: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The actor loss of one micro batch, pg + kl_loss_coef * KL - entropy_coef * entropy, each term aggregated by
-    `agg_loss(**agg)`; and a float64 vector of ACTOR_SUMS for the metrics. Without old log-probs (one on-policy
-    update) the ratio is 1 and the clip never acts, as the definition gives."""
+    `agg_loss(**agg)`; and a float64 vector of ACTOR_SUMS + GAP_MAX for the metrics. Without old log-probs (one
+    on-policy update) the ratio is 1 and the clip never acts, as the definition gives; that update's pass is then
+    the trainer's view of the policy that generated the batch, so with the rollout engine's `rollout_log_probs` it
+    measures their gap (|trainer - rollout| per token: sum and max) at no extra forward."""
     old = old_log_probs if old_log_probs is not None else log_probs.detach()
     pg_mat, stats = policy_loss(log_probs, old, advantages, mask, algo.clip_ratio_low, algo.clip_ratio_high,
                                 algo.clip_ratio_c)
@@ -191,15 +196,30 @@ def actor_loss(log_probs: Tensor, entropy: Tensor, old_log_probs: Optional[Tenso
     sums = torch.stack([pg.detach(), kl.detach(), ent.detach(), (~torch.isfinite(loss.detach())).to(pg.dtype),
                         masked_sum(stats["clipfrac"], mask), masked_sum(stats["approx_kl"], mask),
                         masked_sum(stats["clipfrac_lower"], mask), mask.sum().to(pg.dtype)]).detach()
-    return loss, sums.to(torch.float64)
+    gap = torch.zeros(2, device=log_probs.device, dtype=pg.dtype)
+    if rollout_log_probs is not None:
+        diff = _zero_outside((log_probs.detach().float() - rollout_log_probs.float()).abs(), mask)
+        gap = torch.stack([diff.sum(), diff.max() if diff.numel() else diff.sum()]).to(pg.dtype)
+    return loss, torch.cat([sums, gap]).to(torch.float64)
 
 
-def actor_metrics(sums: Tensor, dp_size: int) -> Dict[str, float]:
-    """Metrics from ACTOR_SUMS reduced over micro batches and data-parallel ranks. The aggregated losses are
-    dp_size times each rank's share (agg_loss undoes the gradient average); the rest are token means."""
+def add_actor_sums(total: Tensor, micro: Tensor) -> Tensor:
+    """Micro batch sums of `actor_loss` accumulated: ACTOR_SUMS add, GAP_MAX takes the max."""
+    return torch.cat([total[:GAP_MAX] + micro[:GAP_MAX], torch.maximum(total[GAP_MAX:], micro[GAP_MAX:])])
+
+
+def actor_metrics(sums: Tensor, dp_size: int, rollout_gap: bool = False) -> Dict[str, float]:
+    """Metrics from ACTOR_SUMS reduced over micro batches and data-parallel ranks (GAP_MAX: this rank's). The
+    aggregated losses are dp_size times each rank's share (agg_loss undoes the gradient average); the rest are
+    token means. With `rollout_gap` (the update had the rollout engine's log-probs) also the trainer / rollout
+    log-prob gap: the mean over the mini batch, this rank's max (the driver takes the max over ranks)."""
     s = dict(zip(ACTOR_SUMS, (float(x) for x in sums)))
     tokens = max(s["tokens"], 1.0)
+    gap = {}
+    if rollout_gap:
+        gap = {"rollout/logprob_diff_mean": s["logprob_diff"] / tokens, "rollout/logprob_diff_max": float(sums[GAP_MAX])}
     return {
+        **gap,
         "actor/pg_loss": s["pg"] / dp_size,
         "actor/kl_loss": s["kl"] / dp_size,
         "actor/entropy": s["entropy"] / dp_size,

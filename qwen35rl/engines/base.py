@@ -53,7 +53,7 @@ class Batch:
 
     input_ids, attention_mask, position_ids: [B, T]; response_mask: [B, T] marks response tokens whose log-prob
     counts (the token predicted at position t is input_ids[:, t]; its log-prob comes from logits at t-1).
-    Per-token tensors (old_log_probs, ref_log_probs, advantages) are [B, T] aligned with input_ids.
+    Per-token tensors (old_log_probs, ref_log_probs, advantages, rollout_log_probs) are [B, T] aligned with input_ids.
     """
 
     input_ids: torch.Tensor
@@ -63,6 +63,8 @@ class Batch:
     old_log_probs: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
+    rollout_log_probs: Optional[torch.Tensor] = None
+    """The rollout engine's log-probs, given to a single on-policy update so that it logs the trainer / rollout gap."""
     multimodal: Dict[str, torch.Tensor] = field(default_factory=dict)
     """Processor outputs for image data (pixel_values, image_grid_thw, ...)."""
 

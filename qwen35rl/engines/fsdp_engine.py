@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qwen35rl.algo.core import ACTOR_SUMS, actor_loss, actor_metrics
+from qwen35rl.algo.core import ACTOR_SUMS, GAP_MAX, actor_loss, actor_metrics, add_actor_sums
 from qwen35rl.config import capabilities
 from qwen35rl.config.layout import Layout
 from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
@@ -407,15 +407,16 @@ class FsdpTrainEngine(TrainEngine):
             self.optimizer.zero_grad(set_to_none=True)
             # sums over this rank: aggregated losses, then masked token sums and counts for the token-mean metrics
             # (kept on the device: reading them per micro batch would stall the launch queue)
-            sums = torch.zeros(len(ACTOR_SUMS), dtype=torch.float64, device=self.device)
+            sums = torch.zeros(GAP_MAX + 1, dtype=torch.float64, device=self.device)
             for mb in micro_batches:
                 logp, ent = self._forward(mb, with_entropy=True)
                 loss, mb_sums = actor_loss(logp, ent, _on(mb.old_log_probs, self.device),
                                            _on(mb.ref_log_probs, self.device), mb.advantages.to(self.device),
-                                           mb.response_mask.to(self.device), algo, agg)
+                                           mb.response_mask.to(self.device), algo, agg,
+                                           _on(mb.rollout_log_probs, self.device))
                 loss.backward()
-                sums += mb_sums
-            sums = self._all_reduce(sums)
+                sums = add_actor_sums(sums, mb_sums)
+            sums = torch.cat([self._all_reduce(sums[:GAP_MAX]), sums[GAP_MAX:].cpu()])  # the gap's max stays per rank
             grad_norm = self._clip_grad_norm()
             lr = self.optimizer.param_groups[0]["lr"]
             nonfinite_loss = sums[ACTOR_SUMS.index("nonfinite")] > 0
@@ -432,7 +433,7 @@ class FsdpTrainEngine(TrainEngine):
                 self.scheduler.step()
         self.module.eval()
         return {
-            **actor_metrics(sums, self.grad_ranks),
+            **actor_metrics(sums, self.grad_ranks, rollout_gap=micro_batches[0].rollout_log_probs is not None),
             "actor/grad_norm": grad_norm,
             "actor/lr": lr,
             "actor/skipped_steps": float(self.skipped_steps),

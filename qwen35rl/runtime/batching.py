@@ -29,6 +29,9 @@ class Sequences:
     off-policy correction's weights folded in, `algo.rollout_correction.fold`)."""
     images: Optional[List[Optional[List[Any]]]] = None
     """Per response, the PIL images of its prompt (image data; the prompt ids hold their image tokens)."""
+    rollout_log_probs: Optional[List[List[float]]] = None
+    """Per response token, the rollout engine's log-prob: given to a single on-policy update, whose one pass then
+    logs the trainer / rollout gap."""
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -39,14 +42,14 @@ class Sequences:
             return None if x is None else x[start:stop]
 
         return Sequences(self.prompt_ids[start:stop], self.response_ids[start:stop], cut(self.old_log_probs),
-                         cut(self.ref_log_probs), cut(self.advantages), cut(self.images))
+                         cut(self.ref_log_probs), cut(self.advantages), cut(self.images), cut(self.rollout_log_probs))
 
     def take(self, indices: Sequence[int]) -> "Sequences":
         def pick(x):
             return None if x is None else [x[i] for i in indices]
 
         return Sequences(pick(self.prompt_ids), pick(self.response_ids), pick(self.old_log_probs),
-                         pick(self.ref_log_probs), pick(self.advantages), pick(self.images))
+                         pick(self.ref_log_probs), pick(self.advantages), pick(self.images), pick(self.rollout_log_probs))
 
     def token_count(self) -> int:
         return sum(len(r) for r in self.response_ids)
@@ -68,6 +71,10 @@ def split_sequences(seqs: Sequences, parts: int) -> List[Sequences]:
     return [seqs.select(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+PER_TOKEN = ("old_log_probs", "ref_log_probs", "advantages", "rollout_log_probs")
+"""The per-token training inputs `build_batch` pads into the engine's Batch, under the same names."""
+
+
 def build_batch(seqs: Sequences, pad_token_id: int, device: Any = "cpu", image_processor: Any = None) -> Batch:
     """Pad one micro batch into the engine's `Batch`; with images, their vision inputs (`image_processor` of the
     model's processor) in row order, as the image tokens appear in the batch."""
@@ -79,7 +86,7 @@ def build_batch(seqs: Sequences, pad_token_id: int, device: Any = "cpu", image_p
     attention = torch.zeros((n, width), dtype=torch.long)
     response_mask = torch.zeros((n, width), dtype=torch.long)
     per_token = {name: torch.zeros((n, width), dtype=torch.float32)
-                 for name in ("old_log_probs", "ref_log_probs", "advantages") if getattr(seqs, name) is not None}
+                 for name in PER_TOKEN if getattr(seqs, name) is not None}
     for i, (prompt, response) in enumerate(zip(seqs.prompt_ids, seqs.response_ids)):
         p0 = p_len - len(prompt)
         input_ids[i, p0:p_len] = torch.tensor(prompt, dtype=torch.long)
@@ -99,9 +106,7 @@ def build_batch(seqs: Sequences, pad_token_id: int, device: Any = "cpu", image_p
         attention_mask=attention.to(device),
         response_mask=response_mask.to(device),
         position_ids=position_ids.to(device),
-        old_log_probs=per_token["old_log_probs"].to(device) if "old_log_probs" in per_token else None,
-        ref_log_probs=per_token["ref_log_probs"].to(device) if "ref_log_probs" in per_token else None,
-        advantages=per_token["advantages"].to(device) if "advantages" in per_token else None,
+        **{name: t.to(device) for name, t in per_token.items()},
         multimodal=_vision_inputs(seqs, image_processor),
     )
 

@@ -82,6 +82,11 @@ def _images_of(examples: Sequence[Any]) -> Dict[str, Any]:
     return {"images": [list(ex.images or []) for ex in examples]}
 
 
+def _complete(log_probs: Sequence[Sequence[float]], responses: Sequence[Sequence[int]]) -> bool:
+    """The rollout engine returned a log-prob for every response token."""
+    return len(log_probs) == len(responses) and all(len(a) == len(b) for a, b in zip(log_probs, responses))
+
+
 def _steps(first: int, last: int) -> str:
     return f"step {last}" if first == last else f"steps {first}-{last}"
 
@@ -220,6 +225,8 @@ class GRPOTrainer:
                 elif not self.single_on_policy_update:
                     seqs.old_log_probs = self.log_probs(seqs)
                     metrics.update(logprob_diff_metrics(batch.rollout_log_probs, seqs.old_log_probs))
+            if self.single_on_policy_update and _complete(batch.rollout_log_probs, seqs.response_ids):
+                seqs.rollout_log_probs = batch.rollout_log_probs  # the update's one pass logs the gap itself
             if self.use_ref:
                 with self.busy(timer, "ref"):
                     seqs.ref_log_probs = self.log_probs(seqs, reference=True)
@@ -438,8 +445,9 @@ class GRPOTrainer:
                 results = self.scatter("update_actor", self.train_group,
                                        [(s,) for s in split_sequences(mini, self.dp)], global_scale=scale)
                 for key in results[0]:
-                    collected[key].append(sum(float(r[key]) for r in results) / len(results))
-        metrics = {k: sum(v) / len(v) for k, v in collected.items()}
+                    values = [float(r[key]) for r in results]
+                    collected[key].append(max(values) if key.endswith("_max") else sum(values) / len(values))
+        metrics = {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in collected.items()}
         if SKIPPED_KEY in collected:  # a running count: its latest value, not an average
             metrics[SKIPPED_KEY] = collected[SKIPPED_KEY][-1]
         return metrics

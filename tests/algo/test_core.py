@@ -261,3 +261,29 @@ def test_actor_loss_is_pg_plus_kl_minus_entropy_and_its_sums():
     # no old log-probs: one on-policy update, ratio 1, nothing clipped
     _, sums = actor_loss(logp, ent, None, ref, adv, mask, algo, agg)
     assert dict(zip(ACTOR_SUMS, sums.tolist()))["clipfrac"] == 0
+
+
+def test_on_policy_update_measures_the_rollout_gap_sum_and_max_over_micro_batches():
+    """With the rollout engine's log-probs the update's pass yields |trainer - rollout| per response token: its sum
+    adds over micro batches (a mean over the mini batch's tokens), its max takes the max; padding never counts."""
+    from types import SimpleNamespace
+
+    from qwen35rl.algo.core import ACTOR_SUMS, GAP_MAX, actor_loss, actor_metrics, add_actor_sums
+
+    algo = SimpleNamespace(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, use_kl_loss=False,
+                           kl_loss_coef=0.0, kl_loss_type="low_var_kl", entropy_coef=0.0)
+    agg = dict(mode="token-mean", global_tokens=5.0, global_seqs=2.0, dp_size=1, norm_const=None)
+    logp = torch.full((2, 4), -1.0)
+    rollout = torch.tensor([[-9.0, -1.5, -1.0, -0.9], [-1.25, -1.25, 5.0, 5.0]])  # padding positions differ most
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.float32)
+    adv, ent = torch.ones(2, 4), torch.zeros(2, 4)
+    total = torch.zeros(GAP_MAX + 1, dtype=torch.float64)
+    for rows in ([0], [1]):
+        _, sums = actor_loss(logp[rows], ent[rows], None, None, adv[rows], mask[rows], algo, agg, rollout[rows])
+        total = add_actor_sums(total, sums)
+    named = dict(zip(ACTOR_SUMS, total.tolist()))
+    assert named["tokens"] == 5 and abs(named["logprob_diff"] - (0.5 + 0 + 0.1 + 0.25 + 0.25)) < 1e-6
+    m = actor_metrics(total, dp_size=1, rollout_gap=True)
+    assert abs(m["rollout/logprob_diff_mean"] - 1.1 / 5) < 1e-6 and abs(m["rollout/logprob_diff_max"] - 0.5) < 1e-6
+    _, sums = actor_loss(logp, ent, None, None, adv, mask, algo, agg)  # no rollout log-probs: nothing measured
+    assert "rollout/logprob_diff_mean" not in actor_metrics(sums, 1) and float(sums[GAP_MAX]) == 0

@@ -138,6 +138,25 @@ def test_metrics_follow_the_loss_definitions():
                       "actor/grad_norm", "actor/lr", "actor/skipped_steps"}
 
 
+def test_on_policy_update_logs_its_gap_to_the_rollout_log_probs():
+    """A single on-policy update given the rollout engine's log-probs logs |trainer - rollout| over the response
+    tokens from its own pass (before the step), split into micro batches or not; without them it logs nothing."""
+    engine = _engine(_cfg("algorithm.use_kl_loss=false"), rank=0, world_size=1, device="cpu")
+    seqs = _sequences()
+    seqs.old_log_probs = seqs.ref_log_probs = None
+    logp = engine.compute_log_probs(build_batch(seqs, PAD))[0]
+    mask = build_batch(seqs, PAD).response_mask.bool()
+    trainer = [row[m].tolist() for row, m in zip(logp, mask)]
+    shift = [[0.01 * (i + 1) * (-1) ** j for j in range(len(r))] for i, r in enumerate(trainer)]
+    seqs.rollout_log_probs = [[a + d for a, d in zip(r, s)] for r, s in zip(trainer, shift)]
+    m = engine.train_mini_batch(_micro_batches(seqs, 2), {})
+    gaps = [abs(d) for s in shift for d in s]
+    assert m["rollout/logprob_diff_mean"] == pytest.approx(sum(gaps) / len(gaps), abs=1e-5)
+    assert m["rollout/logprob_diff_max"] == pytest.approx(max(gaps), abs=1e-5)
+    seqs.rollout_log_probs = None
+    assert "rollout/logprob_diff_mean" not in engine.train_mini_batch([build_batch(seqs, PAD)], {})
+
+
 def test_non_finite_loss_skips_the_step():
     engine = _engine(_cfg(), rank=0, world_size=1, device="cpu")
     batch = build_batch(_sequences(), PAD)

@@ -60,7 +60,10 @@ class FakeWorker:
         self.log["update"].append((self.rank, seqs, dict(global_scale)))
         if any(a != a for a in seqs.advantages):  # NaN
             self.skipped += 1
-        return {"actor/pg_loss": 0.25 + self.rank, "actor/skipped_steps": float(self.skipped)}
+        gap = {}
+        if seqs.rollout_log_probs is not None:  # like an engine's single on-policy pass, its own max per rank
+            gap = {"rollout/logprob_diff_mean": 0.5, "rollout/logprob_diff_max": 0.5 + self.rank}
+        return {"actor/pg_loss": 0.25 + self.rank, "actor/skipped_steps": float(self.skipped), **gap}
 
     def sync_weights(self):
         self.log["sync"].append(self.rank)
@@ -278,10 +281,14 @@ def test_rollout_vs_trainer_logprob_difference_is_logged(tmp_path):
     metrics = trainer.train_step()
     assert metrics["rollout/logprob_diff_max"] == pytest.approx(2.0)
     assert 0.5 < metrics["rollout/logprob_diff_mean"] < 2.0
-    # one on-policy update computes no separate old log-probs: nothing to compare
-    single, _ = make_trainer(tmp_path / "b", ["data.train_batch_size=4", "rollout.n=2", "algorithm.mini_batch_size=4"])
+    assert all(s.rollout_log_probs is None for _, s, _ in workers.log["update"])
+    # one on-policy update computes no separate old log-probs: the update's pass compares, given the rollout's
+    single, workers = make_trainer(tmp_path / "b", ["data.train_batch_size=4", "rollout.n=2",
+                                                    "algorithm.mini_batch_size=4"])
     single.step = 1
-    assert "rollout/logprob_diff_mean" not in single.train_step()
+    metrics = single.train_step()
+    assert all(s.rollout_log_probs == [[-1.0] * len(r) for r in s.response_ids] for _, s, _ in workers.log["update"])
+    assert metrics["rollout/logprob_diff_max"] == 1.5 and metrics["rollout/logprob_diff_mean"] == 0.5  # max of ranks
 
 
 def test_decode_cuda_graph_share_is_logged_and_a_failed_capture_warned_once(tmp_path, caplog):

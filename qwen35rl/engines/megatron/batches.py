@@ -19,7 +19,7 @@ from qwen35rl.engines.megatron.tokens import Aligned, left_align, pad_columns
 from qwen35rl.engines.megatron.vision import RowImages
 from qwen35rl.models.image_tokens import mrope_positions, prompt_image_mask
 
-ROW_KEYS = ("input_ids", "position_ids", "labels", "loss_mask", "advantages", "old", "ref", "image_mask")
+ROW_KEYS = ("input_ids", "position_ids", "labels", "loss_mask", "advantages", "old", "ref", "rollout", "image_mask")
 """The per-row tensors of a prepared micro batch (split and padded with the rows)."""
 PAD_ID = 0
 """Any valid id: padded positions are masked out of every loss and result."""
@@ -65,7 +65,7 @@ def prepare(batch: Batch, shape: BatchShape, train: bool) -> Dict[str, Any]:
         raise ValueError("a multimodal batch needs a vision model and data.has_images=true")
     if train:
         out.update(advantages=at_logits(batch.advantages.float()), old=at_logits(batch.old_log_probs),
-                   ref=at_logits(batch.ref_log_probs))
+                   ref=at_logits(batch.ref_log_probs), rollout=at_logits(batch.rollout_log_probs))
     return out
 
 

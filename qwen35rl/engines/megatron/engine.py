@@ -131,7 +131,7 @@ class MegatronTrainEngine(TrainEngine):
         for c in self.model:
             c.eval()
         return {
-            **actor_metrics(sums, self.dp_size),
+            **actor_metrics(sums, self.dp_size, rollout_gap=micro_batches[0].rollout_log_probs is not None),
             "actor/grad_norm": grad_norm,
             "actor/lr": lr,
             "actor/skipped_steps": float(self.skipped_steps),

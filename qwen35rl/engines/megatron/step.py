@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from qwen35rl.algo.core import ACTOR_SUMS, actor_loss
+from qwen35rl.algo.core import GAP_MAX, actor_loss, add_actor_sums
 from qwen35rl.engines.base import Batch
 from qwen35rl.engines.megatron import batches
 from qwen35rl.engines.megatron.batches import BatchShape
@@ -94,7 +94,8 @@ class Step:
 
     def train_loss(self, agg: Dict[str, Any], num_micro: int, b, weight, hidden):
         logp, ent = self._logprobs(b, weight, hidden, with_entropy=True)
-        loss, sums = actor_loss(logp, ent, b["old"], b["ref"], b["advantages"], b["loss_mask"], self.algo, agg)
+        loss, sums = actor_loss(logp, ent, b["old"], b["ref"], b["advantages"], b["loss_mask"], self.algo, agg,
+                                b["rollout"])
         # megatron's schedule divides the loss by the number of micro batches; agg_loss already normalises over
         # the global mini batch, so undo it
         return loss * num_micro, {"sums": sums}
@@ -122,14 +123,16 @@ class Step:
 
     def backward(self, micro_batches: List[Batch], agg: Dict[str, Any]) -> torch.Tensor:
         """Gradients of the GRPO loss over `micro_batches` into megatron's gradient buffers (zeroed first); returns
-        the loss sums (`ACTOR_SUMS`) over the data-parallel ranks, on the host, the same on every rank."""
+        the loss sums (`ACTOR_SUMS`) over the data-parallel ranks, on the host, the same on every rank of a pipeline
+        (then GAP_MAX, the largest rollout log-prob gap of this data-parallel rank's tokens)."""
         prepared = [batches.prepare(mb, self.shape, train=True) for mb in micro_batches]
         for c in self.model:
             c.train()
             c.zero_grad_buffer()
         out = self.run(prepared, partial(self.train_loss, agg), forward_only=False)
-        sums = torch.zeros(len(ACTOR_SUMS), dtype=torch.float64, device=self.shape.device)
+        sums = torch.zeros(GAP_MAX + 1, dtype=torch.float64, device=self.shape.device)
         if self.ranks.is_last_stage():
             for o in out:
-                sums += o["sums"].to(self.shape.device)
-        return self.ranks.pp_broadcast(self.ranks.sum_over_dp(sums)).cpu()
+                sums = add_actor_sums(sums, o["sums"].to(self.shape.device))
+        sums = torch.cat([self.ranks.sum_over_dp(sums[:GAP_MAX]), sums[GAP_MAX:]])  # the gap's max stays per rank
+        return self.ranks.pp_broadcast(sums).cpu()
