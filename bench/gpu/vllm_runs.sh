@@ -142,7 +142,9 @@ textl|imagesl)
   # runs A and B on the byte-sized vocabulary with the digit-share reward (LEARN): a task the policy can learn
   card
   if [ "$stage" = textl ]; then name=text-0.8b-fsdp-learn; set_=("${TEXT[@]}"); else name=images-0.8b-fsdp-learn; set_=("${IMAGES[@]}"); fi
-  q_run "$name" "$(left 540)" model=qwen3_5_0_8b backend=fsdp $(common) "${set_[@]}" "${SMALL[@]}" "${LEARN[@]}"
+  # LIMIT: seconds of the call the run may use (default 540); EXTRA: more overrides (e.g. rollout.enforce_eager=true)
+  q_run "$name" "$(left ${LIMIT:-540})" model=qwen3_5_0_8b backend=fsdp $(common) "${set_[@]}" "${SMALL[@]}" "${LEARN[@]}" \
+    ${EXTRA:-}
   ;;
 megatron)
   card
