@@ -57,7 +57,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen35rl.config import auto_batch, capabilities
+from qwen35rl.config import auto_batch, capabilities, log_prob_fit
 from qwen35rl.config import memory as M
 from qwen35rl.config import params as P
 from qwen35rl.config import rules as R
@@ -170,7 +170,7 @@ def _with_pool(tree: Dict[str, Any], rollout_devices: int) -> Dict[str, Any]:
     return {**tree, "placement": {**tree["placement"], "rollout_devices": rollout_devices}}
 
 
-_MEMORY_RULES = (R.train_memory_fits, R.rollout_memory_fits)
+_MEMORY_RULES = (R.train_memory_fits, R.log_prob_memory_fits, R.rollout_memory_fits)
 
 
 def _layout_problems(tree: Dict[str, Any], layout: Layout, scope: str) -> bool:
@@ -307,8 +307,8 @@ def _search_variant(tree: Dict[str, Any], pool: Dict[str, Any]) -> List[Candidat
             t = _with(own, opt, ropt)
             layout = derive_layout(t)
             est = M.assemble(t, tterms, rterms)
-            if (R.train_memory_problems(t, est) or R.rollout_memory_problems(t, est)
-                    or _layout_problems(t, layout, "colocated")):
+            if (R.train_memory_problems(t, est) or log_prob_fit.problems(t, layout, est)
+                    or R.rollout_memory_problems(t, est) or _layout_problems(t, layout, "colocated")):
                 continue
             if i not in rollout_costs:
                 rollout_costs[i] = rollout_seconds(t, layout, est)

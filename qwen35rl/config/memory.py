@@ -3,7 +3,7 @@ With placement=split each pool holds only its own phase (`Layout.split`): the tr
 rollout share (no sleeping engine), the rollout pool's is the engine alone (nothing kept by a trainer); each is
 checked against the device's usable memory on its own.
 
-Two phases peak separately:
+Three phases peak separately:
 - training: the trainer's weights and optimizer states, the reference model and whatever the sleeping rollout engine
   keeps, plus the larger of two moments: the backward (gradients of earlier micro batches, gathered FSDP units,
   saved activations, the log-prob head's or a recomputed layer's transient) and the optimizer step (every local
@@ -11,6 +11,8 @@ Two phases peak separately:
   image data the policy and the reference include the vision tower (`trains_vision`): its weights, gradients and
   optimizer states follow each engine's rules for the text parameters (Megatron: on the first stage, replicated
   over TP), and its activations are `train/vision_activations`; `model.freeze_vision_tower` leaves weights only;
+- log-probs: the old and the reference log-probs, forward-only passes in micro batches of their own
+  (`backend.log_prob_*`): the trainer's resident states plus one pass's working set (`log_prob_activations_gib`);
 - rollout: what the trainer keeps on the device between steps, plus the rollout engine (vLLM claims
   `gpu_memory_utilization` of the device for its weights, activations, KV cache and GDN state; the hf engine holds
   its weights, a static cache and one layer's prefill tensors).
@@ -679,6 +681,48 @@ def optimizer_step_gib(cfg: Any, layout: Layout, shard: TrainShard, backward_set
     return max(0.0, step - backward_set)
 
 
+# ------------------------------------------------------------------------ the forward-only (log-prob) passes
+LOG_PROB_BESIDE = ("train/weights", "train/optimizer", "train/gathered_params", "train/reference",
+                   "train/sleeping_engine")
+"""Training terms still on the device while the old and the reference log-probs are computed; the backward's and
+the optimizer step's moments are not (FSDP's gradients are freed after each step: `log_prob/grads` is Megatron's
+buffer)."""
+
+
+def log_prob_tree(cfg: Any) -> Any:
+    """`cfg` as the forward-only passes cut their micro batches: `backend.log_prob_micro_batch_size_per_device` and
+    `backend.log_prob_max_tokens_per_device` in place of the training values (null: the training value)."""
+    b = cfg["backend"]
+    micro, tokens = b.get("log_prob_micro_batch_size_per_device"), b.get("log_prob_max_tokens_per_device")
+    if micro is None and tokens is None:
+        return cfg
+    backend = dict(b)
+    if micro is not None:
+        backend["micro_batch_size_per_device"] = int(micro)
+    if tokens is not None:
+        backend["max_tokens_per_device"] = int(tokens)
+    return {**cfg, "backend": backend}
+
+
+def log_prob_activations_gib(cfg: Any, layout: Layout, shard: TrainShard, kernels: Optional[str] = None) -> float:
+    """One log-prob micro batch's forward under no_grad keeps nothing for a backward: the hidden state between
+    layers, plus the larger of the widest layer's tensors (freed when the layer ends) and the head (the response
+    tokens' final hidden states and three fp32 [chunk, V / tp] tensors, no gradient accumulator). Megatron runs each
+    micro batch through the pipeline on its own (no 1F1B in flight). The vision tower's forward is not counted."""
+    lp, m, h = log_prob_tree(cfg), cfg["model"], int(cfg["model"]["hidden_size"])
+    tokens, head_tokens = tokens_per_device(lp, layout), head_tokens_per_device(lp, layout)
+    kinds = set(shard.layers)
+    if _megatron(layout):
+        cb, kernels, vocab = BF16, megatron_gdn_kernels(cfg, kernels), int(m["vocab_size"]) / max(layout.tp, 1)
+        widest = max((megatron_layer_bytes_per_token(m, k, kernels) for k in kinds), default=0.0)
+    else:
+        cb, kernels, vocab = compute_bytes(cfg), gdn_kernels(cfg, kernels), int(m["vocab_size"])
+        widest = max((hf_layer_bytes_per_token(m, k, cb, kernels, compiles_layers(cfg)) for k in kinds), default=0.0)
+    chunk = min(int(cfg["backend"]["logprob_chunk_size"]), head_tokens)
+    head = head_tokens * cb * h + 3 * chunk * vocab * FP32
+    return gib(tokens * cb * h + max(tokens * widest, head))
+
+
 def reference_model_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
     """With KL on, a bf16 reference model sharded like the policy, its copy of the vision tower included (weights
     only: it never trains) (FSDP: plus its root unit, which stays gathered after each of its forward passes); it
@@ -924,6 +968,8 @@ class MemoryEstimate:
     """What the rollout engine needs at least: weights + activations + one max_model_len sequence."""
     rollout_sequences: Optional[int] = None
     """Full-length sequences the vLLM cache holds at once (0: not even one)."""
+    log_prob_peak_gib: float = 0.0
+    """The forward-only passes (old and reference log-probs): `LOG_PROB_BESIDE` plus the `log_prob/` terms."""
 
     @property
     def host_gib(self) -> float:
@@ -933,7 +979,8 @@ class MemoryEstimate:
     @property
     def headroom(self) -> float:
         """Free fraction of the capacity at the higher of the two peaks (negative: does not fit)."""
-        return 1.0 - max(self.train_peak_gib, self.rollout_peak_gib) / max(self.capacity_gib, 1e-9)
+        peak = max(self.train_peak_gib, self.rollout_peak_gib, self.log_prob_peak_gib)
+        return 1.0 - peak / max(self.capacity_gib, 1e-9)
 
     @property
     def rollout_engine_fits(self) -> bool:
@@ -942,6 +989,7 @@ class MemoryEstimate:
     def to_dict(self) -> Dict[str, Any]:
         r = lambda x: None if x is None else round(float(x), 3)  # noqa: E731
         return {"train_peak": r(self.train_peak_gib), "rollout_peak": r(self.rollout_peak_gib),
+                "log_prob_peak": r(self.log_prob_peak_gib),
                 "capacity": r(self.capacity_gib), "fits": self.fits, "headroom": r(self.headroom),
                 "rollout_pool": r(self.rollout_pool_gib), "rollout_min": r(self.rollout_min_gib),
                 "rollout_sequences": self.rollout_sequences, "host": r(self.host_gib), "terms": {k: r(v) for k, v in self.terms.items()}}
@@ -963,6 +1011,8 @@ def train_terms(cfg: Any, layout: Layout, gdn: Optional[str] = None) -> Dict[str
         **backward,
         "train/optimizer_step": optimizer_step_gib(cfg, layout, shard, sum(backward.values())),
         "train/reference": reference_model_gib(cfg, layout, shard),
+        "log_prob/grads": train_grads_gib(cfg, layout, shard) if _megatron(layout) else 0.0,
+        "log_prob/activations": log_prob_activations_gib(cfg, layout, shard, gdn),
         "rollout/kept_by_trainer": train_state_during_rollout_gib(cfg, layout, shard),
         "host/trainer_offload": host_offloaded_gib(cfg, layout, shard),
     }
@@ -1012,9 +1062,12 @@ def assemble(cfg: Any, train: Dict[str, float], rollout: Dict[str, float]) -> Me
         pool, sequences = None, None
         minimal = terms["rollout/weights"] + terms["rollout/kv_cache"] + terms["rollout/activations"]
         rollout_peak = kept + minimal
-    fits = train_peak <= cap and rollout_peak <= cap and (pool is None or minimal <= pool)
+    log_prob_peak = sum(terms.get(k, 0.0) for k in LOG_PROB_BESIDE) + sum(
+        v for k, v in terms.items() if k.startswith("log_prob/"))
+    fits = max(train_peak, rollout_peak, log_prob_peak) <= cap and (pool is None or minimal <= pool)
     return MemoryEstimate(train_peak_gib=train_peak, rollout_peak_gib=rollout_peak, capacity_gib=cap, fits=fits,
-                          terms=terms, rollout_pool_gib=pool, rollout_min_gib=minimal, rollout_sequences=sequences)
+                          terms=terms, rollout_pool_gib=pool, rollout_min_gib=minimal, rollout_sequences=sequences,
+                          log_prob_peak_gib=log_prob_peak)
 
 
 def estimate(cfg: Any, layout: Layout, gdn: Optional[str] = None) -> MemoryEstimate:

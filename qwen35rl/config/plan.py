@@ -409,13 +409,15 @@ def render_text(plan: Dict[str, Any]) -> str:
            if b["micro_batches_per_device"] is not None
            else f" in micro batches of at most {b['max_tokens_per_device']} tokens"),
         *([f"  auto       {b['auto']['text']}"] if b.get("auto") else []),
-        f"  memory     {peaks[0]} {_fmt_gib(m.get('train_peak'))}, {peaks[1]} {_fmt_gib(m.get('rollout_peak'))},"
+        f"  memory     {peaks[0]} {_fmt_gib(m.get('train_peak'))}, log-prob peak {_fmt_gib(m.get('log_prob_peak'))},"
+        f" {peaks[1]} {_fmt_gib(m.get('rollout_peak'))},"
         f" usable {_fmt_gib(m.get('capacity'))} per device -> {'fits' if m.get('fits') else 'DOES NOT FIT'}"
         + (f" ({m['headroom']:.0%} free)" if m.get("headroom") is not None and m.get("fits") else ""),
     ]
-    for phase in ("train", "rollout"):
+    for phase in ("train", "log_prob", "rollout"):
         if _terms(m, phase):
-            lines.append(f"             {phase + ':':9}{_terms(m, phase)}")
+            label = phase.replace("_", "-") + ":"
+            lines.append(f"             {label:9}{' ' if len(label) >= 9 else ''}{_terms(m, phase)}")
     if plan.get("offload"):
         lines.append(_offload_line(plan))
     if plan.get("compile") is not None:

@@ -596,14 +596,17 @@ def sequence_within_max_model_len(cfg: Any, layout: Layout) -> List[Problem]:
 
 @rule("config")
 def dynamic_batch_holds_a_sequence(cfg: Any, layout: Layout) -> List[Problem]:
-    """With dynamic batch size a micro batch of max_tokens_per_device must hold the longest sequence."""
+    """With dynamic batch size a micro batch of max_tokens_per_device (and of the log-prob passes' budget) must hold
+    the longest sequence."""
     if not val(cfg, "backend.dynamic_batch_size"):
         return []
-    budget, seq = int(val(cfg, "backend.max_tokens_per_device")), _seq_len(cfg)
-    if budget >= seq:
-        return []
-    return _err("dynamic_batch_holds_a_sequence", "backend.max_tokens_per_device", f"a micro batch of {budget} tokens "
-                f"cannot hold one prompt + response of {seq} tokens", _try("backend.max_tokens_per_device", seq))
+    out, seq = [], _seq_len(cfg)
+    for key in ("backend.max_tokens_per_device", "backend.log_prob_max_tokens_per_device"):
+        budget = val(cfg, key)
+        if budget is not None and int(budget) < seq:
+            out += _err("dynamic_batch_holds_a_sequence", key, f"a micro batch of {budget} tokens cannot hold one "
+                        f"prompt + response of {seq} tokens", _try(key, seq))
+    return out
 
 
 @rule("config")
@@ -1260,6 +1263,15 @@ def _engine_terms(est: memory.MemoryEstimate) -> str:
 def train_memory_fits(cfg: Any, layout: Layout) -> List[Problem]:
     """The training phase's per-device peak fits the usable memory."""
     return train_memory_problems(cfg, memory.estimate(cfg, layout))
+
+
+@rule("train")
+def log_prob_memory_fits(cfg: Any, layout: Layout) -> List[Problem]:
+    """The forward-only log-prob passes' per-device peak fits the usable memory (their own micro batch)."""
+    from qwen35rl.config import log_prob_fit
+
+    est = memory.estimate(cfg, layout)
+    return [] if est.train_peak_gib > est.capacity_gib else log_prob_fit.problems(cfg, layout, est)
 
 
 @rule("colocated")

@@ -194,6 +194,13 @@ class BackendConfig:
     """Token budget of one micro batch when `dynamic_batch_size` is on. `auto`: the plan picks the largest budget
     that fits the memory estimate, from one whole sequence up to a DP rank's share of a mini batch
     (`qwen35rl/config/auto_batch.py`); fuller micro batches keep the GPU busier."""
+    log_prob_micro_batch_size_per_device: Optional[int] = optional(at_least(1, None))
+    """Responses per forward-only pass (the old and the reference log-probs; verl's
+    log_prob_micro_batch_size_per_gpu); null: `micro_batch_size_per_device`. Such a pass keeps no activations for a
+    backward, so a larger one often fits (the plan's log-prob peak says)."""
+    log_prob_max_tokens_per_device: Optional[int] = optional(at_least(1, None))
+    """Token budget of one forward-only micro batch when `dynamic_batch_size` is on (verl's
+    log_prob_max_token_len_per_gpu); null: `max_tokens_per_device`."""
     dynamic_batch_size: bool = False
     """Fill micro batches up to `max_tokens_per_device` tokens (as the engine lays them out: packed, padded, or the
     Megatron engine's uniform shape) instead of a fixed count of responses; every rank runs the same number."""
@@ -531,6 +538,13 @@ class TrainerConfig:
     ${trainer.output_root}/.kernel_cache. Variables the environment already sets win."""
     export_hf: bool = True
     """Export the final policy in Hugging Face format to `final/`."""
+    balance_batch: bool = False
+    """Assign the rows of each mini batch to the data-parallel ranks so that their prompt + response token counts are
+    close (each rank still gets the same number of rows; the mini batches themselves do not change); false: in
+    order."""
+    checkpoint_dir: Optional[str] = None
+    """Where the checkpoints go (`step_<N>/`) and `trainer.resume=auto` looks for them; null: `checkpoints/` in the
+    run directory. A relative path is taken from the launch's working directory. Every node must see it."""
     max_keep_checkpoints: int = at_least(0, 2)
     """Finished checkpoints kept (older ones are deleted after a new one is complete); 0 keeps all."""
     log_every: int = at_least(1, 1)

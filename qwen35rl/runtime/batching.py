@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 
 from qwen35rl.engines.base import Batch
-from qwen35rl.runtime.micro_batches import fixed_groups, split_even
+from qwen35rl.runtime.micro_batches import balanced_parts, fixed_groups, split_even
 
 
 @dataclass
@@ -69,6 +69,12 @@ def split_sequences(seqs: Sequences, parts: int) -> List[Sequences]:
     for share in split_even(range(len(seqs)), parts):
         bounds.append(bounds[-1] + len(share))
     return [seqs.select(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def balanced_split(seqs: Sequences, parts: int) -> List[Sequences]:
+    """`split_sequences`' share sizes, with the rows assigned so that each share's prompt + response tokens are
+    close (`trainer.balance_batch`): no rank waits on one that drew the long responses."""
+    return [seqs.take(rows) for rows in balanced_parts(seqs.lengths(), parts)]
 
 
 PER_TOKEN = ("old_log_probs", "ref_log_probs", "advantages", "rollout_log_probs")

@@ -14,7 +14,8 @@ A `step_<N>/` that is not complete (no meta.json: copied in part, or its meta.js
 missing, truncated or corrupted) is never resumed from, overwritten or deleted: the resume moves every such
 directory newer than the checkpoint it picks aside to `step_<N>.incomplete-<time>/` and names it, and a save that
 finds one in its way does the same.
-The checkpoint directory must be on a file system every node sees (DCP writes shards from every rank).
+The checkpoint directory (`<run dir>/checkpoints`, or `trainer.checkpoint_dir`) must be on a file system every node
+sees (DCP writes shards from every rank).
 """
 from __future__ import annotations
 
@@ -48,6 +49,26 @@ log = logging.getLogger(__name__)
 
 class CheckpointError(RuntimeError):
     pass
+
+
+CHECKPOINTS = "checkpoints"
+"""The run directory's own checkpoint directory (`trainer.checkpoint_dir` null)."""
+_DIRS: Dict[Path, Path] = {}
+"""Run directory -> its checkpoint directory, as this process's config set it (`checkpoint_dir` with a config)."""
+
+
+def checkpoint_dir(run_dir: Path, cfg: Any = None) -> Path:
+    """Where `run_dir`'s checkpoints are: `trainer.checkpoint_dir` (as the user wrote it, `~` expanded), else
+    `<run_dir>/checkpoints`. Given a config, the answer is remembered for this process, so that the reports that know
+    only the run directory (a stop, a full disk, the summary) name the same place."""
+    run_dir = Path(run_dir)
+    if cfg is None:
+        return _DIRS.get(run_dir, run_dir / CHECKPOINTS)
+    trainer = cfg["trainer"]
+    configured = trainer.get("checkpoint_dir") if hasattr(trainer, "get") else None
+    found = Path(str(configured)).expanduser() if configured else run_dir / CHECKPOINTS
+    _DIRS[run_dir] = found
+    return found
 
 
 def file_list(ckpt: Path) -> Dict[str, Dict[str, int]]:

@@ -70,7 +70,7 @@ def report_disk_full(e: BaseException, run_dir: Path) -> int:
         free = f"{_size(usage.free)} free of {_size(usage.total)} on the file system of {run_dir}"
     except OSError as err:
         free = f"unknown ({err})"
-    checkpoints = ckpt.CheckpointManager(run_dir / "checkpoints")
+    checkpoints = ckpt.CheckpointManager(ckpt.checkpoint_dir(run_dir))
     try:
         checkpoints.remove_partial()  # a half-written save only takes space
         last = checkpoints.latest(verified=False)

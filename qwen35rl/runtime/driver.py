@@ -132,7 +132,7 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where, 
                   "`pkg.module:function` (or `path/to/file.py:function`); nothing was started", why)
         return EXIT_CONFIG
 
-    checkpoints = ckpt.CheckpointManager(run_dir / "checkpoints", cfg.trainer.max_keep_checkpoints)
+    checkpoints = ckpt.CheckpointManager(ckpt.checkpoint_dir(run_dir, cfg), cfg.trainer.max_keep_checkpoints)
     checkpoints.remove_partial()
     try:
         resume_from = checkpoints.resolve(cfg.trainer.resume)
@@ -147,7 +147,7 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where, 
         return EXIT_CONFIG
     start_step = int(meta["step"]) if resume_from else 0
     if resume_from is None:
-        moved = run_identity.start_over(run_dir)
+        moved = run_identity.start_over(run_dir, checkpoints.root)
         if moved is not None:
             report.say(f"starting over at step 0 (trainer.resume={cfg.trainer.resume}): the earlier run's outputs in "
                        f"this directory moved to {report.shown_path(moved)}/")

@@ -26,6 +26,9 @@ def train(cfg: Any, run_dir: Path) -> int:
     from qwen35rl.exit_codes import EXIT_INTERRUPTED
     from qwen35rl.runtime.signals import STOP_TIMEOUT_S, StopRequest, last_checkpoint
 
+    from qwen35rl.runtime.checkpoint import checkpoint_dir
+
+    checkpoint_dir(run_dir, cfg)  # every report of this job names the configured checkpoint directory
     phases = report.Phases(report.job_started_s_ago())
     stop = StopRequest(cfg.trainer.get("stop_timeout_s", STOP_TIMEOUT_S))
     try:

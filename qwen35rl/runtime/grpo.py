@@ -33,7 +33,7 @@ from qwen35rl.config.layout import Layout
 from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, NORM_CONST
 from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.runtime.disk_full import DiskFull, disk_full, unwritten
-from qwen35rl.runtime.batching import Sequences, split_even, split_sequences
+from qwen35rl.runtime.batching import Sequences, balanced_split, split_even, split_sequences
 from qwen35rl.runtime import report
 from qwen35rl.runtime.cluster import WorkerGroup, wait_pools
 from qwen35rl.runtime.flops import mfu, train_flops
@@ -442,8 +442,9 @@ class GRPOTrainer:
                 mini = seqs.take(order[start:start + per_mini])
                 scale = {GLOBAL_TOKENS: float(mini.token_count()),
                          GLOBAL_SEQS: float(sum(1 for r in mini.response_ids if r)), NORM_CONST: norm_const}
+                split = balanced_split if self.cfg.trainer.get("balance_batch", False) else split_sequences
                 results = self.scatter("update_actor", self.train_group,
-                                       [(s,) for s in split_sequences(mini, self.dp)], global_scale=scale)
+                                       [(s,) for s in split(mini, self.dp)], global_scale=scale)
                 for key in results[0]:
                     values = [float(r[key]) for r in results]
                     collected[key].append(max(values) if key.endswith("_max") else sum(values) / len(values))

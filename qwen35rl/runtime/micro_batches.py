@@ -32,6 +32,19 @@ def split_even(items: Sequence[T], parts: int) -> List[List[T]]:
     return out
 
 
+def balanced_parts(lengths: Sequence[int], parts: int) -> List[List[int]]:
+    """Row indices in `parts` groups of `split_even`'s sizes whose length sums are close: the longest row first, each
+    to the open group with the smallest sum so far (ties: the lower group). Each group keeps its rows in order."""
+    sizes = [len(g) for g in split_even(range(len(lengths)), parts)]
+    groups: List[List[int]] = [[] for _ in range(parts)]
+    sums = [0] * parts
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        p = min((g for g in range(parts) if len(groups[g]) < sizes[g]), key=lambda g: (sums[g], g))
+        groups[p].append(i)
+        sums[p] += lengths[i]
+    return [sorted(g) for g in groups]
+
+
 def fixed_groups(rows: int, size: int) -> List[List[int]]:
     """Consecutive groups of `size` rows (the last may be shorter)."""
     size = max(int(size), 1)

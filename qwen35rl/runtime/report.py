@@ -184,9 +184,9 @@ def summary(run_dir: Path, rows: Sequence[Mapping[str, Any]], total_steps: Optio
                        "them)")
     where = [("metrics", run_dir / "metrics.jsonl"), ("tensorboard", run_dir / "tensorboard"),
              ("curves", run_dir / "curves.png"), ("samples", run_dir / "generations.jsonl")]
-    from qwen35rl.runtime.checkpoint import CheckpointManager
+    from qwen35rl.runtime.checkpoint import CheckpointManager, checkpoint_dir
 
-    newest = CheckpointManager(run_dir / "checkpoints").latest(verified=False)
+    newest = CheckpointManager(checkpoint_dir(run_dir)).latest(verified=False)
     if newest is not None:
         where.append(("checkpoint", newest))
     where.append(("export", run_dir / "final"))
@@ -254,10 +254,10 @@ def failure_block(headline: str, *, what: str, where: str, fix: Optional[str], c
     if detail:
         lines.append(f"  the full traceback: {shown_path(logfile)}" if logfile is not None
                      else "  the full traceback: logged to the qwen35rl.file logger (no log file is configured)")
-    from qwen35rl.runtime.checkpoint import CheckpointManager
+    from qwen35rl.runtime.checkpoint import CheckpointManager, checkpoint_dir
 
     try:
-        last = CheckpointManager(Path(run_dir) / "checkpoints").latest(verified=False)
+        last = CheckpointManager(checkpoint_dir(run_dir)).latest(verified=False)
     except OSError:
         last = None
     if last is not None:

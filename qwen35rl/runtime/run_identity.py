@@ -51,15 +51,16 @@ RESUME_MODES = ("auto", "never", "force")
 EXPERIMENT, HOW, IGNORED = "experiment", "how", "ignored"
 
 _IGNORED = ("trainer.trackers", "trainer.project_name", "trainer.run_name", "trainer.output_root", "trainer.resume",
-            "trainer.log_every", "trainer.placement_timeout_s", "trainer.launcher", "trainer.log_val_generations",
+            "trainer.checkpoint_dir", "trainer.log_every", "trainer.placement_timeout_s", "trainer.launcher", "trainer.log_val_generations",
             "ray_address", "format", "hw.env", "backend.env")
 _HOW = ("hw", "parallelism",
         "trainer.total_steps", "trainer.total_epochs", "trainer.save_freq", "trainer.test_freq",
-        "trainer.val_before_train", "trainer.export_hf", "trainer.max_keep_checkpoints",
+        "trainer.balance_batch", "trainer.val_before_train", "trainer.export_hf", "trainer.max_keep_checkpoints",
         "data.val_batch_size", "data.max_reward_failure_rate", "data.reward_failure_window",
         "data.train_files", "data.val_files", "model.path",
         # the engines' memory / speed knobs: the same math, split or scheduled differently
         "backend.micro_batch_size_per_device", "backend.max_tokens_per_device", "backend.dynamic_batch_size",
+        "backend.log_prob_micro_batch_size_per_device", "backend.log_prob_max_tokens_per_device",
         "backend.remove_padding", "backend.gradient_checkpointing", "backend.param_offload",
         "backend.optimizer_offload", "backend.grad_offload", "backend.logprob_chunk_size", "backend.use_torch_compile",
         "backend.compile_layers", "backend.reshard_after_forward", "backend.offload_policy",
@@ -161,12 +162,13 @@ def start_dirs(run_dir: Path) -> List[Path]:
     return [p for _, p in sorted(found)]
 
 
-def saved_config(checkpoint: Path) -> Optional[Tuple[Path, Dict[str, Any]]]:
+def saved_config(checkpoint: Path, run_dir: Optional[Path] = None) -> Optional[Tuple[Path, Dict[str, Any]]]:
     """(file, config) of the start that wrote `checkpoint`: the one its meta.json names, else (a checkpoint saved
-    before checkpoints named it) the newest start of its run directory with a config; None when there is none."""
+    before checkpoints named it) the newest start of its run directory with a config; None when there is none.
+    `run_dir`: the run that wrote it (default: the one holding `checkpoints/` above it)."""
     from omegaconf import OmegaConf
 
-    run_dir = Path(checkpoint).parent.parent
+    run_dir = Path(run_dir) if run_dir is not None else Path(checkpoint).parent.parent
     try:
         named = ckpt.read_meta(checkpoint).get(PROVENANCE_KEY)
     except (OSError, ValueError):
@@ -187,22 +189,37 @@ def has_outputs(run_dir: Path) -> List[str]:
     return [name for name in OUTPUTS if (Path(run_dir) / name).exists()]
 
 
-def start_over(run_dir: Path) -> Optional[Path]:
+def start_over(run_dir: Path, checkpoints: Optional[Path] = None) -> Optional[Path]:
     """Move what an earlier run left in `run_dir` (checkpoints, metrics, TensorBoard events, curves, export,
     provenance) to `superseded/<time>/`, so a run starting from step 0 here never mixes with it; returns where
-    they went (None when there was nothing)."""
+    they went (None when there was nothing). A checkpoint directory elsewhere (`trainer.checkpoint_dir`) keeps its
+    place: its `step_<N>` directories move into its own `superseded/<time>/`."""
     run_dir = Path(run_dir)
     names = has_outputs(run_dir)
+    elsewhere = checkpoints is not None and Path(checkpoints) != run_dir / ckpt.CHECKPOINTS
+    steps = ckpt.CheckpointManager(checkpoints).step_dirs() if elsewhere else []
+    if steps:
+        aside = _superseded(Path(checkpoints))
+        for path in steps:
+            shutil.move(str(path), str(aside / path.name))
+        if names:
+            say(f"the earlier run's checkpoints in {shown_path(checkpoints)} moved to {shown_path(aside)}/")
     if not names:
-        return None
-    dest = run_dir / SUPERSEDED_DIR / time.strftime("%Y%m%d-%H%M%S")
+        return aside if steps else None
+    dest = _superseded(run_dir)
+    for name in names:
+        shutil.move(str(run_dir / name), str(dest / name))
+    return dest
+
+
+def _superseded(root: Path) -> Path:
+    """A new `root/superseded/<time>/` directory."""
+    dest = root / SUPERSEDED_DIR / time.strftime("%Y%m%d-%H%M%S")
     n = 1
     while dest.exists():
         n += 1
         dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
     dest.mkdir(parents=True)
-    for name in names:
-        shutil.move(str(run_dir / name), str(dest / name))
     return dest
 
 
@@ -245,7 +262,7 @@ def decide(cfg: Any, run_dir: Path) -> Decision:
     if resume == "never":
         return Decision()
     if resume in ("auto", "force"):
-        checkpoint = ckpt.CheckpointManager(run_dir / "checkpoints").latest(verified=False)
+        checkpoint = ckpt.CheckpointManager(ckpt.checkpoint_dir(run_dir, cfg)).latest(verified=False)
     else:
         checkpoint = Path(resume).expanduser()
         if not (checkpoint / ckpt.META_FILE).is_file():
@@ -256,7 +273,7 @@ def decide(cfg: Any, run_dir: Path) -> Decision:
         meta = ckpt.read_meta(checkpoint)
     except (OSError, ValueError):
         return Decision(checkpoint=checkpoint)  # damaged: the driver names it and takes the newest intact one
-    found = saved_config(checkpoint)
+    found = saved_config(checkpoint, run_dir if resume in ("auto", "force") else None)
     current = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     decision = Decision(checkpoint=checkpoint)
     if found is not None:

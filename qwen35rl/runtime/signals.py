@@ -135,10 +135,10 @@ class StopRequest:
 
 def last_checkpoint(run_dir: Path) -> str:
     """Where the same command resumes from: the newest finished checkpoint of the run directory, or step 0."""
-    from qwen35rl.runtime.checkpoint import CheckpointManager, _shown
+    from qwen35rl.runtime.checkpoint import CheckpointManager, _shown, checkpoint_dir
 
     try:
-        last = CheckpointManager(Path(run_dir) / "checkpoints").latest(verified=False)
+        last = CheckpointManager(checkpoint_dir(run_dir)).latest(verified=False)
     except OSError:
         last = None
     if last is None:

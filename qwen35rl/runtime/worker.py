@@ -229,7 +229,7 @@ class PolicyWorker:
         """Collective: per-response log-probs of the response tokens under the policy (or the reference)."""
         engine = self.ref if reference else self.actor
         self._trainers_on_device()
-        groups = self.micro_batch_groups(seqs, engine)
+        groups = self.micro_batch_groups(seqs, engine, forward_only=True)
         computed = []
         with torch.no_grad(), self.memory.phase("ref" if reference else "old_log_prob"):
             for rows in groups:
@@ -265,14 +265,17 @@ class PolicyWorker:
     def _image_processor(self) -> Any:
         return None if self.processor is None else self.processor.image_processor
 
-    def micro_batch_groups(self, seqs: Sequences, engine: Any) -> List[List[int]]:
+    def micro_batch_groups(self, seqs: Sequences, engine: Any, forward_only: bool = False) -> List[List[int]]:
         """Collective with `backend.dynamic_batch_size`: the row indices of each micro batch of this share
-        (`runtime.micro_batches`)."""
+        (`runtime.micro_batches`). `forward_only` (the log-prob passes) cuts by `backend.log_prob_*` where set."""
         b = self.cfg.backend
+        size, budget = b.micro_batch_size_per_device, b.max_tokens_per_device
+        if forward_only:
+            size = b.get("log_prob_micro_batch_size_per_device") or size
+            budget = b.get("log_prob_max_tokens_per_device") or budget
         if not b.dynamic_batch_size:
-            return fixed_groups(len(seqs), b.micro_batch_size_per_device)
-        return token_budget_groups(seqs.lengths(), b.max_tokens_per_device, engine.micro_batch_layout,
-                                   self._largest_over_ranks)
+            return fixed_groups(len(seqs), size)
+        return token_budget_groups(seqs.lengths(), budget, engine.micro_batch_layout, self._largest_over_ranks)
 
     def _largest_over_ranks(self, count: int) -> int:
         if not dist.is_initialized():

@@ -390,7 +390,43 @@ def test_reference_runs_fit(model, backend, hw):
     assert est.fits and 0 < est.train_peak_gib < est.capacity_gib and 0 < est.rollout_peak_gib <= est.capacity_gib
     assert est.rollout_sequences >= 64  # the KV cache holds a useful batch of full-length sequences
     d = est.to_dict()
-    assert {"train_peak", "rollout_peak", "capacity", "fits", "terms"} <= set(d)
+    assert {"train_peak", "rollout_peak", "log_prob_peak", "capacity", "fits", "terms"} <= set(d)
+    # the forward-only passes with the training micro batch keep less than the update's backward
+    assert 0 < est.log_prob_peak_gib <= est.train_peak_gib
+
+
+def test_log_prob_phase_has_its_own_micro_batch():
+    """The old / reference log-prob passes keep the trainer's resident states plus one forward's working set: the
+    hidden state and the larger of the widest layer and the head's chunk, for their own micro batch; no gradients
+    (FSDP frees them after each step; Megatron's buffer stays)."""
+    lay = layout("fsdp", world=8, tp=1, pp=1, ep=1)
+    t = tree(FSDP27, backend__gradient_checkpointing=True)
+    m, h, cb = t["model"], int(t["model"]["hidden_size"]), M.compute_bytes(t)
+    shard = M.train_shard(t, lay)
+    widest = max(M.hf_layer_bytes_per_token(m, k, cb, M.gdn_kernels(t)) for k in set(shard.layers))
+    for micro in (None, 4):
+        u = tree(FSDP27, backend__gradient_checkpointing=True, backend__log_prob_micro_batch_size_per_device=micro)
+        tokens = (micro or int(t["backend"]["micro_batch_size_per_device"])) * M.sequence_length(t)
+        head_tokens = tokens * int(t["data"]["max_response_length"]) / M.sequence_length(t)
+        head = head_tokens * cb * h + 3 * min(int(t["backend"]["logprob_chunk_size"]), head_tokens) * int(
+            m["vocab_size"]) * 4
+        assert M.log_prob_activations_gib(u, lay, shard) == pytest.approx(
+            (tokens * cb * h + max(tokens * widest, head)) / GIB)
+    est, big = M.estimate(t, lay), M.estimate(tree(FSDP27, backend__log_prob_micro_batch_size_per_device=16), lay)
+    beside = sum(est.terms[k] for k in M.LOG_PROB_BESIDE)
+    assert est.terms["log_prob/grads"] == 0 and est.log_prob_peak_gib == pytest.approx(
+        beside + est.terms["log_prob/activations"])
+    assert big.log_prob_peak_gib > est.log_prob_peak_gib and big.train_peak_gib == pytest.approx(
+        M.estimate(tree(FSDP27), lay).train_peak_gib)  # the update is untouched
+    mg = M.estimate(tree(MG35), derive_layout(compose(MG35)))
+    assert mg.terms["log_prob/grads"] == mg.terms["train/grads"] > 0
+    # dynamic batch size: the token budget of its own
+    dyn = tree(FSDP27, backend__dynamic_batch_size=True, backend__max_tokens_per_device=8192)
+    more = tree(FSDP27, backend__dynamic_batch_size=True, backend__max_tokens_per_device=8192,
+                backend__log_prob_max_tokens_per_device=32768)
+    assert M.tokens_per_device(M.log_prob_tree(more), lay) == 4 * M.tokens_per_device(M.log_prob_tree(dyn), lay)
+    assert M.estimate(more, lay).log_prob_peak_gib > M.estimate(dyn, lay).log_prob_peak_gib
+    assert not M.estimate(tree(FSDP27, backend__log_prob_micro_batch_size_per_device=512), lay).fits
 
 
 def test_offload_and_pipeline_lower_the_training_peak():

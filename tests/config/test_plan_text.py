@@ -13,7 +13,7 @@ import pytest
 
 from qwen35rl.config import layout_search
 from qwen35rl.config.compose import compose
-from qwen35rl.config.plan import build_plan, render_text
+from qwen35rl.config.plan import _fmt_gib, build_plan, render_text
 from qwen35rl.runtime.tracking import read_metrics
 from tests.load import scaled
 
@@ -46,11 +46,13 @@ def test_memory_breakdown_and_host_offload_are_in_the_text():
     lines = text.splitlines()
     at = lines.index(line(text, "memory"))
     # the phases' terms, largest first, below the peaks
-    assert lines[at + 1].split()[0] == "train:" and lines[at + 2].split()[0] == "rollout:"
+    assert [lines[at + i].split()[0] for i in (1, 2, 3)] == ["train:", "log-prob:", "rollout:"]
+    assert f"log-prob peak {_fmt_gib(mem['log_prob_peak'])}" in lines[at]
+    assert f"activations {_fmt_gib(mem['terms']['log_prob/activations'])}" in lines[at + 2]
     terms = mem["terms"]
     largest = max((v, k) for k, v in terms.items() if k.startswith("train/"))[1]
     assert largest == "train/grads" and lines[at + 1].split()[1:4] == ["grads", f"{terms[largest]:.1f}", "GiB,"]
-    assert f"vLLM pool {terms['rollout/pool']:.1f} GiB" in lines[at + 2]
+    assert f"vLLM pool {terms['rollout/pool']:.1f} GiB" in lines[at + 3]
     # the backend's offload settings and the host memory they take (also in the JSON)
     off = plan["offload"]
     without = off.pop("without")

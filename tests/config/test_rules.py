@@ -192,6 +192,8 @@ CASES = [
      {"algorithm__rollout_is": "token", "backend__use_rollout_log_probs": True}, "algorithm.rollout_is", WARNING),
     ("train_memory_fits", "mg35", {"backend__optimizer_cpu_offload": False, "parallelism__pp": 2},
      {"backend__optimizer_cpu_offload": False}, "parallelism", ERROR),
+    ("log_prob_memory_fits", "mg35", {"backend__log_prob_micro_batch_size_per_device": 16},
+     {"backend__log_prob_micro_batch_size_per_device": 512}, "backend.log_prob_micro_batch_size_per_device", ERROR),
     ("rollout_memory_fits", "mg35", {"rollout__gpu_memory_utilization": 0.3}, {"rollout__gpu_memory_utilization": 0.1},
      "rollout.gpu_memory_utilization", ERROR),
     ("megatron_core_version_valid", "mg35", {"backend__megatron_core_version": "0.19.2"},
@@ -407,3 +409,17 @@ def test_allocator_slack_cannot_be_negative():
     assert by_code(tree("tiny", hw__allocator_slack=0.0), "value_in_range") == []
     bad = by_code(tree("tiny", hw__allocator_slack=-0.5), "value_in_range")
     assert [p.key for p in bad] == ["hw.allocator_slack"]
+
+
+def test_log_prob_token_budget_holds_a_sequence_and_fits():
+    """With dynamic batch size the log-prob passes' own budget must hold a sequence, and is sized by the memory rule
+    like the micro batch (the hint is the largest budget that fits)."""
+    short = by_code(tree("mg35_a3", backend__log_prob_max_tokens_per_device=2048), "dynamic_batch_holds_a_sequence")
+    assert [p.key for p in short] == ["backend.log_prob_max_tokens_per_device"]
+    huge = tree("mg35_a3", backend__log_prob_max_tokens_per_device=10 ** 7)
+    found = by_code(huge, "log_prob_memory_fits")
+    assert found and found[0].key == "backend.log_prob_max_tokens_per_device"
+    fit = int(re.match(r"try [\w.]+=(\d+)", found[0].hint).group(1))
+    assert fit >= 3072 and not by_code(tree("mg35_a3", backend__log_prob_max_tokens_per_device=fit),
+                                       "log_prob_memory_fits")
+    assert by_code(tree("mg35_a3", backend__log_prob_max_tokens_per_device=fit + 1), "log_prob_memory_fits")

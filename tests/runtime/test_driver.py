@@ -187,6 +187,21 @@ def test_dynamic_sampling_fills_when_rounds_run_out(tmp_path):
     assert stats["dynamic_sampling/groups_filled"] == even == stats["dynamic_sampling/groups_dropped"]
 
 
+def test_balance_batch_gives_the_ranks_equal_rows_and_close_token_counts(tmp_path):
+    lengths = [9, 1, 8, 1, 7, 1, 6, 1]  # in order, rank 0 would get 19 response tokens and rank 1 15
+    seqs = Sequences(prompt_ids=[[1]] * 8, response_ids=[[2] * n for n in lengths], old_log_probs=[[0.0]] * 8,
+                     advantages=[1.0] * 8)
+    for balance, want in ((False, [19, 15]), (True, [17, 17])):
+        trainer, workers = make_trainer(tmp_path, ["data.train_batch_size=4", "rollout.n=2",
+                                                   "algorithm.mini_batch_size=4", f"trainer.balance_batch={balance}"])
+        trainer.update_actor(seqs)
+        shares = [s for _, s, _ in workers.log["update"]]
+        assert [len(s) for s in shares] == [4, 4] and [s.token_count() for s in shares] == want
+        assert sorted(map(len, shares[0].response_ids + shares[1].response_ids)) == sorted(lengths)
+        # the loss is still normalised over the whole mini batch: the same on every rank whatever the split
+        assert workers.log["update"][0][2][GLOBAL_TOKENS] == sum(lengths)
+
+
 def test_nonfinite_count_is_reported_not_averaged(tmp_path):
     trainer, workers = make_trainer(tmp_path, ["data.train_batch_size=4", "rollout.n=2", "algorithm.mini_batch_size=2"])
     for w in workers.workers:

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from qwen35rl.runtime.micro_batches import (fewest_groups, fixed_groups, group_cost, split_to_count,
-                                            token_budget_groups)
+from qwen35rl.runtime.micro_batches import (balanced_parts, fewest_groups, fixed_groups, group_cost, split_even,
+                                            split_to_count, token_budget_groups)
 
 
 def _rows(groups):
@@ -126,3 +126,20 @@ def test_worker_ranks_agree_on_the_count_over_the_process_group(tmp_path):
     assert len(short) == len(long_) == 4
     assert sorted(i for g in short for i in g) == list(range(8))
     assert [len(g) for g in long_] == [2, 2, 2, 2]  # 2 x 60 tokens fill the budget of 120
+
+
+def test_balanced_parts_keep_counts_equal_and_sums_close():
+    lengths = [100, 90, 10, 10, 80, 5, 70, 15]
+    in_order = [sum(lengths[:4]), sum(lengths[4:])]  # what a split in order gives: 210 / 170
+    parts = balanced_parts(lengths, 2)
+    assert [len(p) for p in parts] == [4, 4] and sorted(i for p in parts for i in p) == list(range(8))
+    assert all(p == sorted(p) for p in parts)  # each rank keeps the rows in batch order
+    sums = [sum(lengths[i] for i in p) for p in parts]
+    assert max(sums) - min(sums) < in_order[0] - in_order[1] and sums == [190, 190]
+    rng = random.Random(3)
+    for _ in range(50):
+        lengths = [rng.randint(1, 4000) for _ in range(rng.choice([6, 12, 13, 24]))]
+        parts = balanced_parts(lengths, 3)
+        assert [len(p) for p in parts] == [len(g) for g in split_even(range(len(lengths)), 3)]
+        sums = [sum(lengths[i] for i in p) for p in parts]
+        assert max(sums) - min(sums) <= max(lengths)  # greedy largest-first: within one row of each other

@@ -122,3 +122,32 @@ def test_a_wandb_run_id_stays_over_resumes_and_changes_after_a_start_over(tmp_pa
     run_identity.start_over(run)
     provenance.record_start(run, compose(BASE))  # the new run's start-001
     assert _stable_id(run) != first
+
+
+def test_checkpoints_in_a_directory_of_their_own_are_resumed_and_named(tmp_path):
+    from qwen35rl.runtime.signals import last_checkpoint
+
+    elsewhere = tmp_path / "store" / "ckpts"
+    mine = [*BASE, f"trainer.checkpoint_dir={elsewhere}"]
+    run = tmp_path / "run"
+    start = provenance.record_start(run, compose(mine), argv=["qwen35rl-train"])
+    root = ckpt.checkpoint_dir(run, compose(mine))
+    assert root == elsewhere
+    mgr = ckpt.CheckpointManager(root)
+    tmp = mgr.begin(1)
+    ckpt.save_trainer_state(tmp, {"step": 1})
+    mgr.commit(tmp, 1, {"total_steps": 2, run_identity.PROVENANCE_KEY: start.name})
+    assert not (run / "checkpoints").exists()
+
+    resumed = run_identity.decide(compose(mine), run)  # trainer.resume=auto looks there
+    assert resumed.exit_code is None and resumed.checkpoint == elsewhere / "step_1"
+    refused = run_identity.decide(compose([*mine, "algorithm=dr_grpo"]), run)  # compared with the run's own record
+    assert refused.exit_code == EXIT_CONFIG and refused.saved_file == run / "provenance" / "start-001" / "config.yaml"
+    assert str(elsewhere / "step_1") in last_checkpoint(run)  # the reports that know only the run directory
+    assert run_identity.decide(compose(BASE), run).checkpoint is None  # null: the run directory's checkpoints/
+
+    dest = run_identity.start_over(run, elsewhere)  # a fresh start: the directory stays, its steps move aside
+    assert dest.parent == run / "superseded"
+    aside = [p for p in (elsewhere / "superseded").iterdir()]
+    assert len(aside) == 1 and [p.name for p in aside[0].iterdir()] == ["step_1"]
+    assert ckpt.CheckpointManager(elsewhere).latest() is None

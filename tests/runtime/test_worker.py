@@ -158,3 +158,40 @@ def test_hf_export_loads_with_transformers(worker, tmp_path):
     assert set(policy) <= set(exported)
     assert all(torch.equal(policy[k], exported[k].detach()) for k in policy)
     assert tok.decode(tok.encode("7 3 9 =")) == "7 3 9 ="
+
+
+def test_log_prob_passes_cut_their_own_micro_batches(worker, monkeypatch):
+    """backend.log_prob_micro_batch_size_per_device / log_prob_max_tokens_per_device size the forward-only passes
+    (old and reference log-probs) alone: the update keeps the training micro batch, and the log-probs are the same."""
+    lengths = [1, 9, 2, 8, 1, 7]
+    seqs = Sequences([[104, 105]] * len(lengths), [[40 + k for k in range(n)] for n in lengths])
+    backend = worker.cfg.backend
+    keys = ("micro_batch_size_per_device", "dynamic_batch_size", "max_tokens_per_device",
+            "log_prob_micro_batch_size_per_device", "log_prob_max_tokens_per_device")
+    saved = {k: backend[k] for k in keys}
+    try:
+        backend.micro_batch_size_per_device, backend.log_prob_micro_batch_size_per_device = 1, None
+        one_by_one = worker.compute_log_probs(seqs)
+        backend.log_prob_micro_batch_size_per_device = 3
+        assert worker.micro_batch_groups(seqs, worker.actor, forward_only=True) == [[0, 1, 2], [3, 4, 5]]
+        assert worker.micro_batch_groups(seqs, worker.actor) == [[i] for i in range(6)]
+        rows = []
+        real = worker.actor.compute_log_probs
+        monkeypatch.setattr(worker.actor, "compute_log_probs", lambda b: rows.append(len(b.input_ids)) or real(b))
+        together = worker.compute_log_probs(seqs)
+        assert rows == [3, 3]
+        for a, b in zip(together, one_by_one):
+            assert a == pytest.approx(b, abs=1e-5)
+        seen = []
+        monkeypatch.setattr(worker.actor, "train_mini_batch", lambda micro, scale: seen.extend(micro) or {})
+        seqs.advantages, seqs.old_log_probs = [1.0] * 6, together
+        worker.update_actor(seqs, _scale(seqs))
+        assert len(seen) == 6  # the training micro batch of 1
+        backend.dynamic_batch_size, backend.max_tokens_per_device = True, 11
+        backend.log_prob_max_tokens_per_device = 33
+        train = worker.micro_batch_groups(seqs, worker.actor)
+        forward = worker.micro_batch_groups(seqs, worker.actor, forward_only=True)
+        assert len(forward) < len(train) and all(len(g) * max(2 + lengths[i] for i in g) <= 33 for g in forward)
+    finally:
+        for k, v in saved.items():
+            backend[k] = v

@@ -139,6 +139,33 @@ def _budget_to_qwen(v: Any, ctx: Any) -> Any:
     return int(v) * int(sp or 1)
 
 
+def _log_prob_micro_to_verl(v: Any, cfg: Any) -> Any:
+    """null runs the forward-only passes in training micro batches: verl is given that value."""
+    v = get(cfg, "backend.micro_batch_size_per_device") if v is None else v
+    return int(v) if isinstance(v, int) else None
+
+
+def _log_prob_micro_to_qwen(v: Any, ctx: Any) -> Any:
+    """The actor's micro batch (or none given) is qwen35rl's null; another is the log-prob passes' own."""
+    same = get_verl(ctx, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
+    return None if v is None or (same is not None and int(v) == int(same)) else int(v)
+
+
+def _log_prob_budget_to_verl(v: Any, cfg: Any) -> Any:
+    """null is the training budget."""
+    v = get(cfg, "backend.max_tokens_per_device") if v is None else v
+    return _budget_to_verl(v, cfg) if isinstance(v, int) else None
+
+
+def _log_prob_budget_to_qwen(v: Any, ctx: Any) -> Any:
+    """verl's default is the actor's budget, which is qwen35rl's null."""
+    if v is None:
+        return None
+    actor = get_verl(ctx, f"{ACTOR}.ppo_max_token_len_per_gpu", 16384)
+    budget = _budget_to_qwen(v, ctx)
+    return None if budget == _budget_to_qwen(actor, ctx) else budget
+
+
 def _strategy_to_verl(v: Any, cfg: Any) -> Any:
     return "fsdp2" if v == "fsdp" else v
 
@@ -316,14 +343,20 @@ KEYS: List[Key] = [
         to_qwen=_rollout_dp_to_qwen),
     # batches
     Key(f"{ACTOR}.ppo_mini_batch_size", "algorithm.mini_batch_size", verl_default=256),
-    Key(f"{ACTOR}.ppo_micro_batch_size_per_gpu", "backend.micro_batch_size_per_device",
-        aliases=(f"{REF}.log_prob_micro_batch_size_per_gpu", f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu"),
-        also=(f"{REF}.log_prob_micro_batch_size_per_gpu", f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu")),
+    Key(f"{ACTOR}.ppo_micro_batch_size_per_gpu", "backend.micro_batch_size_per_device"),
+    # the forward-only passes: verl sizes the rollout's (old log-probs) and the reference's separately, qwen35rl
+    # has one setting for both; a ref value unlike the rollout's is not carried (`_carry` names it)
+    Key(f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", "backend.log_prob_micro_batch_size_per_device",
+        aliases=(f"{REF}.log_prob_micro_batch_size_per_gpu",), also=(f"{REF}.log_prob_micro_batch_size_per_gpu",),
+        to_verl=_log_prob_micro_to_verl, to_qwen=_log_prob_micro_to_qwen),
     Key(f"{ACTOR}.use_dynamic_bsz", "backend.dynamic_batch_size", verl_default=False,
         aliases=(f"{REF}.log_prob_use_dynamic_bsz", f"{ROLLOUT}.log_prob_use_dynamic_bsz")),
     Key(f"{ACTOR}.ppo_max_token_len_per_gpu", "backend.max_tokens_per_device", verl_default=16384,
-        aliases=(f"{REF}.log_prob_max_token_len_per_gpu", f"{ROLLOUT}.log_prob_max_token_len_per_gpu"),
         to_verl=_budget_to_verl, to_qwen=_budget_to_qwen),
+    Key(f"{ROLLOUT}.log_prob_max_token_len_per_gpu", "backend.log_prob_max_tokens_per_device",
+        aliases=(f"{REF}.log_prob_max_token_len_per_gpu",), also=(f"{REF}.log_prob_max_token_len_per_gpu",),
+        to_verl=_log_prob_budget_to_verl, to_qwen=_log_prob_budget_to_qwen,
+        export_when=lambda c: get(c, "backend.log_prob_max_tokens_per_device") is not None),
     Key(f"{ACTOR}.strategy", "backend.name", to_verl=_strategy_to_verl, to_qwen=_strategy_to_qwen),
     # the loss
     Key("algorithm.adv_estimator", "algorithm.adv_estimator", verl_default="gae"),
@@ -428,6 +461,7 @@ KEYS: List[Key] = [
         export_when=_quirk("gdn_naive_l2norm")),
     # the trainer loop
     Key("trainer.total_epochs", "trainer.total_epochs", verl_default=30),
+    Key("trainer.balance_batch", "trainer.balance_batch", verl_default=True),
     Key("trainer.total_training_steps", "trainer.total_steps", verl_default=None),
     Key("trainer.save_freq", "trainer.save_freq", verl_default=-1),
     Key("trainer.test_freq", "trainer.test_freq", verl_default=-1),
@@ -439,6 +473,10 @@ KEYS: List[Key] = [
         verl_default=["console", "wandb"]),
     Key("trainer.max_actor_ckpt_to_keep", "trainer.max_keep_checkpoints", to_verl=_zero_is_none,
         to_qwen=_none_is_zero, verl_default=None),
+    # where checkpoints go: exported only when set (null is the run directory's checkpoints/, which verl's default,
+    # checkpoints/<project_name>/<experiment_name>, is not)
+    Key("trainer.default_local_dir", "trainer.checkpoint_dir",
+        export_when=lambda c: get(c, "trainer.checkpoint_dir") is not None),
     Key("trainer.resume_mode", "trainer.resume", to_verl=_resume_to_verl, to_qwen=_resume_to_qwen,
         verl_default="auto"),
     Key("trainer.resume_from_path", "trainer.resume", effective=_resume_path,
@@ -478,8 +516,6 @@ FIXED: List[Fixed] = [
     Fixed(f"{ROLLOUT}.calculate_log_probs", "qwen35rl's rollout always returns the sampled tokens' log-probs (the "
           "rollout/logprob_diff metrics, backend.use_rollout_log_probs and algorithm.rollout_is use them)", _is(True)),
     Fixed("data.validation_shuffle", "qwen35rl validates on the validation rows in their order", _is(False)),
-    Fixed("trainer.balance_batch", "qwen35rl splits each batch over the data-parallel ranks in order; it does not "
-          "reorder responses by length across the ranks", _is(False), export=False),
     Fixed(f"{ROLLOUT}.ignore_eos", "qwen35rl's rollout ends a response at the end-of-sequence token", _is(False)),
     Fixed(f"{REF}.strategy", "the reference model runs on the actor's engine (fsdp2 with backend=fsdp, megatron "
           "with backend=megatron)", lambda v, b: v == ("fsdp2" if b == "fsdp" else b)),
@@ -601,7 +637,6 @@ NOT_CARRIED: Dict[str, str] = {
                                      "rollout_is / rollout_is_threshold are algorithm.rollout_is / "
                                      "rollout_is_threshold)",
     "algorithm.": "no counterpart in qwen35rl's algorithm settings",
-    "trainer.default_local_dir": "qwen35rl writes checkpoints under trainer.output_root/trainer.run_name",
     "trainer.default_hdfs_dir": "no counterpart in qwen35rl",
     "trainer.ray_wait_register_center_timeout": "qwen35rl waits trainer.placement_timeout_s for its workers",
     "trainer.": "no counterpart in qwen35rl's trainer settings",
@@ -711,12 +746,15 @@ NOT_EXPORTED: Dict[str, str] = {
     "parallelism.": "no counterpart in verl",
     "placement.": "verl's main_ppo colocates rollout and training (hybrid engine); its split pools are the "
                   "one-step-off and fully async trainers, other entry points with their own config",
+    "trainer.checkpoint_dir": "null: checkpoints/ in qwen35rl's run directory (verl's default_local_dir is "
+                              "checkpoints/<project_name>/<experiment_name>; set trainer.checkpoint_dir to export one)",
     "trainer.": "no counterpart in verl",
     "ray_address": "verl joins Ray from the environment (RAY_ADDRESS)",
 }
 """qwen35rl settings the exporter cannot write (exact key, or a prefix ending with '.'; the longest match wins)."""
 
 IMPLIED: Dict[str, Callable[[Any], bool]] = {
+    "backend.log_prob_max_tokens_per_device": lambda c: get(c, "backend.log_prob_max_tokens_per_device") is None,
     "placement.mode": lambda c: get(c, "placement.mode") == "colocated",
     "placement.rollout_devices": lambda c: get(c, "placement.mode") == "colocated",
     "algorithm.max_staleness": lambda c: int(get(c, "algorithm.max_staleness", 0) or 0) == 0,

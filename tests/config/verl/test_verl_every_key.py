@@ -35,6 +35,8 @@ COMMON = {
     f"{ROLLOUT}.checkpoint_engine.update_weights_bucket_megabytes": 1024,
     f"{ACTOR}.ppo_mini_batch_size": 24, f"{ACTOR}.ppo_micro_batch_size_per_gpu": 3, f"{ACTOR}.use_dynamic_bsz": True,
     f"{ACTOR}.ppo_max_token_len_per_gpu": 6000,
+    f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu": 6, f"{REF}.log_prob_micro_batch_size_per_gpu": 6,
+    f"{ROLLOUT}.log_prob_max_token_len_per_gpu": 12000, f"{REF}.log_prob_max_token_len_per_gpu": 12000,
     "algorithm.adv_estimator": "grpo", "algorithm.norm_adv_by_std_in_grpo": False, "algorithm.use_kl_in_reward": True,
     "algorithm.filter_groups.enable": True, "algorithm.filter_groups.max_num_gen_batches": 4,
     "algorithm.filter_groups.metric": "reward",
@@ -49,9 +51,10 @@ COMMON = {
     "trainer.val_before_train": False, "trainer.project_name": "every_key", "trainer.log_val_generations": 8,
     "trainer.logger": ["console", "tensorboard"], "trainer.max_actor_ckpt_to_keep": 3,
     "trainer.resume_mode": "resume_path", "trainer.resume_from_path": "/ckpt/every_key/step_50",
+    "trainer.default_local_dir": "/ckpt/every_key", "trainer.balance_batch": False,
     # what qwen35rl always does
     f"{ACTOR}.checkpoint.save_contents": ["optimizer", "model", "extra"], "trainer.critic_warmup": 0,
-    f"{ROLLOUT}.calculate_log_probs": True, "data.validation_shuffle": False, "trainer.balance_batch": False,
+    f"{ROLLOUT}.calculate_log_probs": True, "data.validation_shuffle": False,
     f"{ROLLOUT}.ignore_eos": False, f"{ROLLOUT}.mode": "async",
 }
 LAUNCHES: Dict[str, Dict[str, Any]] = {
@@ -159,7 +162,7 @@ def test_values_that_ask_for_something_else_are_not_carried():
     """The same keys with values qwen35rl does not run: each is reported not carried with a reason, and the overlay
     holds nothing for it."""
     other = {f"{ACTOR}.checkpoint.save_contents": ["model"], "trainer.critic_warmup": 5,
-             f"{ROLLOUT}.calculate_log_probs": False, "data.validation_shuffle": True, "trainer.balance_batch": True,
+             f"{ROLLOUT}.calculate_log_probs": False, "data.validation_shuffle": True,
              f"{ROLLOUT}.ignore_eos": True, f"{REF}.strategy": "fsdp", f"{ACTOR}.megatron.use_mbridge": False,
              f"{ROLLOUT}.dtype": "float16", f"{ACTOR}.megatron.dtype": "float16"}
     launch = {**LAUNCHES["megatron"], **other}
@@ -180,4 +183,54 @@ def test_fp32_megatron_is_not_exported_as_a_verl_dtype():
     fp32 = export(compose(groups + ["backend.bf16=false"]))
     assert not [a for a in fp32["argv"] if a.startswith(f"{ACTOR}.megatron.dtype")]
     assert [x for x in fp32["not_exported"] if x["key"] == "backend.bf16" and "float16" in x["why"]]
-    assert "trainer.balance_batch=False" in bf16["argv"]  # verl's default reorders the batch; qwen35rl does not
+    assert "trainer.balance_batch=False" in bf16["argv"]  # verl's default balances the ranks; qwen35rl's does not
+
+
+def _imported(**changes: Any) -> Any:
+    launch = {**LAUNCHES["megatron"], **changes}
+    for k in [k for k, v in launch.items() if v is MISSING]:
+        del launch[k]
+    imp = import_launch([f"{k}={hydra_value(v)}" for k, v in launch.items()], {}, device="gpu")
+    return imp, {x["key"]: x["why"] for x in imp.not_carried}
+
+
+def test_log_prob_sizes_carry_one_value_for_the_rollout_and_the_reference():
+    """verl sizes the old (rollout) and the reference log-prob passes apart, qwen35rl's log-prob setting is one: equal
+    values carry (the actor's is qwen35rl's null), a reference value unlike the rollout's is not carried, named."""
+    lp_micro, lp_tokens = "backend.log_prob_micro_batch_size_per_device", "backend.log_prob_max_tokens_per_device"
+    same, whys = _imported(**{f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu": 3,
+                              f"{REF}.log_prob_micro_batch_size_per_gpu": 3,
+                              f"{ROLLOUT}.log_prob_max_token_len_per_gpu": 6000,
+                              f"{REF}.log_prob_max_token_len_per_gpu": MISSING})
+    assert lp_micro not in same.overlay and lp_tokens not in same.overlay and not whys  # the actor's: null
+    differ, whys = _imported(**{f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu": 8,
+                                f"{REF}.log_prob_micro_batch_size_per_gpu": 4})
+    assert differ.overlay[lp_micro] == 8 and differ.carried[f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu"] == lp_micro
+    assert set(whys) == {f"{REF}.log_prob_micro_batch_size_per_gpu"}
+    assert "differs from" in whys[f"{REF}.log_prob_micro_batch_size_per_gpu"]
+    # going back: one value for both passes; null is the training micro batch, and the budget follows verl's default
+    groups = ["model=qwen3_5_35b_a3b", "backend=megatron", "hw=gpu_1node"]
+    argv = export(compose(groups + [f"{lp_micro}=8", f"{lp_tokens}=20000"]))["argv"]
+    for side in (ROLLOUT, REF):
+        assert f"{side}.log_prob_micro_batch_size_per_gpu=8" in argv
+        assert f"{side}.log_prob_max_token_len_per_gpu=20000" in argv
+    plain = export(compose(groups))
+    micro = compose(groups).backend.micro_batch_size_per_device
+    assert f"{REF}.log_prob_micro_batch_size_per_gpu={micro}" in plain["argv"]
+    assert not [a for a in plain["argv"] if "log_prob_max_token_len" in a]
+    assert not [x for x in plain["not_exported"] if x["key"].startswith("backend.log_prob")]
+
+
+def test_balance_batch_and_checkpoint_dir_round_trip():
+    """trainer.balance_batch keeps verl's name (verl's default, True, is carried when a script leaves it unset);
+    trainer.default_local_dir is trainer.checkpoint_dir, exported only when set."""
+    unset, _ = _imported(**{"trainer.balance_batch": MISSING, "trainer.default_local_dir": "runs/ckpt dir"})
+    assert unset.overlay["trainer.balance_batch"] is True and unset.verl_defaults["trainer.balance_batch"]
+    assert unset.overlay["trainer.checkpoint_dir"] == "runs/ckpt dir"
+    groups = ["model=qwen3_5_35b_a3b", "backend=megatron", "hw=gpu_1node"]
+    plain = export(compose(groups))
+    assert not [a for a in plain["argv"] if a.startswith("trainer.default_local_dir")]
+    assert [x for x in plain["not_exported"] if x["key"] == "trainer.checkpoint_dir" and "verl" in x["why"]]
+    argv = export(compose(groups + ["trainer.checkpoint_dir='/ckpt/my run'", "trainer.balance_batch=true"]))["argv"]
+    assert "trainer.default_local_dir='/ckpt/my run'" in argv and "trainer.balance_batch=True" in argv
+    assert compose_verl(argv)["trainer"]["default_local_dir"] == "/ckpt/my run"

@@ -331,12 +331,9 @@ SCRIPT_ONLY = {  # shell variables that shape the override list and must never r
 }
 
 NOT_CARRIED = {  # verl keys the fixtures set on purpose that qwen35rl has no place for
-    # verl's compute_score signature; verl reorders the batch by length over the ranks, qwen35rl splits it in order
-    "fsdp_27b": {"custom_reward_function.path", "custom_reward_function.name", "trainer.balance_batch"},
-    "megatron_35b": {"ray_kwargs.ray_init.runtime_env.py_executable",
-                     # 2x the actor's token budget for the forward-only passes: qwen35rl has one budget
-                     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
-                     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"},
+    # verl's compute_score signature
+    "fsdp_27b": {"custom_reward_function.path", "custom_reward_function.name"},
+    "megatron_35b": {"ray_kwargs.ray_init.runtime_env.py_executable"},
     "megatron_122b_v080": {"actor_rollout_ref.hybrid_engine", "actor_rollout_ref.rollout.load_format",
                            "actor_rollout_ref.actor.optim.warmup_style",
                            "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", "algorithm.kl_ctrl.kl_coef",
