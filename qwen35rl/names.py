@@ -3,13 +3,36 @@ the did-you-mean helper their messages use. A leaf module: standard library only
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from typing import Iterable, Optional, Tuple
 
 TRACKERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 """`trainer.trackers` values the runtime can write to."""
 
 REWARDS = ("exact_match", "math", "format", "copy_digit", "sum_digits")
 """Built-in `data.reward` names (`qwen35rl.rewards.registry.BUILTIN` holds their scorers; a test keeps both equal)."""
+
+VERL_REWARD = "verl:"
+"""`data.reward=verl:FILE.py:FUNCTION` (or `verl:pkg.module:FUNCTION`): a reward with verl's compute_score
+signature (`qwen35rl.rewards.verl_signature`)."""
+VERL_REWARD_NAME = "compute_score"
+"""The function verl's custom_reward_function.name defaults to (also when `verl:FILE.py` names none)."""
+
+
+def parse_verl_reward(spec: str) -> Optional[Tuple[str, str]]:
+    """(file or module, function) of a `verl:` reward, None for any other `data.reward`. The function is what
+    follows the last ':' (a path may hold ':' itself); `verl:FILE.py` alone names verl's default, compute_score."""
+    if not str(spec).startswith(VERL_REWARD):
+        return None
+    rest = str(spec)[len(VERL_REWARD):]
+    target, sep, name = rest.rpartition(":")
+    if not sep or rest.endswith(".py"):
+        return rest, VERL_REWARD_NAME
+    return target, name
+
+
+def verl_reward(target: str, name: Optional[str]) -> str:
+    """The `data.reward` value of verl's custom_reward_function (path, name)."""
+    return f"{VERL_REWARD}{target}:{name or VERL_REWARD_NAME}"
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:

@@ -103,7 +103,8 @@ def _reward_refused(name: str) -> bool:
         get_reward_fn(name)
     except ValueError as e:
         print(f"qwen35rl: error: [reward_not_loadable] data.reward: {e}\n  hint: a built-in reward, an importable "
-              "`pkg.module:function` or `path/to/file.py:function`; nothing was started", file=sys.stderr)
+              "`pkg.module:function`, `path/to/file.py:function` or verl's `verl:path/to/file.py:compute_score`; "
+              "nothing was started", file=sys.stderr)
         return True
     return False
 

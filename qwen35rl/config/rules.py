@@ -21,7 +21,7 @@ import typing
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from qwen35rl.config import capabilities, engine_specs, known_keys, memory, quirks, schema
-from qwen35rl.names import REWARDS, TRACKERS, did_you_mean
+from qwen35rl.names import REWARDS, TRACKERS, did_you_mean, parse_verl_reward
 from qwen35rl.config.layout import (Layout, even_pipeline_layout, format_pipeline_layout, is_split,
                                     parse_pipeline_layout, placement)
 from qwen35rl.config.problems import ERROR, WARNING, Problem
@@ -1415,7 +1415,10 @@ def path_findings(cfg: Any) -> List[Tuple[str, str, str, str]]:
                     "force nor a finished checkpoint directory here (one with meta.json)",
                     did_you_mean(resume, ("auto", "never", "force")) or "try trainer.resume=auto"))
     reward = str(_get(cfg, "data.reward", "exact_match"))
-    if ":" in reward and reward not in REWARDS:
+    verl = parse_verl_reward(reward)
+    if verl is not None:
+        out += _verl_reward_findings(reward, *verl)
+    elif ":" in reward and reward not in REWARDS:
         module = reward.partition(":")[0]
         if module.endswith(".py") or "/" in module:
             if not os.path.isfile(module):
@@ -1426,6 +1429,58 @@ def path_findings(cfg: Any) -> List[Tuple[str, str, str, str]]:
                         "importable here", "install the package that provides it (pip install ...), or set "
                         "PYTHONPATH; e.g. data.reward=exact_match"))
     return out
+
+
+def _verl_reward_findings(reward: str, target: str, name: str) -> List[Tuple[str, str, str, str]]:
+    """A verl-signature reward (`data.reward=verl:FILE.py:FUNCTION`, verl's custom_reward_function): the file
+    exists and defines the function at module level, read without running it (user code may import anything)."""
+    if not (target.endswith(".py") or "/" in target):
+        if _find_module(target):
+            return []
+        return [("reward_not_importable", "data.reward", f"data.reward={reward!r}: module {target!r} is not "
+                 "importable here", "install the package that provides it, or give verl's file: "
+                 "data.reward=verl:path/to/file.py:compute_score")]
+    if not os.path.isfile(target):
+        return [("reward_not_importable", "data.reward", f"data.reward={reward!r} (verl's "
+                 f"custom_reward_function.path): the file {target} does not exist here", "give the existing .py "
+                 "file that defines the function: data.reward=verl:path/to/file.py:compute_score")]
+    defined = _defines(target, name)
+    if defined is None or defined:
+        return []
+    return [("reward_function_missing", "data.reward", f"data.reward={reward!r} (verl's "
+             f"custom_reward_function.name): {target} defines no function {name!r} at module level",
+             f"name a function the file defines: data.reward=verl:{target}:FUNCTION (verl's default name is "
+             f"compute_score)")]
+
+
+def _defines(path: str, name: str) -> Optional[bool]:
+    """Whether the Python file binds `name` at module level (def, class, assignment, import); None when that
+    cannot be told without running it (a star import, a file that does not parse or read)."""
+    import ast
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return None
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*":
+                    return None
+                if (alias.asname or alias.name.split(".")[0]) == name:
+                    return True
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign)) else []
+        for t in targets:
+            if any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(t)):
+                return True
+        if isinstance(node, (ast.If, ast.Try, ast.With)):  # a definition inside a guard: not told statically
+            if any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in ast.walk(node)):
+                return True
+    return False
 
 
 @rule("config")

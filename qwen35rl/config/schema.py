@@ -429,7 +429,10 @@ class DataConfig:
     use_chat_template: bool = True
     system_prompt: Optional[str] = None
     reward: str = "exact_match"
-    """Reward function: exact_match | math | format | a dotted path `pkg.module:function`."""
+    """Reward function: exact_match | math | format | a dotted path `pkg.module:function` | a file
+    `path/to/file.py:function` (all called as fn(response, answer, example)) | a function of verl's signature,
+    `verl:path/to/file.py:compute_score` (verl's custom_reward_function: called with data_source, solution_str,
+    ground_truth and extra_info)."""
     reward_timeout_s: float = positive(5.0)
     """Seconds one reward call (one response) may take: a call over it is killed, scores 0 and is counted
     (reward/timeout, and a warning line per step). When the first calls of a batch all run past it (two per reward

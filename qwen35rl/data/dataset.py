@@ -114,7 +114,8 @@ def _synthetic(data_cfg: Any, split: str) -> List[PromptExample]:
     seed = data_cfg.seed if split == "train" else data_cfg.seed + _VAL_SEED_OFFSET
     return [
         PromptExample(prompt_ids=[], prompt_text=text, answer=answer, index=i,
-                      messages=_messages(data_cfg.system_prompt, text))
+                      messages=_messages(data_cfg.system_prompt, text), data_source=str(data_cfg.name),
+                      extra_info={})
         for i, (text, answer) in enumerate(make_prompts(data_cfg.synthetic_task, count, seed))
     ]
 
@@ -174,7 +175,16 @@ def _from_row(data_cfg: Any, row: Dict[str, Any], index: int, with_images: bool,
                     for m in messages]
         text = text.replace(IMAGE_PLACEHOLDER, "").strip()
     return PromptExample(prompt_ids=[], prompt_text=text, answer=str(answer), images=images, index=index,
-                         messages=messages)
+                         messages=messages, **_verl_fields(data_cfg, row))
+
+
+def _verl_fields(data_cfg: Any, row: Dict[str, Any]) -> Dict[str, Any]:
+    """A row's `data_source` and `extra_info`, for a verl-signature reward. verl needs `data_source` in every row;
+    here a row without one gets the dataset's name. verl gives a row without `extra_info` an empty dict."""
+    source = row.get("data_source")
+    extra = row.get("extra_info")
+    return {"data_source": str(source) if source is not None else str(getattr(data_cfg, "name", "") or ""),
+            "extra_info": dict(extra) if isinstance(extra, dict) else {}}
 
 
 def _messages(system_prompt: Optional[str], user_text: str) -> List[Dict[str, Any]]:

@@ -21,3 +21,8 @@ class PromptExample:
     messages: Optional[List[Dict[str, Any]]] = None
     """Chat messages behind the prompt (system + user); multimodal user content is a list of
     {"type": "image"} / {"type": "text", "text": ...} parts, the form processors' chat templates take."""
+    data_source: Optional[str] = None
+    """The row's `data_source` column (verl's preprocessed parquet has one), else the dataset's name: what a
+    verl-signature reward (`data.reward=verl:FILE:FUNCTION`) is given as `data_source`."""
+    extra_info: Optional[Dict[str, Any]] = None
+    """The row's `extra_info` column, else an empty dict: a verl-signature reward's `extra_info`."""

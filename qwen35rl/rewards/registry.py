@@ -7,6 +7,7 @@ import os
 from typing import Any, Callable, Dict
 
 from qwen35rl.data.synthetic import TASKS, digit_reward
+from qwen35rl.names import VERL_REWARD
 from qwen35rl.rewards.builtin import exact_match, format_reward, math_reward
 
 RewardFn = Callable[[str, str, Any], float]
@@ -58,15 +59,19 @@ class FileReward:
 
 
 def get_reward_fn(name: str) -> RewardFn:
-    """A built-in reward (exact_match, format, math, a synthetic task's name), `pkg.module:function` or
-    `path/to/file.py:function`.
+    """A built-in reward (exact_match, format, math, a synthetic task's name), `pkg.module:function`,
+    `path/to/file.py:function`, or a function of verl's signature: `verl:path/to/file.py:compute_score`.
 
     The function runs in worker processes, so a custom one must be importable by that path (module level)."""
     if name in BUILTIN:
         return BUILTIN[name]
+    if name.startswith(VERL_REWARD):  # verl's compute_score(data_source, solution_str, ground_truth, extra_info)
+        from qwen35rl.rewards.verl_signature import load_verl_reward
+
+        return load_verl_reward(name)
     if ":" not in name:
         raise ValueError(f"data.reward={name!r}: expected one of {', '.join(BUILTIN)}, a dotted path "
-                         f"pkg.module:function or path/to/file.py:function")
+                         f"pkg.module:function, path/to/file.py:function or verl:path/to/file.py:compute_score")
     module_name, _, attr = name.partition(":")  # as the plan reads it (rules.path_findings)
     if module_name.endswith(".py") or "/" in module_name:
         if not os.path.isfile(module_name):

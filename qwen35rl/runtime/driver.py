@@ -129,7 +129,8 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where, 
     except Exception as e:  # noqa: BLE001 - a reward that does not load is the config's problem, said before Ray
         why = str(e) if str(e).startswith("data.reward") else f"data.reward={cfg.data.reward!r}: {type(e).__name__}: {e}"
         log.error("[reward_not_loadable] data.reward: %s\n  hint: a built-in reward, or an importable "
-                  "`pkg.module:function` (or `path/to/file.py:function`); nothing was started", why)
+                  "`pkg.module:function` (or `path/to/file.py:function`, or verl's "
+                  "`verl:path/to/file.py:compute_score`); nothing was started", why)
         return EXIT_CONFIG
 
     checkpoints = ckpt.CheckpointManager(ckpt.checkpoint_dir(run_dir, cfg), cfg.trainer.max_keep_checkpoints)

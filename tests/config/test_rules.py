@@ -423,3 +423,23 @@ def test_log_prob_token_budget_holds_a_sequence_and_fits():
     assert fit >= 3072 and not by_code(tree("mg35_a3", backend__log_prob_max_tokens_per_device=fit),
                                        "log_prob_memory_fits")
     assert by_code(tree("mg35_a3", backend__log_prob_max_tokens_per_device=fit + 1), "log_prob_memory_fits")
+
+
+def test_verl_reward_file_and_function_are_checked_before_launch(tmp_path):
+    """data.reward=verl:FILE.py:FUNCTION (verl's custom_reward_function): a missing file or a function the file
+    does not define is a plan error naming data.reward and the fix, found without running the file."""
+    good = tmp_path / "score.py"
+    good.write_text("import torch_is_never_imported_here\n\ndef compute_score(data_source, solution_str, "
+                    "ground_truth, extra_info=None):\n    return 0.0\n")
+    assert by_code(tree("tiny", data__reward=f"verl:{good}:compute_score"), "paths_exist") == []
+    assert by_code(tree("tiny", data__reward=f"verl:{good}"), "paths_exist") == []  # verl's default name
+    missing = tmp_path / "nope.py"
+    (p,) = by_code(tree("tiny", data__reward=f"verl:{missing}:compute_score"), "paths_exist")
+    assert p.key == "data.reward" and p.severity == ERROR and "does not exist" in p.message and str(missing) in p.message
+    assert "custom_reward_function.path" in p.message and "verl:path/to/file.py:compute_score" in p.hint
+    (p,) = by_code(tree("tiny", data__reward=f"verl:{good}:score"), "paths_exist")
+    assert p.key == "data.reward" and p.severity == ERROR and "defines no function 'score'" in p.message
+    assert "compute_score" in p.hint
+    # a cluster run: its nodes' preflight checks the file there
+    (p,) = by_code(tree("tiny", data__reward=f"verl:{missing}", ray_address="10.0.0.1:6379"), "paths_exist")
+    assert p.severity == WARNING

@@ -215,3 +215,22 @@ def test_loader_rejects_small_dataset_and_changed_dataset():
     state = PromptLoader(_examples(10), 3, seed=0).state_dict()
     with pytest.raises(ValueError, match="10 prompts"):
         PromptLoader(_examples(12), 3, seed=0).load_state_dict(state)
+
+
+def test_rows_keep_data_source_and_extra_info(tmp_path):
+    """What a verl-signature reward is given: the row's data_source and extra_info; a row without them gets the
+    dataset's name and an empty dict."""
+    path = tmp_path / "verl.parquet"
+    rows = [{"data_source": "hiyouga/geometry3k", "prompt": [{"role": "user", "content": "hi"}],
+             "reward_model": {"ground_truth": "3", "style": "rule"}, "extra_info": {"index": 7, "split": "train"}},
+            {"data_source": None, "prompt": [{"role": "user", "content": "yo"}],
+             "reward_model": {"ground_truth": "4", "style": "rule"}, "extra_info": None}]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    cfg = data_cfg(train_files=[str(path)], answer_key="reward_model.ground_truth", use_chat_template=False)
+    first, second = build_dataset(cfg, CharTokenizer(), "train")
+    assert (first.data_source, first.extra_info, first.answer) == ("hiyouga/geometry3k", {"index": 7, "split": "train"}, "3")
+    assert (second.data_source, second.extra_info) == ("t", {})
+    plain = data_cfg(train_files=[write_jsonl(tmp_path / "a.jsonl", [{"prompt": "x", "answer": "1"}])],
+                     use_chat_template=False)
+    (ex,) = build_dataset(plain, CharTokenizer(), "train")
+    assert (ex.data_source, ex.extra_info) == ("t", {})

@@ -558,10 +558,11 @@ def _carry(k: Key, values: Dict[str, Any], base: Dict[str, Any], out: Imported) 
             out.not_carried.append({"key": source, "value": raw, "why": f"{k.only_equal} ({k.qwen} is "
                                     f"{current!r} here)"})
         return set(present)
+    shared = False
     if k.qwen in out.overlay and not default:  # two verl keys for one qwen35rl key (resume_mode + resume_from_path)
-        default = _same(out.overlay[k.qwen], value)
-    if source:
-        (out.defaults.append(source) if default else out.carried.__setitem__(source, k.qwen))
+        shared = default = _same(out.overlay[k.qwen], value)
+    if source:  # a key whose value another key already carried is carried too (custom_reward_function's name)
+        (out.defaults.append(source) if default and not shared else out.carried.__setitem__(source, k.qwen))
     elif not default:
         out.verl_defaults[k.verl] = k.qwen
     for other in present[1:]:  # an alias that agrees shares the primary's fate
@@ -570,7 +571,7 @@ def _carry(k: Key, values: Dict[str, Any], base: Dict[str, Any], out: Imported) 
         except NotCarried:
             agrees = False
         if agrees:
-            (out.defaults.append(other) if default else out.carried.__setitem__(other, k.qwen))
+            (out.defaults.append(other) if default and not shared else out.carried.__setitem__(other, k.qwen))
         else:
             out.not_carried.append({"key": other, "value": values[other], "why": f"differs from {source}: qwen35rl "
                                     f"has one {k.qwen} (it takes {source}'s value)"})

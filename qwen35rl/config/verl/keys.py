@@ -286,6 +286,55 @@ def _bf16_to_qwen(v: Any, ctx: Any) -> Any:
     return True
 
 
+CUSTOM_REWARD = "reward.custom_reward_function"
+"""verl 0.9.1's custom reward function; the top-level `custom_reward_function` is its older form (verl moves a
+non-null one here when it starts)."""
+LEGACY_CUSTOM_REWARD = "custom_reward_function"
+
+
+def _custom_reward(ctx: Any, field: str) -> Any:
+    return get_verl(ctx, f"{CUSTOM_REWARD}.{field}", get_verl(ctx, f"{LEGACY_CUSTOM_REWARD}.{field}"))
+
+
+_DEFAULT_REWARD = ("verl then scores with its built-in reward of each row's data_source; set data.reward to "
+                   "qwen35rl's counterpart (math, exact_match, ...)")
+
+
+def _reward_path_to_qwen(v: Any, ctx: Any) -> Any:
+    """custom_reward_function (path, name) is `data.reward=verl:PATH:NAME`: verl's function, called with verl's
+    arguments (`qwen35rl.rewards.verl_signature`)."""
+    from qwen35rl.names import verl_reward
+
+    if not v:
+        raise NotCarried(f"no custom reward file (path is null): {_DEFAULT_REWARD}")
+    return verl_reward(str(v), _custom_reward(ctx, "name"))
+
+
+def _reward_name_to_qwen(v: Any, ctx: Any) -> Any:
+    from qwen35rl.names import verl_reward
+
+    path = _custom_reward(ctx, "path")
+    if not path:
+        raise NotCarried(f"a reward function name without custom_reward_function.path: {_DEFAULT_REWARD}")
+    return verl_reward(str(path), v)
+
+
+def _verl_reward_part(i: int) -> Callable[[Any, Any], Any]:
+    def to_verl(v: Any, cfg: Any) -> Any:
+        from qwen35rl.names import parse_verl_reward
+
+        parsed = parse_verl_reward(str(v))
+        return parsed[i] if parsed else None
+
+    return to_verl
+
+
+def _is_verl_reward(cfg: Any) -> bool:
+    from qwen35rl.names import parse_verl_reward
+
+    return parse_verl_reward(str(get(cfg, "data.reward"))) is not None
+
+
 def _quirk(name: str) -> Callable[[Any], bool]:
     return lambda cfg: get(cfg, f"hw.megatron_quirks.{name}") is not None
 
@@ -312,6 +361,11 @@ KEYS: List[Key] = [
     Key("data.filter_overlong_prompts", "data.filter_overlong_prompts", verl_default=False),
     Key("data.seed", "data.seed"),
     Key("data.shuffle", "data.shuffle", verl_default=True),
+    # the reward: verl's custom reward function (both of its fields make one data.reward value)
+    Key(f"{CUSTOM_REWARD}.path", "data.reward", aliases=(f"{LEGACY_CUSTOM_REWARD}.path",),
+        to_qwen=_reward_path_to_qwen, to_verl=_verl_reward_part(0), export_when=_is_verl_reward),
+    Key(f"{CUSTOM_REWARD}.name", "data.reward", aliases=(f"{LEGACY_CUSTOM_REWARD}.name",),
+        to_qwen=_reward_name_to_qwen, to_verl=_verl_reward_part(1), export_when=_is_verl_reward),
     # rollout
     Key(f"{ROLLOUT}.name", "rollout.engine"),
     Key(f"{ROLLOUT}.n", "rollout.n", verl_default=1),
@@ -611,13 +665,17 @@ NOT_CARRIED: Dict[str, str] = {
     f"{MODEL}.": "no counterpart in qwen35rl",
     "critic.": "GRPO has no critic",
     "reward_model.": "no reward model: qwen35rl scores responses with data.reward",
-    "reward.custom_reward_function.": "verl's compute_score(data_source, solution_str, ground_truth, extra_info) "
-                                      "has another signature: wrap it as pkg.module:fn(response, answer, example) "
-                                      "and set data.reward",
+    "reward.custom_reward_function.reward_kwargs.": "extra keyword arguments verl adds to every compute_score call: "
+                                                    "data.reward=verl:FILE:FUNCTION passes verl's four arguments "
+                                                    "only (give the function these as defaults)",
+    "reward.custom_reward_function.": "path and name carry to data.reward=verl:PATH:NAME; verl's other fields of "
+                                      "the custom reward function have no counterpart",
     "reward.": "no reward model: qwen35rl scores responses with data.reward",
-    "custom_reward_function.": "verl's compute_score(data_source, solution_str, ground_truth, extra_info) has "
-                               "another signature: wrap it as pkg.module:fn(response, answer, example) and set "
-                               "data.reward",
+    "custom_reward_function.reward_kwargs.": "extra keyword arguments verl adds to every compute_score call: "
+                                             "data.reward=verl:FILE:FUNCTION passes verl's four arguments only "
+                                             "(give the function these as defaults)",
+    "custom_reward_function.": "path and name carry to data.reward=verl:PATH:NAME; verl's other fields of the "
+                               "custom reward function have no counterpart",
     "data.return_raw_chat": "verl-internal",
     "data.return_raw_input_ids": "verl-internal",
     "data.return_full_prompt": "verl-internal",
@@ -740,7 +798,9 @@ NOT_EXPORTED: Dict[str, str] = {
                                "entry points with their own config) bound staleness",
     "algorithm.overlong_shaping.": "verl's DAPO recipe sets it in its reward manager, outside the main config tree",
     "algorithm.": "no counterpart in verl",
-    "data.reward": "verl scores with the reward function of each row's data_source (custom_reward_function)",
+    "data.reward": "a reward of qwen35rl's signature, fn(response, answer, example), has no verl key (verl's "
+                   "custom_reward_function takes compute_score(data_source, solution_str, ground_truth, "
+                   "extra_info); data.reward=verl:FILE:FUNCTION is exported as it)",
     "data.": "qwen35rl's data format: verl reads preprocessed parquet (answer in reward_model.ground_truth, "
              "instruction inside the prompt)",
     "parallelism.": "no counterpart in verl",

@@ -23,6 +23,7 @@ COMMON = {
     "data.prompt_key": "question", "data.image_key": "pics", "data.train_batch_size": 96, "data.val_batch_size": 32,
     "data.max_prompt_length": 700, "data.max_response_length": 1500, "data.truncation": "left",
     "data.filter_overlong_prompts": False, "data.seed": 7, "data.shuffle": False,
+    "reward.custom_reward_function.path": "/rewards/geo3k boxed.py", "reward.custom_reward_function.name": "score_it",
     f"{ACTOR}.freeze_vision_tower": True,
     f"{ROLLOUT}.name": "vllm", f"{ROLLOUT}.n": 6, f"{ROLLOUT}.temperature": 0.8, f"{ROLLOUT}.top_p": 0.95,
     f"{ROLLOUT}.top_k": 50, f"{ROLLOUT}.gpu_memory_utilization": 0.45, f"{ROLLOUT}.max_model_len": 2400,
@@ -234,3 +235,26 @@ def test_balance_batch_and_checkpoint_dir_round_trip():
     argv = export(compose(groups + ["trainer.checkpoint_dir='/ckpt/my run'", "trainer.balance_batch=true"]))["argv"]
     assert "trainer.default_local_dir='/ckpt/my run'" in argv and "trainer.balance_batch=True" in argv
     assert compose_verl(argv)["trainer"]["default_local_dir"] == "/ckpt/my run"
+
+
+def test_custom_reward_function_is_a_verl_signature_reward():
+    """verl's custom_reward_function (0.9.1's reward. form, and the older top-level one that verl moves there) is
+    data.reward=verl:PATH:NAME; without a name it is verl's default, compute_score. The export writes 0.9.1's form."""
+    crf = "reward.custom_reward_function"
+    unset = {f"{crf}.path": MISSING, f"{crf}.name": MISSING}
+    legacy, whys = _imported(**unset, **{"custom_reward_function.path": "/r/boxed.py"})
+    assert legacy.overlay["data.reward"] == "verl:/r/boxed.py:compute_score" and not whys
+    assert legacy.carried["custom_reward_function.path"] == "data.reward"
+    both, whys = _imported(**unset, **{"custom_reward_function.path": "/r/a.py", "custom_reward_function.name": "f"})
+    assert both.overlay["data.reward"] == "verl:/r/a.py:f" and not whys
+    assert both.carried["custom_reward_function.name"] == both.carried["custom_reward_function.path"] == "data.reward"
+    name_only, whys = _imported(**{**unset, f"{crf}.name": "f", f"+{crf}.reward_kwargs.scale": 2})
+    assert "data.reward" not in name_only.overlay
+    assert set(whys) == {f"{crf}.name", f"{crf}.reward_kwargs.scale"}
+    assert "path" in whys[f"{crf}.name"] and "keyword arguments" in whys[f"{crf}.reward_kwargs.scale"]
+    groups = ["model=qwen3_5_35b_a3b", "backend=megatron", "hw=gpu_1node"]
+    argv = export(compose(groups + ["data.reward='verl:/r/my rewards.py:score'"]))["argv"]
+    assert compose_verl(argv)["reward"]["custom_reward_function"] == {"path": "/r/my rewards.py", "name": "score"}
+    plain = export(compose(groups))
+    assert not [a for a in plain["argv"] if "custom_reward_function" in a]
+    assert [x for x in plain["not_exported"] if x["key"] == "data.reward" and "compute_score" in x["why"]]

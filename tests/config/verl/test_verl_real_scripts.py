@@ -26,7 +26,7 @@ SCRIPTS = [("real/qwen3_5_122b_megatron.sh", "gpu"), ("real/qwen3_5_122b_megatro
            ("fsdp_27b.sh", "gpu"), ("fsdp_27b.sh", "npu"), ("megatron_35b.sh", "gpu"), ("megatron_35b.sh", "npu")]
 IDS = [f"{Path(s).stem}-{d}" for s, d in SCRIPTS]
 GOAL = 0.94
-"""Measured 596/628 (94.9%, bench/results/verl_interop.md): every carried key comes back equal; the rest are keys
+"""Measured 612/628 (97.5%, bench/results/verl_interop.md): every carried key comes back equal; the rest are keys
 with no qwen35rl counterpart (listed with the reason)."""
 MISSING = object()
 SAME_SETTING = {  # a script key -> the key the export writes for the same setting
@@ -37,6 +37,9 @@ SAME_SETTING = {  # a script key -> the key the export writes for the same setti
     f"{ACTOR}.optim.override_optimizer_config.use_precision_aware_optimizer": f"{ACTOR}.optim.use_precision_aware_optimizer",
     # verl's Megatron engine hands megatron.sequence_parallel to TransformerConfig (on where TP > 1)
     f"{ACTOR}.megatron.override_transformer_config.sequence_parallel": f"{ACTOR}.megatron.sequence_parallel",
+    # verl 0.9.1 moves the top-level custom_reward_function (its older form) under reward. when it starts
+    "custom_reward_function.path": "reward.custom_reward_function.path",
+    "custom_reward_function.name": "reward.custom_reward_function.name",
 }
 PLAN_REFUSES = {  # what qwen35rl does not run, refused by the plan of the import (exit 2) with the reason
     "qwen3_5_122b_megatron_npu_32k-npu": {
