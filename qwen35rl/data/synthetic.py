@@ -27,8 +27,8 @@ class SyntheticTask:
 TASKS: Dict[str, SyntheticTask] = {
     task.name: task
     for task in (
-        SyntheticTask("copy_digit", "repeat the last digit before '=' (\"7 3 9 =\" -> 9)", lambda d: d[-1]),
-        SyntheticTask("sum_digits", "sum of the digits mod 10 (\"7 3 9 =\" -> 9)", lambda d: sum(d) % 10),
+        SyntheticTask("copy_digit", "repeat the last digit (\"7 3 9\" -> 9)", lambda d: d[-1]),
+        SyntheticTask("sum_digits", "sum of the digits mod 10 (\"7 3 9\" -> 9)", lambda d: sum(d) % 10),
     )
 }
 
@@ -40,13 +40,17 @@ def get_task(name: str) -> SyntheticTask:
 
 
 def make_prompts(task_name: str, count: int, seed: int) -> List[Tuple[str, str]]:
-    """`count` (prompt text, answer) pairs drawn with `seed`."""
+    """`count` (prompt text, answer) pairs drawn with `seed`: the digits separated by spaces ("7 3 9").
+
+    The prompt ends with its last digit, so the first response token is written at the position that reads it:
+    with a trailing " =" (the digit two tokens back) most seeds of the embedded default settled on writing one digit
+    for every prompt (bench/results/seeds_cpu.md)."""
     task = get_task(task_name)
     rng = random.Random(seed)
     pairs = []
     for _ in range(count):
         digits = [rng.randrange(10) for _ in range(NUM_DIGITS)]
-        pairs.append((" ".join(map(str, digits)) + " =", str(task.target(digits))))
+        pairs.append((" ".join(map(str, digits)), str(task.target(digits))))
     return pairs
 
 

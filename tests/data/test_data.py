@@ -49,16 +49,16 @@ def test_synthetic_prompts_are_deterministic_and_split():
     assert [e.prompt_text for e in train] == [e.prompt_text for e in build_dataset(cfg, CharTokenizer(), "train")]
     assert [e.prompt_text for e in val] != [e.prompt_text for e in train[:20]]
     for e in train:
-        digits = e.prompt_text.rstrip(" =").split(" ")
-        assert e.prompt_text.endswith(" =") and len(digits) == 3
-        assert e.answer == digits[-1]  # copy_digit: the last digit before '='
+        digits = e.prompt_text.split(" ")
+        assert len(digits) == 3 and all(len(d) == 1 and d.isdigit() for d in digits)  # "7 3 9"
+        assert e.answer == digits[-1]  # copy_digit: the last digit
         assert e.prompt_ids == list(e.prompt_text.encode())
     assert [e.index for e in train] == list(range(50))
 
 
 def test_sum_digits_task_and_unknown_task():
     for text, answer in make_prompts("sum_digits", 30, seed=3):
-        assert int(answer) == sum(int(d) for d in text.rstrip(" =").split()) % 10
+        assert int(answer) == sum(int(d) for d in text.split(" ")) % 10
     with pytest.raises(ValueError, match="data.synthetic_task"):
         make_prompts("nope", 1, 0)
 

@@ -26,7 +26,7 @@ DIGITS = b"0123456789"
 
 
 def _answer(prompt_ids: List[int]) -> int:
-    """copy_digit prompts read "7 3 9 =": the answer is the last digit."""
+    """copy_digit prompts read "7 3 9": the answer is the last digit."""
     return [t for t in prompt_ids if t in DIGITS][-1]
 
 

@@ -84,7 +84,7 @@ def test_train_end_to_end(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     tok = AutoTokenizer.from_pretrained(run / "final")
-    ids = torch.tensor([tok.encode("7 3 9 =")])
+    ids = torch.tensor([tok.encode("7 3 9")])
     assert model(ids).logits.shape == (1, ids.shape[1], model.config.vocab_size)
     assert (run / "curves.png").stat().st_size > 0
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
@@ -121,7 +121,8 @@ def test_train_end_to_end(tmp_path):
     samples = [json.loads(line) for line in (run / "generations.jsonl").read_text().splitlines()]
     assert [(s["step"], s["index"]) for s in samples] == [(3, 0), (3, 1), (3, 2), (3, 3)]
     for s in samples:
-        assert s["prompt"].endswith("=") and s["answer"].isdigit() and isinstance(s["response"], str)
+        # copy_digit: "7 3 9" -> 9
+        assert s["answer"].isdigit() and s["prompt"].endswith(s["answer"]) and isinstance(s["response"], str)
         assert 0.0 <= s["score"] <= 1.0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
