@@ -24,6 +24,7 @@ import os
 from typing import Any, Callable, Dict
 
 from qwen35rl.names import parse_verl_reward
+from qwen35rl.rewards.loading import FileReward, loaded
 
 VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
 """The keyword arguments verl 0.9.1's reward managers call compute_score with (without a reward model)."""
@@ -42,8 +43,6 @@ class VerlReward:
 
     def _load(self) -> Callable[..., Any]:
         if _is_file(self.target):
-            from qwen35rl.rewards.registry import FileReward
-
             return FileReward(self.target, self.name).fn
         return getattr(importlib.import_module(self.target), self.name)
 
@@ -97,9 +96,8 @@ def load_verl_reward(spec: str) -> VerlReward:
         raise ValueError(f"data.reward={spec!r}: expected verl:path/to/file.py:function or verl:pkg.module:function")
     if _is_file(target) and not os.path.isfile(target):
         raise ValueError(f"data.reward={spec!r}: the file {target} does not exist here")
-    from qwen35rl.rewards.registry import _loaded
 
-    reward = _loaded(spec, lambda: VerlReward(target, name))
+    reward = loaded(spec, lambda: VerlReward(target, name))
     if not callable(reward.fn):
         raise ValueError(f"data.reward={spec!r}: {name} is not callable")
     why = signature_problem(reward.fn)
