@@ -33,7 +33,7 @@ def _config(model: str, parallel):
                    "backend.gradient_checkpointing=false", "backend.grad_clip=0", "backend.lr=1e-3",
                    "backend.moe_z_loss_coeff=0", "backend.moe_aux_loss_coeff=0",
                    # what the reference loss assumes, whatever the tiny recipe trains with
-                   "algorithm.use_kl_loss=true", "backend.micro_batch_size_per_device=1",
+                   "algorithm.use_kl_loss=true", "algorithm.entropy_coef=0", "backend.micro_batch_size_per_device=1",
                    "backend.lr_warmup_steps=0", "backend.weight_decay=0.01"] + list(parallel))
     OmegaConf.set_readonly(cfg, False)
     OmegaConf.set_struct(cfg, False)
