@@ -18,6 +18,12 @@ VERL_REWARD_NAME = "compute_score"
 """The function verl's custom_reward_function.name defaults to (also when `verl:FILE.py` names none)."""
 
 
+def reward_is_file(target: str) -> bool:
+    """A custom reward's `target` (what precedes `:function`) names a Python file rather than an importable module:
+    it ends in .py or holds a path separator. The plan's check and the loader read it by this one rule."""
+    return target.endswith(".py") or "/" in target
+
+
 def parse_verl_reward(spec: str) -> Optional[Tuple[str, str]]:
     """(file or module, function) of a `verl:` reward, None for any other `data.reward`. The function is what
     follows the last ':' (a path may hold ':' itself); `verl:FILE.py` alone names verl's default, compute_score."""

@@ -21,7 +21,7 @@ import typing
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from qwen35rl.config import capabilities, engine_specs, known_keys, memory, quirks, schema
-from qwen35rl.names import REWARDS, TRACKERS, did_you_mean, parse_verl_reward
+from qwen35rl.names import REWARDS, TRACKERS, did_you_mean, parse_verl_reward, reward_is_file
 from qwen35rl.config.layout import (Layout, even_pipeline_layout, format_pipeline_layout, is_split,
                                     parse_pipeline_layout, placement)
 from qwen35rl.config.problems import ERROR, WARNING, Problem
@@ -1420,7 +1420,7 @@ def path_findings(cfg: Any) -> List[Tuple[str, str, str, str]]:
         out += _verl_reward_findings(reward, *verl)
     elif ":" in reward and reward not in REWARDS:
         module = reward.partition(":")[0]
-        if module.endswith(".py") or "/" in module:
+        if reward_is_file(module):
             if not os.path.isfile(module):
                 out.append(("reward_not_importable", "data.reward", f"data.reward={reward!r}: the file {module} "
                             "does not exist here", "give an existing .py file, or a pkg.module:function path"))
@@ -1434,7 +1434,7 @@ def path_findings(cfg: Any) -> List[Tuple[str, str, str, str]]:
 def _verl_reward_findings(reward: str, target: str, name: str) -> List[Tuple[str, str, str, str]]:
     """A verl-signature reward (`data.reward=verl:FILE.py:FUNCTION`, verl's custom_reward_function): the file
     exists and defines the function at module level, read without running it (user code may import anything)."""
-    if not (target.endswith(".py") or "/" in target):
+    if not reward_is_file(target):
         if _find_module(target):
             return []
         return [("reward_not_importable", "data.reward", f"data.reward={reward!r}: module {target!r} is not "

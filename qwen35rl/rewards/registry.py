@@ -6,7 +6,7 @@ import os
 from typing import Dict
 
 from qwen35rl.data.synthetic import TASKS, digit_reward
-from qwen35rl.names import VERL_REWARD
+from qwen35rl.names import VERL_REWARD, reward_is_file
 from qwen35rl.rewards.builtin import exact_match, format_reward, math_reward
 from qwen35rl.rewards.loading import FileReward, RewardFn, loaded
 
@@ -33,7 +33,7 @@ def get_reward_fn(name: str) -> RewardFn:
         raise ValueError(f"data.reward={name!r}: expected one of {', '.join(BUILTIN)}, a dotted path "
                          f"pkg.module:function, path/to/file.py:function or verl:path/to/file.py:compute_score")
     module_name, _, attr = name.partition(":")  # as the plan reads it (rules.path_findings)
-    if module_name.endswith(".py") or "/" in module_name:
+    if reward_is_file(module_name):
         if not os.path.isfile(module_name):
             raise ValueError(f"data.reward={name!r}: the file {module_name} does not exist here")
         fn = loaded(name, lambda: FileReward(module_name, attr))

@@ -23,7 +23,7 @@ import inspect
 import os
 from typing import Any, Callable, Dict
 
-from qwen35rl.names import parse_verl_reward
+from qwen35rl.names import parse_verl_reward, reward_is_file
 from qwen35rl.rewards.loading import FileReward, loaded
 
 VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -37,12 +37,12 @@ class VerlReward:
     arguments. Pickles as (target, name)."""
 
     def __init__(self, target: str, name: str):
-        self.target = os.path.abspath(target) if _is_file(target) else target
+        self.target = os.path.abspath(target) if reward_is_file(target) else target
         self.name = name
         self.fn = self._load()
 
     def _load(self) -> Callable[..., Any]:
-        if _is_file(self.target):
+        if reward_is_file(self.target):
             return FileReward(self.target, self.name).fn
         return getattr(importlib.import_module(self.target), self.name)
 
@@ -73,10 +73,6 @@ class VerlReward:
         return f"VerlReward({self.target!r}, {self.name!r})"
 
 
-def _is_file(target: str) -> bool:
-    return target.endswith(".py") or "/" in target
-
-
 def signature_problem(fn: Callable[..., Any]) -> str:
     """Why `fn` cannot be called with verl's keyword arguments ('' when it can)."""
     try:
@@ -94,7 +90,7 @@ def load_verl_reward(spec: str) -> VerlReward:
     target, name = parse_verl_reward(spec) or ("", "")
     if not target or not name:
         raise ValueError(f"data.reward={spec!r}: expected verl:path/to/file.py:function or verl:pkg.module:function")
-    if _is_file(target) and not os.path.isfile(target):
+    if reward_is_file(target) and not os.path.isfile(target):
         raise ValueError(f"data.reward={spec!r}: the file {target} does not exist here")
 
     reward = loaded(spec, lambda: VerlReward(target, name))
