@@ -15,12 +15,10 @@ MICRO, TOKENS = "backend.log_prob_micro_batch_size_per_device", "backend.log_pro
 
 def setting(tree: Any) -> Tuple[str, int]:
     """(the key that sizes a log-prob micro batch, its effective value: null is the training value)."""
-    b = tree["backend"]
+    b = memory.log_prob_tree(tree)["backend"]
     if b["dynamic_batch_size"]:
-        value = b.get("log_prob_max_tokens_per_device")
-        return TOKENS, int(b["max_tokens_per_device"] if value is None else value)
-    value = b.get("log_prob_micro_batch_size_per_device")
-    return MICRO, int(b["micro_batch_size_per_device"] if value is None else value)
+        return TOKENS, int(b["max_tokens_per_device"])
+    return MICRO, int(b["micro_batch_size_per_device"])
 
 
 def _peak_with(tree: Any, layout: Layout, est: memory.MemoryEstimate, key: str, value: int) -> float:

@@ -25,7 +25,7 @@ from qwen35rl.config import engine_specs
 from qwen35rl.config.layout import Layout
 from qwen35rl.config.schema import typed
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult, TrainEngine
-from qwen35rl.config.memory import trains_vision  # the config rule: the modeling loads with the engines
+from qwen35rl.config.memory import log_prob_tree, trains_vision  # config rules: the modeling loads with the engines
 from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.engines import kernel_cache
 from qwen35rl.engines.host_optimizer import node_thread_share
@@ -268,14 +268,11 @@ class PolicyWorker:
     def micro_batch_groups(self, seqs: Sequences, engine: Any, forward_only: bool = False) -> List[List[int]]:
         """Collective with `backend.dynamic_batch_size`: the row indices of each micro batch of this share
         (`runtime.micro_batches`). `forward_only` (the log-prob passes) cuts by `backend.log_prob_*` where set."""
-        b = self.cfg.backend
-        size, budget = b.micro_batch_size_per_device, b.max_tokens_per_device
-        if forward_only:
-            size = b.get("log_prob_micro_batch_size_per_device") or size
-            budget = b.get("log_prob_max_tokens_per_device") or budget
-        if not b.dynamic_batch_size:
-            return fixed_groups(len(seqs), size)
-        return token_budget_groups(seqs.lengths(), budget, engine.micro_batch_layout, self._largest_over_ranks)
+        b = log_prob_tree({"backend": self.cfg.backend})["backend"] if forward_only else self.cfg.backend
+        if not b["dynamic_batch_size"]:
+            return fixed_groups(len(seqs), b["micro_batch_size_per_device"])
+        return token_budget_groups(seqs.lengths(), b["max_tokens_per_device"], engine.micro_batch_layout,
+                                   self._largest_over_ranks)
 
     def _largest_over_ranks(self, count: int) -> int:
         if not dist.is_initialized():
