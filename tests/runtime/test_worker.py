@@ -2,6 +2,7 @@
 loss skips the update and is counted, checkpoints restore the policy and RNG exactly, weight sync reaches the
 rollout engine, and the HF export loads with transformers."""
 import os
+from functools import partial
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -105,29 +106,25 @@ def test_dynamic_batch_size_cuts_by_tokens_and_keeps_row_order(worker, monkeypat
     engine's layout (padded on CPU); log-probs come back in the share's row order, equal to fixed micro batches'."""
     lengths = [1, 9, 2, 8, 1, 7]
     seqs = Sequences([[104, 105]] * len(lengths), [[40 + k for k in range(n)] for n in lengths])
-    backend = worker.cfg.backend
-    saved = {k: backend[k] for k in ("micro_batch_size_per_device", "dynamic_batch_size", "max_tokens_per_device")}
-    try:
-        backend.micro_batch_size_per_device = 1
-        assert worker.micro_batch_groups(seqs, worker.actor) == [[0], [1], [2], [3], [4], [5]]
-        fixed = worker.compute_log_probs(seqs)
-        backend.dynamic_batch_size, backend.max_tokens_per_device = True, 24
-        assert worker.actor.micro_batch_layout == "padded"
-        groups = worker.micro_batch_groups(seqs, worker.actor)
-        assert sorted(i for g in groups for i in g) == list(range(6)) and len(groups) < len(lengths)
-        assert all(len(g) * max(2 + lengths[i] for i in g) <= 24 for g in groups)
-        dynamic = worker.compute_log_probs(seqs)
-        assert [len(r) for r in dynamic] == lengths
-        for a, b in zip(dynamic, fixed):
-            assert a == pytest.approx(b, abs=1e-5)
-        seen = []
-        monkeypatch.setattr(worker.actor, "train_mini_batch", lambda micro, scale: seen.extend(micro) or {})
-        seqs.advantages, seqs.old_log_probs = [1.0] * 6, dynamic
-        worker.update_actor(seqs, _scale(seqs))
-        assert [int(b.response_mask.sum()) for b in seen] == [sum(lengths[i] for i in g) for g in groups]
-    finally:
-        for k, v in saved.items():
-            backend[k] = v
+    setting = partial(monkeypatch.setitem, worker.cfg.backend)  # the module-scoped worker's, restored after the test
+    setting("micro_batch_size_per_device", 1)
+    assert worker.micro_batch_groups(seqs, worker.actor) == [[0], [1], [2], [3], [4], [5]]
+    fixed = worker.compute_log_probs(seqs)
+    setting("dynamic_batch_size", True)
+    setting("max_tokens_per_device", 24)
+    assert worker.actor.micro_batch_layout == "padded"
+    groups = worker.micro_batch_groups(seqs, worker.actor)
+    assert sorted(i for g in groups for i in g) == list(range(6)) and len(groups) < len(lengths)
+    assert all(len(g) * max(2 + lengths[i] for i in g) <= 24 for g in groups)
+    dynamic = worker.compute_log_probs(seqs)
+    assert [len(r) for r in dynamic] == lengths
+    for a, b in zip(dynamic, fixed):
+        assert a == pytest.approx(b, abs=1e-5)
+    seen = []
+    monkeypatch.setattr(worker.actor, "train_mini_batch", lambda micro, scale: seen.extend(micro) or {})
+    seqs.advantages, seqs.old_log_probs = [1.0] * 6, dynamic
+    worker.update_actor(seqs, _scale(seqs))
+    assert [int(b.response_mask.sum()) for b in seen] == [sum(lengths[i] for i in g) for g in groups]
 
 
 def test_checkpoint_round_trip_restores_policy_optimizer_and_rng(worker, tmp_path):
@@ -165,33 +162,28 @@ def test_log_prob_passes_cut_their_own_micro_batches(worker, monkeypatch):
     (old and reference log-probs) alone: the update keeps the training micro batch, and the log-probs are the same."""
     lengths = [1, 9, 2, 8, 1, 7]
     seqs = Sequences([[104, 105]] * len(lengths), [[40 + k for k in range(n)] for n in lengths])
-    backend = worker.cfg.backend
-    keys = ("micro_batch_size_per_device", "dynamic_batch_size", "max_tokens_per_device",
-            "log_prob_micro_batch_size_per_device", "log_prob_max_tokens_per_device")
-    saved = {k: backend[k] for k in keys}
-    try:
-        backend.micro_batch_size_per_device, backend.log_prob_micro_batch_size_per_device = 1, None
-        one_by_one = worker.compute_log_probs(seqs)
-        backend.log_prob_micro_batch_size_per_device = 3
-        assert worker.micro_batch_groups(seqs, worker.actor, forward_only=True) == [[0, 1, 2], [3, 4, 5]]
-        assert worker.micro_batch_groups(seqs, worker.actor) == [[i] for i in range(6)]
-        rows = []
-        real = worker.actor.compute_log_probs
-        monkeypatch.setattr(worker.actor, "compute_log_probs", lambda b: rows.append(len(b.input_ids)) or real(b))
-        together = worker.compute_log_probs(seqs)
-        assert rows == [3, 3]
-        for a, b in zip(together, one_by_one):
-            assert a == pytest.approx(b, abs=1e-5)
-        seen = []
-        monkeypatch.setattr(worker.actor, "train_mini_batch", lambda micro, scale: seen.extend(micro) or {})
-        seqs.advantages, seqs.old_log_probs = [1.0] * 6, together
-        worker.update_actor(seqs, _scale(seqs))
-        assert len(seen) == 6  # the training micro batch of 1
-        backend.dynamic_batch_size, backend.max_tokens_per_device = True, 11
-        backend.log_prob_max_tokens_per_device = 33
-        train = worker.micro_batch_groups(seqs, worker.actor)
-        forward = worker.micro_batch_groups(seqs, worker.actor, forward_only=True)
-        assert len(forward) < len(train) and all(len(g) * max(2 + lengths[i] for i in g) <= 33 for g in forward)
-    finally:
-        for k, v in saved.items():
-            backend[k] = v
+    setting = partial(monkeypatch.setitem, worker.cfg.backend)
+    setting("micro_batch_size_per_device", 1)
+    setting("log_prob_micro_batch_size_per_device", None)
+    one_by_one = worker.compute_log_probs(seqs)
+    setting("log_prob_micro_batch_size_per_device", 3)
+    assert worker.micro_batch_groups(seqs, worker.actor, forward_only=True) == [[0, 1, 2], [3, 4, 5]]
+    assert worker.micro_batch_groups(seqs, worker.actor) == [[i] for i in range(6)]
+    rows = []
+    real = worker.actor.compute_log_probs
+    monkeypatch.setattr(worker.actor, "compute_log_probs", lambda b: rows.append(len(b.input_ids)) or real(b))
+    together = worker.compute_log_probs(seqs)
+    assert rows == [3, 3]
+    for a, b in zip(together, one_by_one):
+        assert a == pytest.approx(b, abs=1e-5)
+    seen = []
+    monkeypatch.setattr(worker.actor, "train_mini_batch", lambda micro, scale: seen.extend(micro) or {})
+    seqs.advantages, seqs.old_log_probs = [1.0] * 6, together
+    worker.update_actor(seqs, _scale(seqs))
+    assert len(seen) == 6  # the training micro batch of 1
+    setting("dynamic_batch_size", True)
+    setting("max_tokens_per_device", 11)
+    setting("log_prob_max_tokens_per_device", 33)
+    train = worker.micro_batch_groups(seqs, worker.actor)
+    forward = worker.micro_batch_groups(seqs, worker.actor, forward_only=True)
+    assert len(forward) < len(train) and all(len(g) * max(2 + lengths[i] for i in g) <= 33 for g in forward)
