@@ -257,11 +257,7 @@ class EarlyLocalRay:
             return
         self.taken = True
         self.ready.wait()
-        ray = connected_ray()
-        if self.started_local and ray is not None:
-            ray.shutdown()
-        if self.watchdog is not None:
-            self.watchdog.release()
+        _leave_local(self.started_local, self.watchdog)
         self.done()
 
 
@@ -270,8 +266,6 @@ def ray_session(cfg: Any, platform: Platform, world: int, early: Optional[EarlyL
     """Connected to Ray for the duration (yields whether this run started a local cluster, which is stopped on
     exit). A local cluster is watched by `LocalClusterWatchdog`, so that it goes away with the driver even when
     the driver is killed. `early`: the cluster's start already under way (`EarlyLocalRay`)."""
-    import ray
-
     if early is not None:
         started_local, watchdog = early.take()
     else:
@@ -280,12 +274,18 @@ def ray_session(cfg: Any, platform: Platform, world: int, early: Optional[EarlyL
     try:
         yield started_local
     finally:
-        if started_local and ray.is_initialized():
-            ray.shutdown()
-        if watchdog is not None:
-            watchdog.release()
+        _leave_local(started_local, watchdog)
         if early is not None:
             early.done()
+
+
+def _leave_local(started_local: bool, watchdog: Optional["LocalClusterWatchdog"]) -> None:
+    """Stop the local cluster this run started (if it is still connected) and release its watchdog."""
+    ray = connected_ray()
+    if started_local and ray is not None:
+        ray.shutdown()
+    if watchdog is not None:
+        watchdog.release()
 
 
 class LocalClusterWatchdog:
