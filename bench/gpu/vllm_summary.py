@@ -37,7 +37,7 @@ def summary(run: Path) -> dict:
             out[key] = {"first": round(xs[0], 2), "median_after_first": round(statistics.median(steady), 3)}
     mem = {}
     for key in rows[-1]:
-        if key.startswith(("perf/device_memory_used_gb/", "perf/max_memory_allocated_gb/")):
+        if key.startswith(("perf/device_memory_used_gb/", "perf/max_memory_allocated_gb/", "perf/memory_allocated_gb/")):
             xs = col(key)
             mem[key] = round(max(xs), 2)
     out["memory_gib_peak"] = mem
@@ -45,7 +45,8 @@ def summary(run: Path) -> dict:
     if est:
         out["plan_gib"] = {"train_peak": round(est.get("train_peak", 0), 2),
                            "rollout_peak": round(est.get("rollout_peak", 0), 2),
-                           "capacity": round(est.get("capacity", 0), 2)}
+                           "capacity": round(est.get("capacity", 0), 2),
+                           "kept_by_trainer": round((est.get("terms") or {}).get("rollout/kept_by_trainer", 0), 2)}
         used_gen = mem.get("perf/device_memory_used_gb/gen")
         if used_gen:
             out["rollout_used_vs_plan"] = round(used_gen / est["rollout_peak"] - 1, 3)

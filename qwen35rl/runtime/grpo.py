@@ -37,7 +37,7 @@ from qwen35rl.runtime.batching import Sequences, balanced_split, split_even, spl
 from qwen35rl.runtime import report
 from qwen35rl.runtime.cluster import WorkerGroup, wait_pools
 from qwen35rl.runtime.flops import mfu, train_flops
-from qwen35rl.runtime.memory_peaks import DEVICE_USED
+from qwen35rl.runtime.memory_peaks import metric_name as memory_metric_name
 from qwen35rl.runtime.prefetch import Prefetcher, Rollouts
 from qwen35rl.runtime.run_identity import FINAL_DIR, PROVENANCE_KEY
 from qwen35rl.runtime.rollouts import RolloutBatch, data_metrics, logprob_diff_metrics
@@ -488,8 +488,7 @@ class GRPOTrainer:
         phase_peaks: Dict[str, float] = {}  # each phase's peak over every worker of both pools (none on CPU)
         for peaks in (d for g in self.pools for d in g.run("phase_memory_gb")):
             for phase, gb in peaks.items():
-                key = (f"perf/device_memory_used_gb/{phase[len(DEVICE_USED):]}" if phase.startswith(DEVICE_USED)
-                       else f"perf/max_memory_allocated_gb/{phase}")
+                key = memory_metric_name(phase)
                 phase_peaks[key] = max(gb, phase_peaks.get(key, 0.0))
         return {
             **phase_peaks,

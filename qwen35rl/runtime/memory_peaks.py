@@ -10,7 +10,9 @@ and the overall peak is the process's peak resident set. All in GiB, the plan's 
 Memory that is not the caching allocator's (vLLM's sleep-mode pools, allocated through its own cuMem allocator; the
 CUDA context) is in no allocator counter: each phase also records the device's used memory (total - free, one
 `mem_get_info` at its end), `perf/device_memory_used_gb/<phase>`, the number to hold against the plan's rollout
-estimate under vLLM.
+estimate under vLLM. A `moment` (e.g. `before_wake`: the trainer's side alone, the engine asleep) records both the
+device's used memory and the allocator's live bytes at one point, `perf/memory_allocated_gb/<moment>`: their
+difference is what no allocator counts (CUDA context, loaded kernels, communicators).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class MemoryPeaks:
         self.overall = 0
         self.phases: Dict[str, int] = {}
         self.used: Dict[str, int] = {}
+        self.live: Dict[str, int] = {}
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -46,6 +49,15 @@ class MemoryPeaks:
             if used is not None:
                 self.used[name] = max(self.used.get(name, 0), used)
 
+    def moment(self, name: str) -> None:
+        """The device's used memory and the allocator's live bytes now (largest over the step)."""
+        if self.device is None:
+            return
+        self.live[name] = max(self.live.get(name, 0), int(self.device.memory_allocated()))
+        used = self.device_used()
+        if used is not None:
+            self.used[name] = max(self.used.get(name, 0), used)
+
     def device_used(self) -> Optional[int]:
         """Bytes in use on the device, by anyone (None where the device module cannot say)."""
         info = getattr(self.device, "mem_get_info", None)
@@ -62,12 +74,23 @@ class MemoryPeaks:
 
     def take_phases_gb(self) -> Dict[str, float]:
         """Each phase's peak since the last call (GiB), and clears them: one step's phases per call. The device's used
-        memory at a phase's end comes as `DEVICE_USED + phase`."""
+        memory at a phase's end (or a moment) comes as `DEVICE_USED + name`, a moment's live bytes as `LIVE + name`."""
         out = {k: v / GIB for k, v in self.phases.items()}
         out.update({DEVICE_USED + k: v / GIB for k, v in self.used.items()})
+        out.update({LIVE + k: v / GIB for k, v in self.live.items()})
         self.phases.clear()
         self.used.clear()
+        self.live.clear()
         return out
 
 
 DEVICE_USED = "device_used:"
+LIVE = "allocated:"
+
+
+def metric_name(key: str) -> str:
+    """The tracker's name of a `take_phases_gb` key."""
+    for prefix, metric in ((DEVICE_USED, "perf/device_memory_used_gb/"), (LIVE, "perf/memory_allocated_gb/")):
+        if key.startswith(prefix):
+            return metric + key[len(prefix):]
+    return "perf/max_memory_allocated_gb/" + key

@@ -201,6 +201,7 @@ class PolicyWorker:
 
             gc.collect()
             device.empty_cache()
+            self.memory.moment("before_wake")  # the trainer's side alone: held against rollout/kept_by_trainer
         try:
             self.rollout.wake_up()
         except (RuntimeError, MemoryError) as e:

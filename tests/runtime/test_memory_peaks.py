@@ -63,3 +63,35 @@ def test_cpu_has_no_phase_peaks_and_its_overall_peak_is_the_resident_set():
     assert peaks.take_phases_gb() == {}
     rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
     assert 0 < peaks.overall_gb() == pytest.approx(rss_gib, rel=0.05)
+
+
+class FakeDevice(FakeAllocator):
+    """Adds the device's own count: what the allocator holds plus memory no allocator sees (the CUDA context)."""
+
+    def __init__(self, total, outside):
+        super().__init__()
+        self.total, self.outside = total, outside
+
+    def memory_allocated(self):
+        return self.allocated
+
+    def mem_get_info(self):
+        return self.total - self.allocated - self.outside, self.total
+
+
+def test_a_moment_records_device_use_and_live_bytes_under_their_tracker_names():
+    from qwen35rl.runtime.memory_peaks import metric_name
+
+    dev = FakeDevice(total=80 * GIB, outside=3 * GIB)
+    peaks = MemoryPeaks(dev)
+    dev.alloc(6 * GIB)
+    peaks.moment("before_wake")
+    dev.alloc(30 * GIB)               # the engine awake
+    with peaks.phase("gen"):
+        dev.alloc(1 * GIB)
+        dev.free(1 * GIB)
+    named = {metric_name(k): v for k, v in peaks.take_phases_gb().items()}
+    assert named == {"perf/max_memory_allocated_gb/gen": 37.0, "perf/device_memory_used_gb/gen": 39.0,
+                     "perf/device_memory_used_gb/before_wake": 9.0, "perf/memory_allocated_gb/before_wake": 6.0}
+    assert peaks.take_phases_gb() == {}
+    MemoryPeaks(None).moment("before_wake")  # CPU: nothing to read, nothing recorded
