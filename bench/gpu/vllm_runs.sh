@@ -163,9 +163,10 @@ warm4b)
   ;;
 4b)
   # one mini batch per step: one host optimizer step, and the update's own pass is the old log-probs (no separate
-  # pass); it logs the vLLM / trainer gap (rollout/logprob_diff_*) itself
+  # pass); it logs the vLLM / trainer gap (rollout/logprob_diff_*) itself. The call's whole limit: the 50th step is
+  # logged before the final checkpoint (48 GB of host states) would be written, which the limit may cut short
   card
-  q_run text-4b-fsdp "$(left 520)" model=qwen3_5_4b backend=fsdp $(common) "${TEXT[@]}" "${D4[@]}"
+  q_run text-4b-fsdp "$(left ${LIMIT:-585})" model=qwen3_5_4b backend=fsdp $(common) "${TEXT[@]}" "${D4[@]}"
   ;;
 peers)
   # run A's workload: 8 prompts x 8, prompts of 256 tokens, responses of 128; vLLM at the same memory share
