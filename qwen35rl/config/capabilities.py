@@ -20,18 +20,15 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-from qwen35rl.config.engine_specs import train_engine
+from qwen35rl.config.engine_specs import ROLLOUT_ENGINES, TRAIN_ENGINES, declared, train_engine
 from qwen35rl.config.layout import placement
 from qwen35rl.config.problems import ERROR, WARNING, Problem
 
 REFUSED = ERROR
 NOT_APPLIED = WARNING
 
-AXES: Dict[str, Tuple[str, ...]] = {
-    "fsdp": ("fsdp_size", "sp"),
-    "megatron": ("tp", "pp", "cp", "ep", "etp", "vpp", "pipeline_layout"),
-}
-"""The `parallelism.*` layout axes each engine reads; the others must keep their defaults."""
+AXES: Dict[str, Tuple[str, ...]] = {name: spec.layout_axes for name, spec in TRAIN_ENGINES.items()}
+"""The `parallelism.*` layout axes each engine reads (its spec's); the others must keep their defaults."""
 MAX_DEGREE: Dict[str, Dict[str, int]] = {"megatron": {"cp": 1}}
 """Axes an engine reads but builds only up to a degree (the entries below say why); the layout search stays
 inside."""
@@ -243,18 +240,19 @@ class PlacementSupport:
 
     launchers: Tuple[str, ...]
     """trainer.launcher values that start its workers."""
-    rollout_engines: Tuple[str, ...]
-    """rollout.engine values built on its rollout devices (both training engines build under either placement:
-    the rollout side reads their weights through the same `export_weights`)."""
+    own_rollout_pool: bool
+    """The rollout engine runs on devices of its own: only engines whose spec has `split_pool` are built there
+    (both training engines build under either placement: the rollout side reads their weights through the same
+    `export_weights`)."""
     max_staleness: Optional[int]
     """The largest algorithm.max_staleness it runs (None: any)."""
 
 
 PLACEMENT: Dict[str, PlacementSupport] = {
-    "colocated": PlacementSupport(launchers=("ray", "local"), rollout_engines=("vllm", "hf"), max_staleness=0),
+    "colocated": PlacementSupport(launchers=("ray", "local"), own_rollout_pool=False, max_staleness=0),
     # Training rank 0 sends the exported weights (each engine's `export_weights`, gathered from its TP / PP / EP
     # shards) to every rollout worker over a communicator of its own (runtime/weight_sync.py).
-    "split": PlacementSupport(launchers=("ray",), rollout_engines=("hf",), max_staleness=None),
+    "split": PlacementSupport(launchers=("ray",), own_rollout_pool=True, max_staleness=None),
 }
 """What each placement builds, read by the plan's rules and by the runtime (`check_placement`)."""
 
@@ -302,7 +300,8 @@ def placement_problems(cfg: Any) -> List[Problem]:
     if launcher not in support.launchers:
         out.append(Problem("split_needs_ray", "trainer.launcher", f"placement={mode} with trainer.launcher="
                            f"{launcher}: {SPLIT_WHY['launcher']}", "try trainer.launcher=ray", REFUSED))
-    if engine not in support.rollout_engines:
+    spec = declared(ROLLOUT_ENGINES, engine)
+    if spec is None or (support.own_rollout_pool and not spec.split_pool):
         out.append(Problem("split_rollout_needs_hf", "rollout.engine", f"placement={mode} with rollout.engine="
                            f"{engine}: {SPLIT_WHY['rollout']}", "try rollout=hf, or placement=colocated", REFUSED))
     staleness = _staleness(cfg)

@@ -98,15 +98,19 @@ def kl_on(cfg: Any) -> bool:
     return bool(cfg["algorithm"]["use_kl_loss"] or cfg["algorithm"]["use_kl_in_reward"])
 
 
-def _megatron(layout: Layout) -> bool:
-    """The training engine splits layers and tensors (Megatron's terms apply)."""
+def _model_parallel(layout: Layout) -> bool:
+    """The training engine splits layers and tensors (its spec's `model_parallel`): the formulas below named
+    Megatron apply, else those named FSDP (an engine that shards parameters)."""
     return train_engine(layout.backend).model_parallel
 
 
-def _fsdp_on_host(cfg: Any) -> bool:
-    """The FSDP engine turns any of offload_policy / param_offload / optimizer_offload / grad_offload into FSDP2's
-    CPUOffloadPolicy: parameters, gradients and optimizer states of the policy and the reference on the host."""
+def _offload_policy_on(cfg: Any) -> bool:
+    """An engine without between-phase offload (its spec's `offloads_between_phases`; FSDP) turns any of
+    offload_policy / param_offload / optimizer_offload / grad_offload into one CPU offload policy (FSDP2's
+    CPUOffloadPolicy): parameters, gradients and optimizer states of the policy and the reference on the host."""
     b = cfg["backend"]
+    if train_engine(cfg).offloads_between_phases:
+        return False
     return any(bool(b.get(k, False)) for k in ("offload_policy", "param_offload", "optimizer_offload", "grad_offload"))
 
 
@@ -211,7 +215,7 @@ def train_shard(cfg: Any, layout: Layout) -> TrainShard:
     m = cfg["model"]
     tower = vision_tower_params(cfg)
     frozen_tower = tower if freezes_vision(cfg) else 0
-    if not _megatron(layout):
+    if not _model_parallel(layout):
         kinds = P.layer_kinds(m)
         expert = len(kinds) * P.layer_expert_params(m)
         dense = P.count_params(m).text - expert + tower - frozen_tower
@@ -246,18 +250,18 @@ def train_weights_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
     """Megatron: bf16 parameters on the device while training (param_offload only moves them out between
     phases). FSDP: fp32 sharded parameters (bf16 is the compute copy), on the host with offload_policy. Frozen
     parameters count here like the trained ones."""
-    if _megatron(layout):
+    if _model_parallel(layout):
         return gib(shard.held * BF16)
-    return 0.0 if _fsdp_on_host(cfg) else gib(shard.held * FP32)
+    return 0.0 if _offload_policy_on(cfg) else gib(shard.held * FP32)
 
 
 def train_grads_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
     """Gradients on the device at the backward's peak. Megatron: the fp32 main-grad buffer of every local
     parameter (always allocated). FSDP: the fp32 sharded gradients of the earlier micro batches of the optimizer
     step (none with a single micro batch: the peak is at the start of its backward), on the host when offloaded."""
-    if _megatron(layout):
+    if _model_parallel(layout):
         return gib(shard.trained * FP32)
-    if _fsdp_on_host(cfg) or micro_batches_per_mini_batch(cfg, layout) <= 1:
+    if _offload_policy_on(cfg) or micro_batches_per_mini_batch(cfg, layout) <= 1:
         return 0.0
     return gib(shard.trained * FP32)
 
@@ -269,8 +273,8 @@ def optimizer_states_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
     A trained vision tower is dense (Megatron: sharded over DP*CP like the other replicated parameters); a frozen
     one has no states."""
     b = cfg["backend"]
-    if not _megatron(layout):
-        return 0.0 if _fsdp_on_host(cfg) else gib(shard.trained * 2 * FP32)
+    if not _model_parallel(layout):
+        return 0.0 if _offload_policy_on(cfg) else gib(shard.trained * 2 * FP32)
     if b["use_distributed_optimizer"]:
         states = shard.dense / max(layout.dp * layout.cp, 1) + shard.expert / max(layout.edp, 1)
     else:
@@ -283,7 +287,7 @@ def fsdp_gathered_params_gib(cfg: Any, layout: Layout, shard: TrainShard) -> flo
     """FSDP: unsharded compute-dtype copies: the root unit (FSDP2 never reshards the root after a forward, so it
     stays from the log-prob pass until the update's backward ends) plus the layer being computed and the one
     prefetched; without reshard_after_forward every gathered layer stays until backward (the whole model)."""
-    if _megatron(layout):
+    if _model_parallel(layout):
         return 0.0
     if not cfg["backend"].get("reshard_after_forward", True):
         return gib(shard.held * max(layout.fsdp_size, 1) * compute_bytes(cfg))
@@ -468,14 +472,14 @@ def compiles_layers(cfg: Any) -> bool:
 def tokens_per_device(cfg: Any, layout: Layout) -> float:
     """Tokens of one micro batch each device keeps activations for: Megatron splits them over TP (sequence
     parallel) and CP, FSDP over Ulysses SP."""
-    div = layout.tp * layout.cp if _megatron(layout) else layout.sp
+    div = layout.tp * layout.cp if _model_parallel(layout) else layout.sp
     return micro_batch_tokens(cfg) / max(div, 1)
 
 
 def in_flight_micro_batches(cfg: Any, layout: Layout) -> float:
     """1F1B keeps up to PP micro batches of activations on the first stage (interleaving adds
     (pp-1)/(pp*vpp)); without a pipeline one micro batch."""
-    if not _megatron(layout) or layout.pp <= 1:
+    if not _model_parallel(layout) or layout.pp <= 1:
         return 1.0
     n = min(layout.pp, micro_batches_per_mini_batch(cfg, layout))
     if layout.vpp:
@@ -489,7 +493,7 @@ def recompute_groups(cfg: Any, layout: Layout) -> Optional[Dict[str, Any]]:
     'selective' recompute only re-runs core attention, which flash attention never stores: counted as no
     recompute. FSDP gradient checkpointing = uniform groups of one layer."""
     b = cfg["backend"]
-    if not _megatron(layout):
+    if not _model_parallel(layout):
         return {"method": "uniform", "n": 1} if b["gradient_checkpointing"] else None
     if not b["gradient_checkpointing"] or b.get("recompute_granularity") != "full":  # the engine needs both
         return None
@@ -515,7 +519,7 @@ def activations_gib(cfg: Any, layout: Layout, shard: TrainShard, kernels: Option
     FSDP counts its recomputed layer in `backward_transient_gib`; both keep the final norm's tensors and the
     head's response hidden states besides."""
     m, h = cfg["model"], int(cfg["model"]["hidden_size"])
-    if not _megatron(layout):
+    if not _model_parallel(layout):
         cb, tokens, kernels = compute_bytes(cfg), tokens_per_device(cfg, layout), gdn_kernels(cfg, kernels)
         if recompute_groups(cfg, layout) is None:
             compiled = compiles_layers(cfg)
@@ -607,14 +611,14 @@ def vision_activations_gib(cfg: Any, layout: Layout) -> float:
     if not trains_vision(cfg):
         return 0.0
     v = cfg["model"]["vision"]
-    cb = BF16 if _megatron(layout) else compute_bytes(cfg)
+    cb = BF16 if _model_parallel(layout) else compute_bytes(cfg)
     patches, flight = vision_patches_per_micro_batch(cfg), in_flight_micro_batches(cfg, layout)
     block, pixels = vision_block_bytes_per_patch(v, cb), FP32 * _pixels_per_patch(v)
     if freezes_vision(cfg):
         return gib(patches * (pixels * flight + block))
     stem, depth = vision_stem_bytes_per_patch(v, cb), int(v["depth"])
     if vision_recomputed(cfg, layout):
-        saved, working = stem + depth * cb * int(v["hidden_size"]), (2 if _megatron(layout) else 1) * block
+        saved, working = stem + depth * cb * int(v["hidden_size"]), (2 if _model_parallel(layout) else 1) * block
     else:
         saved, working = stem + depth * block, 0.0
     return gib(patches * ((saved + pixels) * flight + working))
@@ -624,7 +628,7 @@ def head_tokens_per_device(cfg: Any, layout: Layout) -> float:
     """Response tokens of one micro batch that a device's log-prob head runs over (only these: prompt positions
     have no use for it). FSDP: split like the activations (Ulysses SP); Megatron: each TP rank runs the whole
     micro batch's tokens (the output layer's input is gathered over the sequence) over its vocabulary slice."""
-    if not _megatron(layout):
+    if not _model_parallel(layout):
         return response_tokens_per_device(cfg, layout)
     share = int(cfg["data"]["max_response_length"]) / sequence_length(cfg)
     return micro_batch_tokens(cfg) * share / max(layout.cp, 1)
@@ -636,7 +640,7 @@ def logits_gib(cfg: Any, layout: Layout) -> float:
     device's vocabulary rows [V / tp, h] (Megatron splits the vocabulary over TP) plus three fp32 [chunk, V / tp]
     tensors (log-probs, probabilities, their product for the entropy)."""
     m = cfg["model"]
-    vocab = int(m["vocab_size"]) / (layout.tp if _megatron(layout) else 1)
+    vocab = int(m["vocab_size"]) / (layout.tp if _model_parallel(layout) else 1)
     chunk = min(int(cfg["backend"]["logprob_chunk_size"]), head_tokens_per_device(cfg, layout))
     return gib(vocab * int(m["hidden_size"]) * FP32 + 3 * chunk * vocab * FP32)
 
@@ -645,7 +649,7 @@ def recomputed_layer_gib(cfg: Any, layout: Layout, shard: TrainShard, kernels: O
     """FSDP with checkpointing: during a layer's backward its forward is re-run (its saved tensors, as without
     checkpointing; their gradients replace them as they are consumed) while the lm_head's gradient waits in the
     compute dtype for the end of the backward."""
-    if _megatron(layout) or recompute_groups(cfg, layout) is None:
+    if _model_parallel(layout) or recompute_groups(cfg, layout) is None:
         return 0.0
     m, cb, kernels = cfg["model"], compute_bytes(cfg), gdn_kernels(cfg, kernels)
     widest = max(hf_layer_bytes_per_token(m, k, cb, kernels, compiles_layers(cfg)) for k in set(shard.layers))
@@ -656,7 +660,7 @@ def backward_transient_gib(cfg: Any, layout: Layout, shard: TrainShard, kernels:
     """The transient on top of the saved activations. FSDP: the larger of the log-prob head's backward and one
     recomputed layer (the head runs first and frees its buffers before the layers). Megatron: the last stage's
     head (its recomputed group is in `activations_gib`, combined conservatively across pipeline ranks)."""
-    if _megatron(layout):
+    if _model_parallel(layout):
         return logits_gib(cfg, layout)
     return max(logits_gib(cfg, layout), recomputed_layer_gib(cfg, layout, shard, kernels))
 
@@ -670,10 +674,10 @@ def optimizer_step_gib(cfg: Any, layout: Layout, shard: TrainShard, backward_set
     nodes' packages: assumed), allocates that sqrt for every parameter whose states are on the device (a third of
     their 12 B); its gradient buffer persists through the step, so only the activations and the transient are
     gone by then (measured on an H200, 2026-12-04: the 4B's step added 15.7 GiB, its peak)."""
-    if _megatron(layout):
+    if _model_parallel(layout):
         freed = backward_set - train_grads_gib(cfg, layout, shard)
         return max(0.0, optimizer_states_gib(cfg, layout, shard) / 3 - freed)
-    if _fsdp_on_host(cfg):
+    if _offload_policy_on(cfg):
         return 0.0
     local = shard.trained
     largest = largest_parameter(cfg["model"]) / max(layout.fsdp_size, 1)
@@ -712,7 +716,7 @@ def log_prob_activations_gib(cfg: Any, layout: Layout, shard: TrainShard, kernel
     lp, m, h = log_prob_tree(cfg), cfg["model"], int(cfg["model"]["hidden_size"])
     tokens, head_tokens = tokens_per_device(lp, layout), head_tokens_per_device(lp, layout)
     kinds = set(shard.layers)
-    if _megatron(layout):
+    if _model_parallel(layout):
         cb, kernels, vocab = BF16, megatron_gdn_kernels(cfg, kernels), int(m["vocab_size"]) / max(layout.tp, 1)
         widest = max((megatron_layer_bytes_per_token(m, k, kernels) for k in kinds), default=0.0)
     else:
@@ -727,9 +731,9 @@ def reference_model_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
     """With KL on, a bf16 reference model sharded like the policy, its copy of the vision tower included (weights
     only: it never trains) (FSDP: plus its root unit, which stays gathered after each of its forward passes); it
     follows the policy's parameter offload (host between its forward passes) and is absent without KL."""
-    if not kl_on(cfg) or cfg["backend"]["param_offload"] or (not _megatron(layout) and _fsdp_on_host(cfg)):
+    if not kl_on(cfg) or cfg["backend"]["param_offload"] or (not _model_parallel(layout) and _offload_policy_on(cfg)):
         return 0.0
-    root = 0.0 if _megatron(layout) else shard.root
+    root = 0.0 if _model_parallel(layout) else shard.root
     return gib((shard.held + root) * BF16)
 
 
@@ -782,18 +786,18 @@ def train_state_during_rollout_gib(cfg: Any, layout: Layout, shard: TrainShard) 
     b = cfg["backend"]
     kept = 0.0 if b["param_offload"] else train_weights_gib(cfg, layout, shard)
     kept += 0.0 if b["optimizer_offload"] else optimizer_states_gib(cfg, layout, shard)
-    if _megatron(layout) and not b["grad_offload"]:
+    if _model_parallel(layout) and not b["grad_offload"]:
         kept += train_grads_gib(cfg, layout, shard)
     return kept + reference_model_gib(cfg, layout, shard)
 
 
 def host_offloaded_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
     """Host memory per device for what the trainer offloads: Megatron's CPU optimizer share (12 B/param), and
-    between phases weights (2 B), fp32 grads and the device optimizer share; FSDP offloaded (`_fsdp_on_host`) keeps
-    fp32 params + grads + Adam m, v (16 B/param; frozen parameters 4 B) there; plus an offloaded reference model
-    (bf16)."""
+    between phases weights (2 B), fp32 grads and the device optimizer share; FSDP offloaded (`_offload_policy_on`)
+    keeps fp32 params + grads + Adam m, v (16 B/param; frozen parameters 4 B) there; plus an offloaded reference
+    model (bf16)."""
     b = cfg["backend"]
-    if _megatron(layout):
+    if train_engine(cfg).offloads_between_phases:
         host = 0.0
         if b["optimizer_cpu_offload"]:
             full = optimizer_states_gib({**cfg, "backend": {**b, "optimizer_cpu_offload": False}}, layout, shard)
@@ -802,8 +806,8 @@ def host_offloaded_gib(cfg: Any, layout: Layout, shard: TrainShard) -> float:
         host += train_grads_gib(cfg, layout, shard) if b["grad_offload"] else 0.0
         host += optimizer_states_gib(cfg, layout, shard) if b["optimizer_offload"] else 0.0
     else:
-        host = gib(shard.trained * 4 * FP32 + shard.frozen * FP32) if _fsdp_on_host(cfg) else 0.0
-    offloaded_ref = b["param_offload"] or (not _megatron(layout) and _fsdp_on_host(cfg))
+        host = gib(shard.trained * 4 * FP32 + shard.frozen * FP32) if _offload_policy_on(cfg) else 0.0
+    offloaded_ref = b["param_offload"] or (not _model_parallel(layout) and _offload_policy_on(cfg))
     return host + (gib(shard.held * BF16) if kl_on(cfg) and offloaded_ref else 0.0)
 
 
@@ -1011,7 +1015,7 @@ def train_terms(cfg: Any, layout: Layout, gdn: Optional[str] = None) -> Dict[str
         **backward,
         "train/optimizer_step": optimizer_step_gib(cfg, layout, shard, sum(backward.values())),
         "train/reference": reference_model_gib(cfg, layout, shard),
-        "log_prob/grads": train_grads_gib(cfg, layout, shard) if _megatron(layout) else 0.0,
+        "log_prob/grads": train_grads_gib(cfg, layout, shard) if _model_parallel(layout) else 0.0,
         "log_prob/activations": log_prob_activations_gib(cfg, layout, shard, gdn),
         "rollout/kept_by_trainer": train_state_during_rollout_gib(cfg, layout, shard),
         "host/trainer_offload": host_offloaded_gib(cfg, layout, shard),
@@ -1079,14 +1083,10 @@ def estimate(cfg: Any, layout: Layout, gdn: Optional[str] = None) -> MemoryEstim
 
 
 # ------------------------------------------------------------------------------------------------- on disk
-CHECKPOINT_BYTES_PER_PARAM = {"fsdp": FP32 + 2 * FP32, "megatron": BF16 + FP32 + 2 * FP32}
-"""What a checkpoint holds per trained parameter: FSDP its fp32 parameters and Adam's two moments; Megatron its
-bf16 model weights, the distributed optimizer's fp32 main copy and the two moments."""
-
-
 def checkpoint_gib(cfg: Any) -> float:
     """Size of one checkpoint of the policy (the reference is rebuilt, not saved): the trained parameters (the
-    vision tower when the run sees images) times `CHECKPOINT_BYTES_PER_PARAM`."""
+    vision tower when the run sees images) times what the engine's checkpoint holds per parameter (its spec's
+    `checkpoint_bytes_per_param`)."""
     count = P.count_params(cfg["model"])
     trained = count.text + (count.vision if cfg["data"].get("has_images") else 0)
-    return gib(trained * CHECKPOINT_BYTES_PER_PARAM[str(cfg["backend"]["name"])])
+    return gib(trained * train_engine(cfg).checkpoint_bytes_per_param)

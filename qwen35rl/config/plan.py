@@ -3,29 +3,40 @@ and as readable text. Imports nothing heavy: cluster packages are only looked up
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen35rl.config import (auto_batch, capabilities, data_check, fit_hint, layout_search, memory, params, quirks,
-                             redact, rules, run_name, step_time, vllm_facts)
+from qwen35rl.config import (auto_batch, capabilities, data_check, engine_specs, fit_hint, layout_search, memory,
+                             params, quirks, redact, rules, run_name, step_time, vllm_facts)
 from qwen35rl.config.layout import Layout, derive_layout, is_split, placement, pools_per_node
 from qwen35rl.config.problems import ERROR, WARNING, Problem
 from qwen35rl.config.run_summary import render_lines as run_lines, run_summary
 from qwen35rl.config.verl import exporter as verl_exporter
 
 
+INSTALL: Dict[str, Callable[[str], Tuple[str, str]]] = {
+    "vllm": lambda device: ("vLLM", "install it with " + ("vllm-ascend (Ascend's install guide)" if device == "npu"
+                                                          else "pip install 'qwen35rl[gpu]'") + ", or use rollout=hf"),
+    "megatron": lambda device: ("megatron-core", "pip install 'qwen35rl[gpu]' (NPU: MindSpeed + megatron-core, see "
+                                                 "README)"),
+}
+"""For a package an engine's spec lists (keyed by package, not engine), on a device type: what it is called and
+how to install it."""
+
+
 def environment_problems(cfg: DictConfig) -> List[Problem]:
-    """Cluster packages missing here: a warning, since plans are often made on a login node without them."""
+    """Cluster packages missing here (those the engines' specs list): a warning, since plans are often made on a
+    login node without them."""
     out = []
-    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        pkg = "vllm-ascend (Ascend's install guide)" if cfg.hw.device == "npu" else "pip install 'qwen35rl[gpu]'"
-        out.append(Problem("vllm_not_installed", "rollout.engine", "vLLM is not installed here; training with "
-                           "rollout=vllm needs it on every node", f"install it with {pkg}, or use rollout=hf", WARNING))
-    if cfg.backend.name == "megatron" and importlib.util.find_spec("megatron") is None:
-        out.append(Problem("megatron_not_installed", "backend", "megatron-core is not installed here; training with "
-                           "backend=megatron needs it on every node", "pip install 'qwen35rl[gpu]' (NPU: MindSpeed + "
-                           "megatron-core, see README)", WARNING))
+    for key, group, spec in (
+            ("rollout.engine", "rollout", engine_specs.declared(engine_specs.ROLLOUT_ENGINES, cfg.rollout.engine)),
+            ("backend", "backend", engine_specs.declared(engine_specs.TRAIN_ENGINES, cfg.backend.name))):
+        for package in (spec.packages if spec is not None else ()):  # an unknown engine: engine_known says so
+            if importlib.util.find_spec(package) is None:
+                what, hint = INSTALL.get(package, lambda _: (package, f"pip install {package}"))(str(cfg.hw.device))
+                out.append(Problem(f"{package}_not_installed", key, f"{what} is not installed here; training with "
+                                   f"{group}={spec.name} needs it on every node", hint, WARNING))
     if cfg.hw.device == "npu" and importlib.util.find_spec("torch_npu") is None:
         out.append(Problem("torch_npu_not_installed", "hw.device", "torch_npu is not installed here; NPU training "
                            "needs it (and CANN) on every node", "pip install 'qwen35rl[npu]' on the Ascend nodes", WARNING))
@@ -140,7 +151,7 @@ def _step_time(cfg: DictConfig, layout: Layout, mem: memory.MemoryEstimate,
 def vllm_plan(configured: DictConfig, cfg: DictConfig) -> Optional[Dict[str, Any]]:
     """For a vLLM rollout: the version the plan used and where it came from, the GDN prefill kernel, the rollout
     checkpoint's form and what the engine arguments were checked against (`configured`: before `resolve_auto`)."""
-    if str(cfg.rollout.engine) != "vllm":
+    if not engine_specs.rollout_uses(cfg, "vllm"):
         return None
     res = vllm_facts.resolution(configured)
     return None if res is None else res.to_dict()
@@ -179,7 +190,7 @@ def offload_settings(cfg: DictConfig, mem, layout: Optional[Layout] = None, pool
     b = cfg.backend
     out: Dict[str, Any] = {"param": bool(b.param_offload), "grad": bool(b.grad_offload),
                            "optimizer": bool(b.optimizer_offload), "host_gib": round(float(mem.host_gib), 3)}
-    if cfg.backend.name == "megatron":
+    if engine_specs.train_engine(cfg).offloads_between_phases:  # a host optimizer step, no whole-step policy
         out["optimizer_cpu_fraction"] = float(b.optimizer_offload_fraction) if b.optimizer_cpu_offload else 0.0
     else:
         out["offload_policy"] = bool(b.offload_policy)
@@ -200,11 +211,11 @@ def compile_settings(cfg: DictConfig) -> Dict[str, bool]:
     """What runs through torch.compile on this config's devices; the first step of a run pays the compilation. The
     engines' log-prob head and the FSDP engine's GDN convolution (backend.use_torch_compile), its decoder layers'
     norms and MLPs (backend.compile_layers), the hf rollout's decode step (rollout.compile_decode)."""
-    device, fsdp = str(cfg.hw.device), str(cfg.backend.name) == "fsdp"
+    device, layers = str(cfg.hw.device), engine_specs.train_engine(cfg).compiles_layers
     kernels = capabilities.compiles_log_probs(cfg.backend.use_torch_compile, device)
-    return {"log_probs": kernels, "conv": fsdp and kernels, "layers": fsdp and bool(cfg.backend.compile_layers),
-            "decode": str(cfg.rollout.engine) == "hf" and capabilities.compiles_decode(cfg.rollout.compile_decode,
-                                                                                        device)}
+    return {"log_probs": kernels, "conv": layers and kernels, "layers": layers and bool(cfg.backend.compile_layers),
+            "decode": (engine_specs.rollout_engine(cfg).compiles_decode
+                       and capabilities.compiles_decode(cfg.rollout.compile_decode, device))}
 
 
 COMPILED_PARTS = {"log_probs": "log-prob head", "conv": "GDN convolution", "layers": "layer norms and MLPs",
@@ -213,7 +224,8 @@ COMPILED_PARTS = {"log_probs": "log-prob head", "conv": "GDN convolution", "laye
 
 def _compile_line(plan: Dict[str, Any]) -> str:
     parts = [text for key, text in COMPILED_PARTS.items() if (plan.get("compile") or {}).get(key)]
-    vllm = "; vLLM compiles by its own settings" if plan.get("rollout_engine") == "vllm" else ""
+    on_vllm = engine_specs.rollout_uses(str(plan.get("rollout_engine")), "vllm")
+    vllm = "; vLLM compiles by its own settings" if on_vllm else ""
     if not parts:
         return f"  compile    none (qwen35rl's engines run eagerly{vllm})"
     return "  compile    " + ", ".join(parts) + f" (torch.compile: the first step compiles them{vllm})"
@@ -250,7 +262,7 @@ def refused_plan(cfg: DictConfig, problems: List[Problem]) -> Dict[str, Any]:
 def vllm_quirks(cfg: DictConfig) -> List[Dict[str, Any]]:
     """The platform's vLLM quirks that this run's vLLM version gets, as the engine will apply them: {key, value,
     why, overridden (the user's rollout.engine_kwargs set the key)}. Empty without rollout=vllm."""
-    if cfg.rollout.engine != "vllm":
+    if not engine_specs.rollout_uses(cfg, "vllm"):
         return []
     user = cfg.rollout.engine_kwargs or {}
     return [{"key": q["key"], "value": q["value"], "why": q.get("why"), "overridden": q["key"] in user}

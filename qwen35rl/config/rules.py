@@ -79,8 +79,24 @@ def _nearest(value: int, options: Iterable[int]) -> Optional[int]:
     return min(opts, key=lambda o: (abs(math.log2(o) - math.log2(max(value, 1))), o))
 
 
-def _megatron(layout: Layout) -> bool:
-    return layout.backend == "megatron"
+def _reads(layout: Layout, axis: str) -> bool:
+    """The training engine reads `parallelism.<axis>` (its spec's layout axes): the rules over that axis apply."""
+    return axis in engine_specs.train_engine(layout.backend).layout_axes
+
+
+def _model_parallel(layout: Layout) -> bool:
+    """The world is TP*PP*CP*DP (model parallel) rather than shards of every layer (`TrainEngineSpec`)."""
+    return engine_specs.train_engine(layout.backend).model_parallel
+
+
+def _megatron_core(layout: Layout) -> bool:
+    """The training engine builds on megatron-core: its version facts and TransformerConfig apply."""
+    return engine_specs.train_engine(layout.backend).uses("megatron")
+
+
+def _vllm(cfg: Any) -> bool:
+    """The rollout engine runs vLLM: its version facts and platform quirks apply."""
+    return engine_specs.rollout_uses(str(val(cfg, "rollout.engine")), "vllm")
 
 
 def _moe(cfg: Any) -> bool:
@@ -123,11 +139,13 @@ _OTHER_ENGINE_HINT = {
 
 @rule("train")
 def degrees_match_backend(cfg: Any, layout: Layout) -> List[Problem]:
-    """Each engine reads its own layout axes (`capabilities.AXES`); the other engine's keep their defaults."""
+    """Each engine reads its own layout axes (its spec's `layout_axes`); the other engine's keep their defaults."""
     par, engine = val(cfg, "parallelism"), layout.backend
-    for key in (k for other, axes in capabilities.AXES.items() if other != engine for k in axes):
+    mine = engine_specs.train_engine(engine).layout_axes
+    axes = {name: spec.layout_axes for name, spec in engine_specs.TRAIN_ENGINES.items()}
+    for key in (k for other, keys in axes.items() if other != engine for k in keys if k not in mine):
         if par[key] != AXIS_DEFAULTS[key]:
-            owner = next(e for e, axes in capabilities.AXES.items() if key in axes)
+            owner = next(e for e, keys in axes.items() if key in keys)
             why = _OTHER_ENGINE_HINT.get(key, "backend=fsdp shards parameters over parallelism.fsdp_size instead")
             default = "null" if AXIS_DEFAULTS[key] is None else AXIS_DEFAULTS[key]
             return _err("degrees_match_backend", f"parallelism.{key}", f"parallelism.{key}={par[key]} applies to "
@@ -163,7 +181,7 @@ def _world_text(cfg: Any, layout: Layout) -> str:
 @rule("train")
 def world_size_matches_devices(cfg: Any, layout: Layout) -> List[Problem]:
     """world = TP*PP*CP*DP (FSDP: SP*DP) = nodes x devices per node (placement=split: the training pool)."""
-    if not _megatron(layout):
+    if not _model_parallel(layout):
         if layout.world % layout.sp:
             best = _nearest(layout.sp, [s for s in _divisors(layout.world) if _sp_ok(cfg, s)])
             return _err("world_size_matches_devices", "parallelism.sp", f"SP{layout.sp} does not divide "
@@ -227,7 +245,7 @@ def tp_cp_divide_gdn_heads(cfg: Any, layout: Layout) -> List[Problem]:
 @rule("train")
 def ep_divides_experts(cfg: Any, layout: Layout) -> List[Problem]:
     """Experts are split over EP; a dense model has none to split."""
-    if not _megatron(layout) or layout.ep == 1:
+    if not _reads(layout, "ep") or layout.ep == 1:
         return []
     if not _moe(cfg):
         return _err("ep_divides_experts", "parallelism.ep", f"EP{layout.ep} on a dense model "
@@ -244,7 +262,7 @@ def ep_divides_experts(cfg: Any, layout: Layout) -> List[Problem]:
 @rule("train")
 def ep_etp_divide_stage_world(cfg: Any, layout: Layout) -> List[Problem]:
     """EP*ETP must divide the devices of one pipeline stage (world / PP): experts are laid out within a stage."""
-    if not _megatron(layout) or layout.world % layout.pp:
+    if not _reads(layout, "ep") or layout.world % layout.pp:
         return []
     stage_world = layout.world // layout.pp
     if stage_world % (layout.ep * layout.etp):
@@ -267,7 +285,7 @@ def ep_etp_divide_stage_world(cfg: Any, layout: Layout) -> List[Problem]:
 @rule("train")
 def pipeline_splits_layers(cfg: Any, layout: Layout) -> List[Problem]:
     """Layers split evenly over PP (x VPP) stages, or an explicit `parallelism.pipeline_layout` says how."""
-    if not _megatron(layout):
+    if not _reads(layout, "pp"):
         return []
     layers, vpp, text = int(val(cfg, "model.num_hidden_layers")), layout.vpp, val(cfg, "parallelism.pipeline_layout")
     stages = layout.pp * (vpp or 1)
@@ -311,7 +329,7 @@ def _sp_ok(cfg: Any, sp: int) -> bool:
 @rule("train")
 def fsdp_size_divides_world(cfg: Any, layout: Layout) -> List[Problem]:
     """FSDP shard groups (HSDP when smaller than the world) tile the world."""
-    if _megatron(layout) or layout.world % layout.fsdp_size == 0:
+    if not _reads(layout, "fsdp_size") or layout.world % layout.fsdp_size == 0:
         return []
     where = "training pool" if layout.split else "world"
     return _err("fsdp_size_divides_world", "parallelism.fsdp_size", f"FSDP size {layout.fsdp_size} does not divide the "
@@ -323,7 +341,7 @@ def fsdp_size_divides_world(cfg: Any, layout: Layout) -> List[Problem]:
 def sp_divides_heads(cfg: Any, layout: Layout) -> List[Problem]:
     """Ulysses SP scatters heads: SP divides the attention (query) heads and the GDN value heads; KV heads and GDN
     key heads may be fewer than SP (replicated)."""
-    if _megatron(layout) or layout.sp == 1 or _sp_ok(cfg, layout.sp):
+    if not _reads(layout, "sp") or layout.sp == 1 or _sp_ok(cfg, layout.sp):
         return []
     m = val(cfg, "model")
     best = _nearest(layout.sp, [s for s in _divisors(layout.world) if _sp_ok(cfg, s)])
@@ -344,7 +362,7 @@ def engine_builds_setting(cfg: Any, layout: Layout) -> List[Problem]:
 @rule("train")
 def expert_grads_need_ep_or_etp_equal_tp(cfg: Any, layout: Layout) -> List[Problem]:
     """megatron-core < 0.19 reduces expert gradients like dense ones when EP = 1 and ETP != TP: wrong gradients."""
-    if not (_megatron(layout) and _moe(cfg) and layout.ep == 1 and layout.etp != layout.tp):
+    if not (_megatron_core(layout) and _moe(cfg) and layout.ep == 1 and layout.etp != layout.tp):
         return []
     first = ".".join(map(str, EXPERT_GROUPS_WITHOUT_EP))
     if not quirks.version_below(val(cfg, "backend.megatron_core_version"), first):
@@ -362,13 +380,17 @@ def _rollout_tp_ok(cfg: Any, tp: int) -> bool:
 
 @rule("rollout")
 def rollout_engine_parallelism(cfg: Any, layout: Layout) -> List[Problem]:
-    """transformers `generate` runs one whole model per device: no rollout TP or EP."""
-    if val(cfg, "rollout.engine") != "hf" or (layout.rollout_tp == 1 and layout.rollout_ep == 1):
+    """An engine without rollout TP or EP (its spec's; transformers `generate`) runs one whole model per device."""
+    spec = engine_specs.rollout_engine(val(cfg, "rollout.engine"))
+    tp_off = layout.rollout_tp != 1 and not spec.tensor_parallel
+    ep_off = layout.rollout_ep != 1 and not spec.expert_parallel
+    if not (tp_off or ep_off):
         return []
-    key = "parallelism.rollout.tp" if layout.rollout_tp != 1 else "parallelism.rollout.ep"
-    return _err("rollout_engine_parallelism", key, f"rollout.engine=hf generates with one whole model per device; "
-                f"rollout TP{layout.rollout_tp} EP{layout.rollout_ep} needs rollout.engine=vllm",
-                f"try {key}=1 or rollout=vllm")
+    key = "parallelism.rollout.tp" if tp_off else "parallelism.rollout.ep"
+    able = next(n for n, s in engine_specs.ROLLOUT_ENGINES.items() if s.tensor_parallel and s.expert_parallel)
+    return _err("rollout_engine_parallelism", key, f"rollout.engine={spec.name} generates with one whole model per "
+                f"device; rollout TP{layout.rollout_tp} EP{layout.rollout_ep} needs rollout.engine={able}",
+                f"try {key}=1 or rollout={able}")
 
 
 @rule("rollout")
@@ -623,7 +645,8 @@ def images_need_vision_model(cfg: Any, layout: Layout) -> List[Problem]:
 def megatron_dispatcher_takes_variable_lengths(cfg: Any, layout: Layout) -> List[Problem]:
     """The Megatron engine feeds micro batches of different lengths (variable_seq_lengths); megatron-core's
     allgather MoE dispatcher refuses that at start-up."""
-    if not _megatron(layout) or not val(cfg, "model.moe") or val(cfg, "backend.moe_token_dispatcher_type") != "allgather":
+    if (not _megatron_core(layout) or not val(cfg, "model.moe")
+            or val(cfg, "backend.moe_token_dispatcher_type") != "allgather"):
         return []
     return _err("megatron_dispatcher_takes_variable_lengths", "backend.moe_token_dispatcher_type",
                 "backend.moe_token_dispatcher_type=allgather cannot take micro batches of different lengths, which "
@@ -714,7 +737,7 @@ def split_offload_pointless(cfg: Any, layout: Layout) -> List[Problem]:
     optimizer_offload) makes room for the rollout engine on the training devices; with placement=split they never
     generate, so it only costs copies. (FSDP's offload keys are FSDP2's CPUOffloadPolicy for the whole step, a
     training-memory setting; megatron's optimizer_cpu_offload runs the optimizer on the host: both stay.)"""
-    if not layout.split or not _megatron(layout):
+    if not layout.split or not engine_specs.train_engine(layout.backend).offloads_between_phases:
         return []
     on = [k for k in ("param_offload", "grad_offload", "optimizer_offload") if val(cfg, f"backend.{k}")]
     if not on:
@@ -935,7 +958,7 @@ def megatron_core_version_valid(cfg: Any, layout: Layout) -> List[Problem]:
     from qwen35rl.config import megatron_versions as mv
     from qwen35rl.config.vllm_facts import valid_version  # a release number, whichever package's
 
-    if not _megatron(layout):
+    if not _megatron_core(layout):
         return []
     v, oldest = val(cfg, "backend.megatron_core_version"), ".".join(map(str, mv.MIN_SUPPORTED))
     hint = f"set the cluster's megatron-core release, e.g. backend.megatron_core_version={oldest}.0 (pip show megatron-core)"
@@ -955,7 +978,7 @@ def vllm_loads_rollout_checkpoint(cfg: Any, layout: Layout) -> List[Problem]:
     from qwen35rl.config import vllm_facts
 
     version = vllm_facts.version_of(cfg)
-    if val(cfg, "rollout.engine") != "vllm" or version is None:
+    if not _vllm(cfg) or version is None:
         return []
     install = vllm_facts.installed_vllm()
     same = install is not None and vllm_facts.version_tuple(install.version) == vllm_facts.version_tuple(version)
@@ -998,7 +1021,7 @@ def vllm_prefix_caching_on_gdn(cfg: Any, layout: Layout) -> List[Problem]:
     from qwen35rl.config import vllm_facts
 
     version = vllm_facts.version_of(cfg)
-    if val(cfg, "rollout.engine") != "vllm" or not val(cfg, "rollout.enable_prefix_caching") or version is None:
+    if not _vllm(cfg) or not val(cfg, "rollout.enable_prefix_caching") or version is None:
         return []
     install = vllm_facts.installed_vllm()
     mode = vllm_facts.gdn_prefix_caching(version, install)
@@ -1058,7 +1081,7 @@ def engine_kwargs_not_owned(cfg: Any, layout: Layout) -> List[Problem]:
 @rule("config")
 def transformer_overrides_known(cfg: Any, layout: Layout) -> List[Problem]:
     """`backend.transformer_overrides` keys are megatron-core TransformerConfig fields."""
-    if not _megatron(layout):
+    if not _megatron_core(layout):
         return []
     out = []
     for key in val(cfg, "backend.transformer_overrides") or {}:
@@ -1072,7 +1095,7 @@ def transformer_overrides_known(cfg: Any, layout: Layout) -> List[Problem]:
 @rule("config")
 def transformer_overrides_not_owned(cfg: Any, layout: Layout) -> List[Problem]:
     """TransformerConfig fields qwen35rl derives (architecture, layout, engine knobs) are set at their source."""
-    if not _megatron(layout):
+    if not _megatron_core(layout):
         return []
     out = []
     for key in val(cfg, "backend.transformer_overrides") or {}:
@@ -1083,18 +1106,21 @@ def transformer_overrides_not_owned(cfg: Any, layout: Layout) -> List[Problem]:
 
 @rule("config")
 def compile_decode_is_hf_only(cfg: Any, layout: Layout) -> List[Problem]:
-    """rollout.compile_decode compiles the hf engine's decode step; vLLM compiles by its own configuration."""
-    if val(cfg, "rollout.engine") == "hf" or not val(cfg, "rollout.compile_decode"):
+    """rollout.compile_decode compiles the hf engine's decode step (the specs' `compiles_decode`); vLLM compiles
+    by its own configuration."""
+    engine = val(cfg, "rollout.engine")
+    if engine_specs.rollout_engine(engine).compiles_decode or not val(cfg, "rollout.compile_decode"):
         return []
+    takers = ", ".join(n for n, s in engine_specs.ROLLOUT_ENGINES.items() if s.compiles_decode)
     return [Problem("compile_decode_is_hf_only", "rollout.compile_decode", f"rollout.compile_decode applies to "
-                    f"rollout.engine=hf; rollout.engine={val(cfg, 'rollout.engine')} ignores it",
+                    f"rollout.engine={takers}; rollout.engine={engine} ignores it",
                     "remove rollout.compile_decode; vLLM takes rollout.engine_kwargs.compilation_config", WARNING)]
 
 
 @rule("config")
 def quirk_overridden(cfg: Any, layout: Layout) -> List[Problem]:
     """A user value for a key a platform quirk sets wins over the quirk: warn, with the quirk's reason."""
-    if val(cfg, "rollout.engine") != "vllm":
+    if not _vllm(cfg):
         return []
     user = val(cfg, "rollout.engine_kwargs") or {}
     out = []
@@ -1213,7 +1239,7 @@ def train_memory_problems(cfg: Any, est: memory.MemoryEstimate) -> List[Problem]
         return []
     big = max((k for k in est.terms if k.startswith("train/")), key=lambda k: est.terms[k])
     b = val(cfg, "backend")
-    if b["name"] == "megatron":
+    if engine_specs.train_engine(b["name"]).offloads_between_phases:  # it has a host optimizer step
         hint = ("enable backend.optimizer_cpu_offload=true" if not b["optimizer_cpu_offload"] else
                 "try more parallelism.pp or parallelism.ep, or parallelism=auto")
     else:

@@ -41,16 +41,19 @@ def layout_tag(root: Any) -> str:
         return f"{backend}-auto"
     if split and rollout_devices is None:
         return f"{backend}-split-auto"
+    from qwen35rl.config.engine_specs import TRAIN_ENGINES, declared
     from qwen35rl.config.layout import derive_layout
 
     try:
         layout = derive_layout(root)
     except Exception:  # a value out of range: the rules say so; the name needs only to exist
         return backend
-    if backend == "fsdp":
+    spec = declared(TRAIN_ENGINES, backend)
+    if spec is not None and not spec.model_parallel:  # its shard group and replicas, and Ulysses SP
         shard = layout.fsdp_size if layout.fsdp_size > 0 else layout.world
         replicas = layout.world // shard if shard and layout.world % shard == 0 else 1
-        tag = f"fsdp{shard}" + (f"x{replicas}" if replicas > 1 else "") + (f"-sp{layout.sp}" if layout.sp > 1 else "")
+        tag = (f"{backend}{shard}" + (f"x{replicas}" if replicas > 1 else "")
+               + (f"-sp{layout.sp}" if layout.sp > 1 else ""))
     else:
         degrees = [f"{k}{v}" for k, v in (("tp", layout.tp), ("pp", layout.pp), ("vpp", layout.vpp or 1),
                                            ("cp", layout.cp), ("ep", layout.ep), ("etp", layout.etp)) if v > 1]

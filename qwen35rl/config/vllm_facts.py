@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, Optional, Tuple
 
+from qwen35rl.config.engine_specs import rollout_uses
 from qwen35rl.config.quirks import version_below, version_tuple
 
 AUTO = "auto"
@@ -232,7 +233,7 @@ def resolve(cfg: Any) -> Any:
     res = resolution(cfg)
     if res is None:
         return cfg
-    gdn = res.gdn_prefill if str(cfg["rollout"]["engine"]) == "vllm" else None
+    gdn = res.gdn_prefill if rollout_uses(cfg, "vllm") else None
     if str(cfg["rollout"]["vllm_version"]) == res.version and gdn is None:
         return cfg
     from omegaconf import open_dict

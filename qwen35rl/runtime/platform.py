@@ -9,6 +9,8 @@ from typing import Any, Dict, Optional
 
 from omegaconf import OmegaConf
 
+from qwen35rl.config import engine_specs
+
 DEVICE_TYPES = ("cpu", "cuda", "npu")
 
 
@@ -86,13 +88,14 @@ def require_stack(platform: Platform, rollout_engine: str) -> None:
                 f"hw.device=npu needs torch_npu ({e}). Install the Ascend stack: CANN, then "
                 "`pip install 'qwen35rl[npu]'` (torch_npu matching your torch), and source "
                 "/usr/local/Ascend/ascend-toolkit/set_env.sh") from None
-    if rollout_engine == "vllm":
+    if engine_specs.rollout_uses(str(rollout_engine), "vllm"):
         try:
             importlib.import_module("vllm")
         except ImportError as e:
             where = ("vllm-ascend (from Ascend's sources, matching vLLM and CANN)" if platform.device_type == "npu"
                      else "`pip install 'qwen35rl[gpu]'` on the cluster image")
-            raise PlatformError(f"rollout.engine=vllm needs vLLM ({e}): install {where}, or use rollout=hf") from None
+            raise PlatformError(f"rollout.engine={rollout_engine} needs vLLM ({e}): install {where}, "
+                                "or use rollout=hf") from None
 
 
 def device_module(device_type: str):

@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import OmegaConf
 
+from qwen35rl.config import engine_specs
 from qwen35rl.config.problems import ERROR, WARNING, Problem
 from qwen35rl.runtime.cluster import node_ip
 from qwen35rl.runtime.platform import Platform, apply_env
@@ -43,7 +44,6 @@ reports differ by a few percent)."""
 MEMORY_SLACK = 1.25
 """Measured device memory above this multiple of hw.memory_gb draws a warning."""
 POLL_S = 1.0
-VERSION_KEYS = {"vllm": "rollout.vllm_version", "megatron-core": "backend.megatron_core_version"}
 
 
 class PreflightError(RuntimeError):
@@ -195,13 +195,10 @@ def memory_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]
 
 # ---------------------------------------------------------------------------------------------- versions
 def relevant_versions(cfg: Any) -> Dict[str, str]:
-    """package -> config key of the version facts this run depends on."""
-    out = {}
-    if cfg.rollout.engine == "vllm":
-        out["vllm"] = VERSION_KEYS["vllm"]
-    if cfg.backend.name == "megatron":
-        out["megatron-core"] = VERSION_KEYS["megatron-core"]
-    return out
+    """package -> config key of the version facts this run depends on (the engines' specs' `declared_version`)."""
+    specs = (engine_specs.declared(engine_specs.ROLLOUT_ENGINES, cfg.rollout.engine),
+             engine_specs.declared(engine_specs.TRAIN_ENGINES, cfg.backend.name))
+    return dict(s.declared_version for s in specs if s is not None and s.declared_version is not None)
 
 
 def version_facts(cfg: Any) -> Tuple[frozenset, Dict[str, Any]]:
@@ -304,7 +301,7 @@ def gdn_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
     out: List[Problem] = []
     missing = [str(p.get("hostname")) for p in probes if "gdn" in p and not (p["gdn"] or {}).get("fla")]
     if missing:
-        runs = ("megatron-core's torch GDN recurrence" if cfg.backend.name == "megatron"
+        runs = ("megatron-core's torch GDN recurrence" if engine_specs.train_uses(cfg, "megatron")
                 else "transformers' torch GDN code")
         fit, fits = _torch_gdn_fit(cfg)
         out.append(Problem("fla_missing_on_node", "hw", f"flash-linear-attention is not installed on "
@@ -314,7 +311,7 @@ def gdn_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
                            WARNING if fits else ERROR))
     for (fla, triton, device), hosts in refused.items():
         where = f"{', '.join(hosts)} ({device}, Triton {triton}, no usable TileLang)"
-        if cfg.backend.name == "megatron":
+        if engine_specs.train_uses(cfg, "megatron"):  # megatron-core falls back to its torch recurrence
             fit, fits = _torch_gdn_fit(cfg)
             out.append(Problem("fla_gdn_backward_refused", "backend.transformer_overrides.deterministic_mode",
                                f"flash-linear-attention {fla} refuses its GDN backward on {where}: the Megatron "
