@@ -47,9 +47,11 @@ def summary(run: Path) -> dict:
                            "rollout_peak": round(est.get("rollout_peak", 0), 2),
                            "capacity": round(est.get("capacity", 0), 2),
                            "kept_by_trainer": round((est.get("terms") or {}).get("rollout/kept_by_trainer", 0), 2)}
+        # the device's used memory holds the runtime's reserve (CUDA context, loaded kernels) beside the peak
+        out["plan_gib"]["reserve"] = est.get("reserve")
         used_gen = mem.get("perf/device_memory_used_gb/gen")
         if used_gen:
-            out["rollout_used_vs_plan"] = round(used_gen / est["rollout_peak"] - 1, 3)
+            out["rollout_used_vs_plan"] = round(used_gen / (est["rollout_peak"] + (est.get("reserve") or 0)) - 1, 3)
     out["vllm"] = plan.get("vllm")
     return out
 

@@ -974,6 +974,9 @@ class MemoryEstimate:
     """Full-length sequences the vLLM cache holds at once (0: not even one)."""
     log_prob_peak_gib: float = 0.0
     """The forward-only passes (old and reference log-probs): `LOG_PROB_BESIDE` plus the `log_prob/` terms."""
+    reserve_gib: float = 0.0
+    """What the runtime keeps beside every peak (`hw.reserve_gib`: CUDA/CANN context, loaded kernels, communicators).
+    The peaks leave it out; a device's used memory (total - free) is held against a peak plus this."""
 
     @property
     def host_gib(self) -> float:
@@ -996,7 +999,7 @@ class MemoryEstimate:
                 "log_prob_peak": r(self.log_prob_peak_gib),
                 "capacity": r(self.capacity_gib), "fits": self.fits, "headroom": r(self.headroom),
                 "rollout_pool": r(self.rollout_pool_gib), "rollout_min": r(self.rollout_min_gib),
-                "rollout_sequences": self.rollout_sequences, "host": r(self.host_gib), "terms": {k: r(v) for k, v in self.terms.items()}}
+                "rollout_sequences": self.rollout_sequences, "host": r(self.host_gib), "reserve": r(self.reserve_gib), "terms": {k: r(v) for k, v in self.terms.items()}}
 
 
 def train_terms(cfg: Any, layout: Layout, gdn: Optional[str] = None) -> Dict[str, float]:
@@ -1071,7 +1074,7 @@ def assemble(cfg: Any, train: Dict[str, float], rollout: Dict[str, float]) -> Me
     fits = max(train_peak, rollout_peak, log_prob_peak) <= cap and (pool is None or minimal <= pool)
     return MemoryEstimate(train_peak_gib=train_peak, rollout_peak_gib=rollout_peak, capacity_gib=cap, fits=fits,
                           terms=terms, rollout_pool_gib=pool, rollout_min_gib=minimal, rollout_sequences=sequences,
-                          log_prob_peak_gib=log_prob_peak)
+                          log_prob_peak_gib=log_prob_peak, reserve_gib=float(cfg["hw"]["reserve_gib"]))
 
 
 def estimate(cfg: Any, layout: Layout, gdn: Optional[str] = None) -> MemoryEstimate:

@@ -1,0 +1,53 @@
+"""The plan's memory estimate under vLLM's sleep mode against GRPO runs measured on an H100 (fixture:
+tests/config/data/memory_vllm_h100_2026_12.json). The device's used memory (total - free) holds the runtime's reserve
+(CUDA context, loaded kernels) beside the estimated peak; the allocator's peak in the update still counts vLLM's
+sleeping pools, which the trainer's peak leaves out."""
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+
+from qwen35rl.config.compose import compose
+from qwen35rl.config.plan import build_plan
+
+TOLERANCE = 0.10
+FIXTURE = json.loads((Path(__file__).parent / "data" / "memory_vllm_h100_2026_12.json").read_text())
+RUNS = FIXTURE["runs"]
+_plans = {}
+
+
+def memory_of(run):
+    if run["name"] not in _plans:
+        plan = build_plan(compose(FIXTURE["common_overrides"] + run["overrides"]))
+        assert plan["valid"], plan["problems"]
+        _plans[run["name"]] = plan["memory_gib"]
+    return _plans[run["name"]]
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[r["name"] for r in RUNS])
+def test_generation_device_use_within_10_percent(run):
+    m = memory_of(run)
+    expected = m["rollout_peak"] + m["reserve"]
+    err = expected / run["device_used_gen_gib"] - 1
+    assert abs(err) <= TOLERANCE, f"{run['name']}: plan {m['rollout_peak']} + reserve {m['reserve']} GiB vs " \
+                                  f"{run['device_used_gen_gib']} GiB used in generation ({err:+.1%}); {m['terms']}"
+
+
+TRAINED = [r for r in RUNS if "update_allocated_gib" in r]
+
+
+@pytest.mark.parametrize("run", TRAINED, ids=[r["name"] for r in TRAINED])
+def test_training_peak_beside_the_sleeping_engine_within_10_percent(run):
+    m = memory_of(run)
+    measured = run["update_allocated_gib"] - run["sleeping_pool_gib"]
+    err = m["train_peak"] / measured - 1
+    assert abs(err) <= TOLERANCE, f"{run['name']}: plan {m['train_peak']} GiB vs {measured:.2f} ({err:+.1%})"
+
+
+def test_the_reserve_is_the_hardware_setting():
+    m = memory_of(RUNS[0])
+    tree = compose(FIXTURE["common_overrides"] + RUNS[0]["overrides"] + ["hw.reserve_gib=5"])
+    assert build_plan(tree)["memory_gib"]["reserve"] == 5.0 != m["reserve"]
