@@ -7,6 +7,10 @@ rendezvous.
 
 `LocalWorkerGroup` is the same interface without Ray (trainer.launcher=local): the one worker of a single-device
 run, held in the driver's process. Nothing on its path imports ray.
+
+The groups only move calls (`start`, then the calls' `wait`, or `wait_pools`); what the driver asks of its workers
+is said by the typed handles of `qwen35rl.runtime.worker_groups`. The one protocol the groups know themselves is the
+bring-up every worker class has: `rendezvous_address` on rank 0, then `init_distributed` on every rank.
 """
 from __future__ import annotations
 
@@ -409,12 +413,9 @@ class WorkerGroup:
                 wg.where = wg._gather([a.__ray_call__.remote(_whereabouts) for a in wg.actors], "start-up")
             if on_started is not None:
                 on_started()
-            joins = []
-            for wg in made:
-                master_addr, master_port = wg.call_rank(0, "rendezvous_address")
-                joins.append(wg.start("init_distributed", master_addr, master_port))
-            for wg, refs in zip(made, joins):
-                wg.wait(refs, "init_distributed")
+            joins = [wg._join() for wg in made]  # every pool joins at once: their engines build in parallel
+            for calls in joins:
+                calls.wait()
         except BaseException:
             for wg in made:
                 wg.shutdown()
@@ -422,32 +423,21 @@ class WorkerGroup:
         return made
 
     # ------------------------------------------------------------------------------------------------- calls
-    def run(self, method: str, *args: Any, **kwargs: Any) -> List[Any]:
-        """The same call on every worker; results in rank order."""
-        return self._gather([getattr(a, method).remote(*args, **kwargs) for a in self.actors], method)
+    def start(self, method: str, per_rank: Sequence[Sequence[Any]], kwargs: Optional[Dict[str, Any]] = None,
+              ranks: Optional[Sequence[int]] = None) -> "Calls":
+        """`method` on the workers of `ranks` (every rank by default), without waiting: the worker of ranks[i] gets
+        the positional arguments per_rank[i], each the same `kwargs`. The results come from `Calls.wait` (or
+        `wait_pools`, which lets the driver keep two pools busy at once)."""
+        ranks = list(range(self.world)) if ranks is None else list(ranks)
+        _check_shares(method, per_rank, len(ranks))
+        refs = [getattr(self.actors[r], method).remote(*args, **(kwargs or {})) for r, args in zip(ranks, per_rank)]
+        return Calls(self, method, refs, ranks)
 
-    def run_each(self, method: str, per_rank: Sequence[Sequence[Any]], **kwargs: Any) -> List[Any]:
-        """Worker r gets the positional arguments per_rank[r] (and the same kwargs as the others)."""
-        _check_shares(method, per_rank, self.world)
-        return self._gather([getattr(a, method).remote(*args, **kwargs) for a, args in zip(self.actors, per_rank)],
-                            method)
-
-    def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
-        ref = getattr(self.actors[rank], method).remote(*args, **kwargs)
-        return self._gather([ref], method, ranks=[rank])[0]
-
-    def start(self, method: str, *args: Any, per_rank: Optional[Sequence[Sequence[Any]]] = None,
-              **kwargs: Any) -> List[Any]:
-        """The call on every worker without waiting (the same arguments, or `per_rank[r]` for worker r); `wait`
-        takes the results. Lets the driver keep two pools busy at once (split placement)."""
-        if per_rank is None:
-            return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
-        _check_shares(method, per_rank, self.world)
-        return [getattr(a, method).remote(*share, **kwargs) for a, share in zip(self.actors, per_rank)]
-
-    def wait(self, refs: List[Any], method: str) -> List[Any]:
-        """Results of `start`, in rank order (a failed worker raises WorkerFailure, as `run` does)."""
-        return self._gather(refs, method)
+    def _join(self) -> "Calls":
+        """The bring-up: rank 0 names the torch.distributed rendezvous on its node, then every rank joins it and
+        builds its engines (under way when this returns)."""
+        master_addr, master_port = self.start("rendezvous_address", [()], ranks=[0]).wait()[0]
+        return self.start("init_distributed", [(master_addr, master_port)] * self.world)
 
     def _gather(self, refs: List[Any], method: str, ranks: Optional[List[int]] = None) -> List[Any]:
         """Results in order, failing at the first worker that fails. Waiting for all of them instead would hang:
@@ -526,23 +516,20 @@ class LocalWorkerGroup:
         if on_started is not None:
             on_started()
         try:
-            wg.run("init_distributed", "127.0.0.1", free_port())
+            wg.start("init_distributed", [("127.0.0.1", free_port())]).wait()
         except BaseException:
             wg.shutdown()
             raise
         return wg
 
-    def run(self, method: str, *args: Any, **kwargs: Any) -> List[Any]:
-        return [self._call(method, args, kwargs)]
-
-    def run_each(self, method: str, per_rank: Sequence[Sequence[Any]], **kwargs: Any) -> List[Any]:
-        _check_shares(method, per_rank, self.world)
-        return [self._call(method, per_rank[0], kwargs)]
-
-    def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
-        if rank != 0:
-            raise IndexError(f"{method}: rank {rank} of a world of 1")
-        return self._call(method, args, kwargs)
+    def start(self, method: str, per_rank: Sequence[Sequence[Any]], kwargs: Optional[Dict[str, Any]] = None,
+              ranks: Optional[Sequence[int]] = None) -> "Finished":
+        """WorkerGroup.start in this process: the call runs to its end before this returns."""
+        ranks = [0] if ranks is None else list(ranks)
+        if ranks != [0]:
+            raise IndexError(f"{method}: ranks {ranks} of a world of 1")
+        _check_shares(method, per_rank, 1)
+        return Finished([self._call(method, per_rank[0], kwargs or {})])
 
     def _call(self, method: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
         try:
@@ -559,21 +546,43 @@ class LocalWorkerGroup:
             log.warning("worker shutdown: %s", raised_cause(e))
 
 
-def wait_pools(calls: Sequence[Tuple[Any, List[Any], str]]) -> List[List[Any]]:
-    """Results of calls started on several worker groups at once ((group, refs of `start`, method) each), failing at
-    the first worker that fails in any of them: the other side of a cross-pool collective (a weight sync) would
-    otherwise wait for it until its timeout."""
+class Calls:
+    """One method under way on workers of a Ray worker group (`WorkerGroup.start`)."""
+
+    def __init__(self, group: WorkerGroup, method: str, refs: List[Any], ranks: List[int]):
+        self.group, self.method, self.refs, self.ranks = group, method, refs, ranks
+
+    def wait(self) -> List[Any]:
+        """The results in rank order; a failed worker raises WorkerFailure."""
+        return self.group._gather(self.refs, self.method, self.ranks)
+
+
+class Finished:
+    """Calls that ended before `start` returned (LocalWorkerGroup: the worker lives in the driver's process)."""
+
+    def __init__(self, results: List[Any]):
+        self.results = results
+
+    def wait(self) -> List[Any]:
+        return self.results
+
+
+def wait_pools(calls: Sequence[Any]) -> List[List[Any]]:
+    """Results of calls started on several worker groups at once (`Calls` or `Finished`, of `start`), failing at the
+    first worker that fails in any of them: the other side of a cross-pool collective (a weight sync) would otherwise
+    wait for it until its timeout."""
+    results = [c.results if isinstance(c, Finished) else [None] * len(c.refs) for c in calls]
+    owner = {ref: (i, j) for i, c in enumerate(calls) if isinstance(c, Calls) for j, ref in enumerate(c.refs)}
+    if not owner:
+        return results
     import ray
 
-    owner = {ref: (i, j) for i, (_, refs, _) in enumerate(calls) for j, ref in enumerate(refs)}
-    results: List[List[Any]] = [[None] * len(refs) for _, refs, _ in calls]
     pending = list(owner)
     while pending:
         ready, pending = ray.wait(pending, num_returns=1)
         for ref in ready:
             i, j = owner[ref]
-            group, _, method = calls[i]
-            results[i][j] = group._gather([ref], method, ranks=[j])[0]
+            results[i][j] = calls[i].group._gather([ref], calls[i].method, ranks=[calls[i].ranks[j]])[0]
     return results
 
 

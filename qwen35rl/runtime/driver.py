@@ -7,7 +7,7 @@ import logging
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from omegaconf import DictConfig
 
@@ -20,13 +20,14 @@ from qwen35rl.runtime.disk_full import disk_full, quiet_log_files_when_full, rep
 from qwen35rl.runtime.grpo import GRPOTrainer, RewardFailure
 from qwen35rl.runtime import provenance, quiet, report
 from qwen35rl.runtime.cluster import (EXIT_WORKER_FAILURE, ClusterError, LocalWorkerGroup, WorkerFailure, WorkerGroup,
-                                      ray_session, wait_pools)
+                                      ray_session)
 from qwen35rl.runtime.platform import Platform, require_stack, resolve_platform
 from qwen35rl.runtime.preflight import EXIT_PREFLIGHT, PreflightError, run_local_preflight, run_preflight
 from qwen35rl.runtime import signals
 from qwen35rl.runtime.signals import StopRequest
 from qwen35rl.runtime.tracking import Tracking, plot_curves_safely
 from qwen35rl.runtime.worker import PolicyWorker, needs_reference
+from qwen35rl.runtime.worker_groups import PolicyWorkers, RolloutWorkers
 
 log = logging.getLogger(__name__)
 
@@ -248,25 +249,23 @@ def _describe_engines(cfg: DictConfig) -> str:
 
 
 def start_workers(cfg: DictConfig, platform: Platform, group_cls: type, layout: Layout, on_started: Callable[[], None],
-                  **worker_kwargs: Any) -> Tuple[Any, Any]:
+                  **worker_kwargs: Any) -> Tuple[PolicyWorkers, Union[PolicyWorkers, RolloutWorkers]]:
     """(training workers, rollout workers): one colocated group twice, or with `placement=split` the training pool on
     the first devices and the rollout pool on the last, joined by a weight-sync communicator of their own (training
     rank 0 hosts it and sends; see `weight_sync`)."""
     if not layout.split:
-        workers = group_cls.create(cfg, platform, PolicyWorker, layout.world, layout=layout, on_started=on_started,
-                                   **worker_kwargs)
+        workers = PolicyWorkers(group_cls.create(cfg, platform, PolicyWorker, layout.world, layout=layout,
+                                                 on_started=on_started, **worker_kwargs))
         return workers, workers
     from qwen35rl.runtime.rollout_worker import RolloutWorker
 
     capabilities.check_placement(cfg)  # what the plan refuses never reaches the workers
-    workers, rollout_workers = group_cls.create_pools(cfg, platform, [
+    train_group, rollout_group = group_cls.create_pools(cfg, platform, [
         (PolicyWorker, layout.world, dict(layout=layout, **worker_kwargs)),
         (RolloutWorker, layout.rollout_world, dict(layout=layout))], on_started=on_started)
+    workers, rollout_workers = PolicyWorkers(train_group), RolloutWorkers(rollout_group)
     try:
-        host, port = workers.call_rank(0, "rendezvous_address")
-        size = 1 + layout.rollout_world
-        wait_pools([(workers, workers.start("join_weight_sync", host, port, size), "join_weight_sync"),
-                    (rollout_workers, rollout_workers.start("join_weight_sync", host, port, size), "join_weight_sync")])
+        workers.join_weight_sync(rollout_workers)
     except BaseException:
         workers.shutdown()
         rollout_workers.shutdown()

@@ -19,7 +19,7 @@ import time
 from collections import defaultdict, deque
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -35,7 +35,6 @@ from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.runtime.disk_full import DiskFull, disk_full, unwritten
 from qwen35rl.runtime.batching import Sequences, balanced_split, split_even, split_sequences
 from qwen35rl.runtime import report
-from qwen35rl.runtime.cluster import WorkerGroup, wait_pools
 from qwen35rl.runtime.flops import mfu, train_flops
 from qwen35rl.runtime.memory_peaks import metric_name as memory_metric_name
 from qwen35rl.runtime.prefetch import Prefetcher, Rollouts
@@ -44,6 +43,7 @@ from qwen35rl.runtime.rollouts import RolloutBatch, data_metrics, logprob_diff_m
 from qwen35rl.runtime.signals import StopRequest
 from qwen35rl.runtime.tracking import Tracking
 from qwen35rl.runtime.worker import needs_reference
+from qwen35rl.runtime.worker_groups import PolicyWorkers, RolloutWorkers
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +97,11 @@ class RewardFailure(RuntimeError):
 
 
 class GRPOTrainer:
-    def __init__(self, cfg: DictConfig, layout: Layout, workers: WorkerGroup, tokenizer: Any, loader: Any,
+    def __init__(self, cfg: DictConfig, layout: Layout, workers: PolicyWorkers, tokenizer: Any, loader: Any,
                  val_set: Sequence[Any], reward_fn: Any, tracking: Tracking, checkpoints: ckpt.CheckpointManager,
-                 stop: StopRequest, total_steps: int, run_dir: Path, rollout_workers: Any = None):
+                 stop: StopRequest, total_steps: int, run_dir: Path, rollout_workers: Optional[RolloutWorkers] = None):
         self.cfg, self.layout, self.workers, self.tokenizer = cfg, layout, workers, tokenizer
-        self.rollout_workers = rollout_workers if rollout_workers is not None else workers
+        self.rollout_workers: Union[PolicyWorkers, RolloutWorkers] = rollout_workers or workers
         """The workers that generate: the training workers themselves unless placement=split."""
         self.pools = [workers] if self.rollout_workers is workers else [workers, self.rollout_workers]
         """Every worker group of the run, once each."""
@@ -110,13 +110,13 @@ class GRPOTrainer:
         self.total_steps, self.run_dir = total_steps, run_dir
         self.algo, self.data, self.rollout_cfg = cfg.algorithm, cfg.data, cfg.rollout
         self.n = cfg.rollout.n
-        shards = workers.run("data_shards")
-        self.train_group = [s["train_dp_rank"] for s in shards]
-        rollout_shards = self.pools[-1].run("data_shards") if len(self.pools) > 1 else shards
-        self.rollout_group = [s["rollout_group"] for s in rollout_shards]
+        shards = workers.data_shards()
+        if len(self.pools) > 1:
+            self.rollout_workers.data_shards()
         self.dp = shards[0]["train_dp_size"]
-        if self.dp != layout.dp or sorted(set(self.train_group)) != list(range(self.dp)):
-            raise RuntimeError(f"train engines report data-parallel ranks {self.train_group}; the layout has dp={layout.dp}")
+        if self.dp != layout.dp or sorted(set(workers.train_group)) != list(range(self.dp)):
+            raise RuntimeError(f"train engines report data-parallel ranks {workers.train_group}; the layout has "
+                               f"dp={layout.dp}")
         self.use_ref = needs_reference(cfg)
         self.is_mode = capabilities.rollout_is_mode(cfg)
         """Importance weights of the proximal over the behaviour policy: token | sequence | off."""
@@ -210,41 +210,69 @@ class GRPOTrainer:
                 f"First errors:\n" + "\n".join(f"           {e}" for e in first))
 
     def train_step(self) -> Dict[str, float]:
+        """One GRPO step: the step's scored batch, the old and reference log-probs, the advantages, the policy
+        update, and the rollout engines' new weights."""
         timer = Timer()
         with timer("step"):
-            with timer("wait_rollout" if self.staleness else "rollout"):
-                rollouts = self.prefetch.take(self.step, self.version)                     # generate + score
-            if self.staleness and self.step < self.total_steps and not self.stop.requested:
-                self.prefetch.start(self.step + 1, self.version)            # the next batch, during this update
+            rollouts = self.take_rollouts(timer)                                          # generate + score
             batch, metrics = rollouts.batch, dict(rollouts.metrics)
-            self.step_reward, self.step_errors = rollouts.reward_tally[:2], list(rollouts.reward_tally[2])
             seqs = batch.sequences()
             with self.busy(timer, "old_log_prob"):
-                if self.cfg.backend.use_rollout_log_probs:
-                    seqs.old_log_probs = batch.rollout_log_probs
-                elif not self.single_on_policy_update:
-                    seqs.old_log_probs = self.log_probs(seqs)
-                    metrics.update(logprob_diff_metrics(batch.rollout_log_probs, seqs.old_log_probs))
+                self.old_log_probs(batch, seqs, metrics)
             if self.single_on_policy_update and _complete(batch.rollout_log_probs, seqs.response_ids):
                 seqs.rollout_log_probs = batch.rollout_log_probs  # the update's one pass logs the gap itself
             if self.use_ref:
                 with self.busy(timer, "ref"):
                     seqs.ref_log_probs = self.log_probs(seqs, reference=True)
             with timer("adv"):
-                rewards = self.final_rewards(batch, seqs, metrics)
-                advantages = grpo_advantages(rewards, batch.group_index, self.algo.norm_adv_by_std)
-                seqs.advantages = advantages.tolist()
-                if self.is_mode != "off":  # truncated IS of the proximal over the behaviour policy, per token
-                    weights, is_metrics = rollout_correction.is_weights(
-                        seqs.old_log_probs, batch.rollout_log_probs, self.is_mode, self.algo.rollout_is_threshold)
-                    seqs.advantages = rollout_correction.fold(seqs.advantages, weights)
-                    metrics.update(is_metrics)
+                rewards, advantages = self.compute_advantages(batch, seqs, metrics)
             with self.busy(timer, "update_actor"):
                 metrics.update(self.update_actor(seqs))
             with timer("wait_rollout"):
                 self.prefetch.finish()             # generation must end before the rollout engines' weights change
             with timer("sync_weights"):
                 self.sync_weights()
+        metrics.update(self.step_metrics(rollouts, rewards, advantages, timer))
+        return metrics
+
+    def take_rollouts(self, timer: Timer) -> Rollouts:
+        """This step's scored batch: generated now, or (max_staleness >= 1) during the last step, in which case the
+        next step's batch starts generating at once, to run during this step's update."""
+        with timer("wait_rollout" if self.staleness else "rollout"):
+            rollouts = self.prefetch.take(self.step, self.version)
+        if self.staleness and self.step < self.total_steps and not self.stop.requested:
+            self.prefetch.start(self.step + 1, self.version)
+        self.step_reward, self.step_errors = rollouts.reward_tally[:2], list(rollouts.reward_tally[2])
+        return rollouts
+
+    def old_log_probs(self, batch: RolloutBatch, seqs: Sequences, metrics: Dict[str, float]) -> None:
+        """The proximal policy's log-probs into `seqs`: the rollout engine's (backend.use_rollout_log_probs), none
+        when one on-policy update takes them from its own forward, else a forward pass of the policy."""
+        if self.cfg.backend.use_rollout_log_probs:
+            seqs.old_log_probs = batch.rollout_log_probs
+        elif not self.single_on_policy_update:
+            seqs.old_log_probs = self.log_probs(seqs)
+            metrics.update(logprob_diff_metrics(batch.rollout_log_probs, seqs.old_log_probs))
+
+    def compute_advantages(self, batch: RolloutBatch, seqs: Sequences,
+                           metrics: Dict[str, float]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(final rewards, group-normalised advantages); the advantages go into `seqs`, with the truncated importance
+        weights of the proximal over the behaviour policy folded in per token when rollout correction is on."""
+        rewards = self.final_rewards(batch, seqs, metrics)
+        advantages = grpo_advantages(rewards, batch.group_index, self.algo.norm_adv_by_std)
+        seqs.advantages = advantages.tolist()
+        if self.is_mode != "off":
+            weights, is_metrics = rollout_correction.is_weights(
+                seqs.old_log_probs, batch.rollout_log_probs, self.is_mode, self.algo.rollout_is_threshold)
+            seqs.advantages = rollout_correction.fold(seqs.advantages, weights)
+            metrics.update(is_metrics)
+        return rewards, advantages
+
+    def step_metrics(self, rollouts: Rollouts, rewards: torch.Tensor, advantages: torch.Tensor,
+                     timer: Timer) -> Dict[str, float]:
+        """The step's data, decode, timing and performance metrics (the last ask the workers for memory peaks)."""
+        batch = rollouts.batch
+        metrics: Dict[str, float] = {}
         if self.staleness:
             metrics.update({"staleness/mean": float(rollouts.staleness()), "staleness/max": float(rollouts.staleness())})
         metrics.update(data_metrics(batch, rewards, advantages, self.data.max_response_length))
@@ -269,11 +297,9 @@ class GRPOTrainer:
         rank 0 sends to the rollout pool (which is idle: `train_step` waited for its generation)."""
         t0 = time.time()
         if self.rollout_workers is self.workers:
-            self.workers.run("sync_weights")
+            self.workers.sync_weights()
         else:
-            wait_pools([(self.workers, self.workers.start("send_weights"), "send_weights"),
-                        (self.rollout_workers, self.rollout_workers.start("receive_weights", self.step),
-                         "receive_weights")])
+            self.workers.send_weights(self.rollout_workers, version=self.step)
         self.version = self.step
         self.mark("both", "sync_weights", t0)
 
@@ -344,12 +370,12 @@ class GRPOTrainer:
     def generate(self, examples: Sequence[Any], *, n: int, temperature: float, top_p: float, top_k: int,
                  seed: int) -> RolloutBatch:
         """n responses per prompt; prompts split over the workers, each generating its share."""
-        shares = split_even(list(examples), max(self.rollout_group) + 1)
+        shares = split_even(list(examples), self.rollout_workers.rollout_groups)
         params = dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
                       max_new_tokens=self.data.max_response_length)
-        results = self.scatter("generate", self.rollout_group, [
-            ([ex.prompt_ids for ex in share], dict(params, seed=step_seed(seed, group), **_images_of(share)))
-            for group, share in enumerate(shares)], workers=self.rollout_workers)
+        results = self.rollout_workers.generate(
+            [[ex.prompt_ids for ex in share] for share in shares],
+            [dict(params, seed=step_seed(seed, group), **_images_of(share)) for group, share in enumerate(shares)])
         self.last_decode = [result.decode for result in results]
         batch = RolloutBatch(n=n, examples=list(examples), prompt_ids=[], response_ids=[], rollout_log_probs=[],
                              finish_reasons=[])
@@ -401,8 +427,7 @@ class GRPOTrainer:
     def log_probs(self, seqs: Sequences, reference: bool = False) -> List[List[float]]:
         if len(seqs) % self.dp:
             raise ValueError(f"{len(seqs)} responses do not split evenly over {self.dp} data-parallel ranks")
-        shares = self.scatter("compute_log_probs", self.train_group, [(s,) for s in split_sequences(seqs, self.dp)],
-                              reference=reference)
+        shares = self.workers.compute_log_probs(split_sequences(seqs, self.dp), reference=reference)
         return [row for share in shares for row in share]
 
     def final_rewards(self, batch: RolloutBatch, seqs: Sequences, metrics: Dict[str, float]) -> torch.Tensor:
@@ -415,16 +440,6 @@ class GRPOTrainer:
             rewards = rewards - self.algo.kl_loss_coef * kl
             metrics["critic/kl_in_reward/mean"] = float(kl.mean())
         return rewards
-
-    def scatter(self, method: str, group_of: Sequence[int], shares: Sequence[tuple], workers: Any = None,
-                **kwargs: Any) -> List[Any]:
-        """Worker r (of `workers`, the training workers by default) gets shares[group_of[r]] (the ranks of one
-        model-parallel group take the same share); one result per share, from the first worker of its group."""
-        results = (workers or self.workers).run_each(method, [shares[g] for g in group_of], **kwargs)
-        first: Dict[int, Any] = {}
-        for g, result in zip(group_of, results):
-            first.setdefault(g, result)
-        return [first[g] for g in range(len(shares))]
 
     # ================================================================================================ update
     def update_actor(self, seqs: Sequences) -> Dict[str, float]:
@@ -443,8 +458,7 @@ class GRPOTrainer:
                 scale = {GLOBAL_TOKENS: float(mini.token_count()),
                          GLOBAL_SEQS: float(sum(1 for r in mini.response_ids if r)), NORM_CONST: norm_const}
                 split = balanced_split if self.cfg.trainer.get("balance_batch", False) else split_sequences
-                results = self.scatter("update_actor", self.train_group,
-                                       [(s,) for s in split(mini, self.dp)], global_scale=scale)
+                results = self.workers.update_actor(split(mini, self.dp), global_scale=scale)
                 for key in results[0]:
                     values = [float(r[key]) for r in results]
                     collected[key].append(max(values) if key.endswith("_max") else sum(values) / len(values))
@@ -486,7 +500,7 @@ class GRPOTrainer:
         update_flops = train_flops(self.cfg.model, seq_lens) * self.algo.ppo_epochs
         devices = sum(g.world for g in self.pools)  # throughput per device of the run, both pools
         phase_peaks: Dict[str, float] = {}  # each phase's peak over every worker of both pools (none on CPU)
-        for peaks in (d for g in self.pools for d in g.run("phase_memory_gb")):
+        for peaks in (d for g in self.pools for d in g.phase_memory_gb()):
             for phase, gb in peaks.items():
                 key = memory_metric_name(phase)
                 phase_peaks[key] = max(gb, phase_peaks.get(key, 0.0))
@@ -496,14 +510,14 @@ class GRPOTrainer:
             "perf/throughput": sum(seq_lens) / step_s / devices if step_s > 0 else 0.0,
             "perf/mfu/actor": mfu(update_flops, timer.seconds["update_actor"], self.workers.world,
                                   self.cfg.hw.peak_tflops),
-            "perf/max_memory_allocated_gb": max(m for g in self.pools for m in g.run("max_memory_allocated_gb")),
+            "perf/max_memory_allocated_gb": max(m for g in self.pools for m in g.max_memory_allocated_gb()),
         }
 
     def save_checkpoint(self) -> Path:
         t0 = time.perf_counter()
         tmp = self.checkpoints.begin(self.step)
         try:
-            self.workers.run("save_checkpoint", str(tmp))
+            self.workers.save_checkpoint(str(tmp))
             # the prefetched batch (max_staleness >= 1) was drawn from the loader already: it is part of the state
             in_flight = self.prefetch.state_dict()
             ckpt.save_trainer_state(tmp, {"step": self.step, "loader": self.loader.state_dict(),
@@ -525,7 +539,7 @@ class GRPOTrainer:
         return final
 
     def restore(self, path: Path) -> None:
-        restored = self.workers.run("load_checkpoint", str(path))
+        restored = self.workers.load_checkpoint(str(path))
         try:
             state = ckpt.load_trainer_state(path)
         except Exception as e:  # verified checkpoints load; this is one saved before files were listed
@@ -546,7 +560,7 @@ class GRPOTrainer:
         tmp = self.run_dir / f".{FINAL_DIR}-tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            self.workers.run("export_hf", str(tmp))
+            self.workers.export_hf(str(tmp))
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if disk_full(e):

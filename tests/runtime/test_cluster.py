@@ -79,11 +79,11 @@ def test_a_failing_worker_is_named_at_once(ray_cluster, how, cause):
     cfg = compose(["hw.devices_per_node=3", "trainer.placement_timeout_s=60"])
     wg = WorkerGroup.create(cfg, resolve_platform(cfg), FlakyWorker, 3)
     try:
-        pids = wg.run("pid")
+        pids = wg.start("pid", [()] * 3).wait()
         assert [w["pid"] for w in wg.where] == pids
         t0 = time.monotonic()
         with pytest.raises(WorkerFailure) as e:
-            wg.run("step", 1, how)
+            wg.start("step", [(1, how)] * 3).wait()
         assert time.monotonic() - t0 < 20          # ranks 0 and 2 would sleep for an hour
         assert e.value.rank == 1 and e.value.method == "step"
         assert str(e.value).startswith(f"worker rank 1 on node {wg.where[1]['ip']} ({wg.where[1]['hostname']}), "

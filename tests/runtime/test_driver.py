@@ -18,9 +18,11 @@ from qwen35rl.models.tokenizer import build_tokenizer
 from qwen35rl.rewards import get_reward_fn
 from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.runtime.batching import Sequences
+from qwen35rl.runtime.cluster import Finished
 from qwen35rl.runtime.grpo import GRPOTrainer, Timer, step_seed
 from qwen35rl.runtime.signals import StopRequest
 from qwen35rl.runtime.tracking import METRICS_FILE, Tracking, read_metrics
+from qwen35rl.runtime.worker_groups import PolicyWorkers
 
 DIGITS = b"0123456789"
 
@@ -90,17 +92,19 @@ class FakeWorkers:
     def __init__(self, world: int, tp: int = 1):
         self.log: Dict[str, list] = {"generate": [], "update": [], "sync": []}
         self.workers = [FakeWorker(r, self.log, world, tp) for r in range(world)]
+        self.calls: List[tuple] = []
+        """(method, ranks, keyword arguments) of each call the handle made, in order."""
 
     @property
     def world(self):
         return len(self.workers)
 
-    def run(self, method, *args, **kwargs):
-        return [getattr(w, method)(*args, **kwargs) for w in self.workers]
-
-    def run_each(self, method, per_rank, **kwargs):
-        assert len(per_rank) == self.world
-        return [getattr(w, method)(*args, **kwargs) for w, args in zip(self.workers, per_rank)]
+    def start(self, method, per_rank, kwargs=None, ranks=None):
+        """The worker groups' transport, in this process: the calls end before it returns."""
+        ranks = list(range(self.world)) if ranks is None else list(ranks)
+        assert len(per_rank) == len(ranks)
+        self.calls.append((method, ranks, dict(kwargs or {})))
+        return Finished([getattr(self.workers[r], method)(*args, **(kwargs or {})) for r, args in zip(ranks, per_rank)])
 
 
 def make_trainer(tmp_path, overrides, world=2, tp=1):
@@ -110,9 +114,9 @@ def make_trainer(tmp_path, overrides, world=2, tp=1):
     val = build_dataset(cfg.data, tokenizer, "val")
     total = int(cfg.trainer.total_steps)
     workers = FakeWorkers(world, tp)
-    trainer = GRPOTrainer(cfg, derive_layout(cfg), workers, tokenizer, loader, val, get_reward_fn(cfg.data.reward),
-                          Tracking(cfg, tmp_path, total), ckpt.CheckpointManager(tmp_path / "checkpoints", 2),
-                          StopRequest(), total, tmp_path)
+    trainer = GRPOTrainer(cfg, derive_layout(cfg), PolicyWorkers(workers), tokenizer, loader, val,
+                          get_reward_fn(cfg.data.reward), Tracking(cfg, tmp_path, total),
+                          ckpt.CheckpointManager(tmp_path / "checkpoints", 2), StopRequest(), total, tmp_path)
     return trainer, workers
 
 
@@ -377,3 +381,71 @@ def test_one_step_off_trains_the_same_prompts_with_dynamic_sampling(tmp_path):
     adv1 = [s.advantages for r, s, _ in w1.log["update"] if r == 0][0]
     assert all(a1 == [pytest.approx(a0 * 2.718281828 ** 0.5)] * len(a1) for a0, a1 in zip(adv0, adv1))
     assert all(r["dynamic_sampling/rounds"] >= 1 for r in rows1)
+
+
+# ------------------------------------------------------------------------------------------- the worker handles
+class Recording:
+    """A worker group that records each call it is given and answers `answers[method]` on every rank."""
+
+    def __init__(self, world: int, answers: Dict[str, Any]):
+        self.world, self.answers = world, answers
+        self.calls: List[tuple] = []
+
+    def start(self, method, per_rank, kwargs=None, ranks=None):
+        ranks = list(range(self.world)) if ranks is None else list(ranks)
+        self.calls.append((method, ranks, list(per_rank), dict(kwargs or {})))
+        return Finished([self.answers.get(method) for _ in ranks])
+
+
+def test_one_step_calls_the_workers_through_the_handle_in_order(tmp_path):
+    """Two mini batches (so an old log-prob pass) and a KL loss (a reference pass): what one GRPO step asks of every
+    worker, in order, each a method the training worker has."""
+    from qwen35rl.runtime.worker import PolicyWorker
+
+    trainer, workers = make_trainer(tmp_path, ["data.train_batch_size=4", "rollout.n=2", "algorithm.mini_batch_size=2",
+                                               "algorithm.ppo_epochs=1", "algorithm.use_kl_loss=true"])
+    assert workers.calls == [("data_shards", [0, 1], {})]
+    workers.calls.clear()
+    trainer.step = 1
+    trainer.train_step()
+    assert [(m, ranks, sorted(kw)) for m, ranks, kw in workers.calls] == [
+        ("generate", [0, 1], []),
+        ("compute_log_probs", [0, 1], ["reference"]),
+        ("compute_log_probs", [0, 1], ["reference"]),
+        ("update_actor", [0, 1], ["global_scale"]),
+        ("update_actor", [0, 1], ["global_scale"]),
+        ("sync_weights", [0, 1], []),
+        ("phase_memory_gb", [0, 1], []),
+        ("max_memory_allocated_gb", [0, 1], []),
+    ]
+    assert [kw["reference"] for m, _, kw in workers.calls if m == "compute_log_probs"] == [False, True]
+    assert all(callable(getattr(PolicyWorker, m)) for m, _, _ in workers.calls)
+
+
+def test_a_misspelt_worker_call_fails_at_the_handle():
+    group = Recording(2, {})
+    with pytest.raises(AttributeError, match="compute_logprobs"):
+        PolicyWorkers(group).compute_logprobs([], reference=True)
+    with pytest.raises(RuntimeError, match="data_shards"):  # no share goes out before the ranks' groups are known
+        PolicyWorkers(group).update_actor([], global_scale={})
+    assert group.calls == []
+
+
+def test_split_weight_sync_names_each_pools_own_methods():
+    """Split placement: the weight-sync communicator is joined and fed by both pools at once, each pool through
+    methods its own worker class has."""
+    from qwen35rl.runtime.rollout_worker import RolloutWorker
+    from qwen35rl.runtime.worker import PolicyWorker
+    from qwen35rl.runtime.worker_groups import RolloutWorkers
+
+    train, rollout = Recording(2, {"rendezvous_address": ("10.0.0.1", 29500)}), Recording(3, {})
+    policy, generators = PolicyWorkers(train), RolloutWorkers(rollout)
+    policy.join_weight_sync(generators)
+    policy.send_weights(generators, version=7)
+    assert train.calls == [("rendezvous_address", [0], [()], {}),
+                           ("join_weight_sync", [0, 1], [("10.0.0.1", 29500, 4)] * 2, {}),
+                           ("send_weights", [0, 1], [()] * 2, {})]
+    assert rollout.calls == [("join_weight_sync", [0, 1, 2], [("10.0.0.1", 29500, 4)] * 3, {}),
+                             ("receive_weights", [0, 1, 2], [(7,)] * 3, {})]
+    assert all(callable(getattr(PolicyWorker, c[0])) for c in train.calls)
+    assert all(callable(getattr(RolloutWorker, c[0])) for c in rollout.calls)

@@ -74,11 +74,12 @@ def test_one_in_process_worker_with_the_group_interface():
     addr, port = w.rendezvous
     assert addr == "127.0.0.1" and port > 0
     assert wg.where == [{"hostname": socket.gethostname(), "ip": "127.0.0.1", "pid": os.getpid()}]
-    assert wg.run("echo", 1, k=2) == [((1,), {"k": 2})]
-    assert wg.run_each("echo", [(3, 4)], k=5) == [((3, 4), {"k": 5})]
-    assert wg.call_rank(0, "echo", 6) == ((6,), {})
+    assert wg.start("echo", [(3, 4)], {"k": 5}).wait() == [((3, 4), {"k": 5})]
+    assert wg.start("echo", [(6,)], ranks=[0]).wait() == [((6,), {})]
     with pytest.raises(ValueError, match="2 shares for 1 workers"):
-        wg.run_each("echo", [(1,), (2,)])
+        wg.start("echo", [(1,), (2,)])
+    with pytest.raises(IndexError, match=r"ranks \[1\] of a world of 1"):
+        wg.start("echo", [(1,)], ranks=[1])
     wg.shutdown()
     assert w.closed
 
@@ -90,7 +91,7 @@ def test_one_in_process_worker_with_the_group_interface():
 def test_a_raising_method_is_a_worker_failure_named_like_a_ray_one(how, cause):
     wg = _group()
     with pytest.raises(WorkerFailure) as e:
-        wg.run("fail", how)
+        wg.start("fail", [(how,)])
     where = wg.where[0]
     assert e.value.rank == 0 and e.value.method == "fail"
     assert str(e.value) == (f"worker rank 0 on node 127.0.0.1 ({where['hostname']}), pid {os.getpid()}, failed in "

@@ -63,7 +63,8 @@ def _gather(obj):
 
 
 def _first_of_groups(pairs):
-    """GRPOTrainer.scatter: one result per group, from the first rank of the group, in group order."""
+    """The worker handles' per-group calls (worker_groups): one result per group, from the first rank of the group,
+    in group order."""
     first = {}
     for group, result in pairs:
         first.setdefault(group, result)
