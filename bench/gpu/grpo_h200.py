@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.gpu.workload import N, PROMPT_LEN, PROMPTS, RESPONSE_LEN, system_prompt, workload  # noqa: E402,F401
+from bench.gpu.workload import N, PROMPT_LEN, PROMPTS, RESPONSE_LEN, card_memory_gb, system_prompt, workload  # noqa: E402,F401
 
 
 def write_json(path: str, data: Any) -> None:
@@ -70,7 +70,7 @@ def cmd_qwen35rl(args) -> None:
     overrides = workload(model=args.model, hw=args.hw, devices=args.devices, micro=args.micro, ckpt=args.ckpt,
                          kl=not args.no_kl, backend=args.backend, prompts=args.prompts, steps=args.steps, peak_tflops=args.peak_tflops,
                          prompt_len=args.prompt_len, response_len=args.response_len,
-                         memory_gb=None if args.hw == "cpu" else 141, data=args.data)
+                         memory_gb=card_memory_gb(args.hw), data=args.data)
     entry = args.entry
     if args.lengths == "realistic":  # the CLI with the hf rollout's responses cut to the drawn lengths
         if "trainer.launcher=local" not in args.extra or entry != "qwen35rl.cli.train":
@@ -176,7 +176,7 @@ def cmd_trl(args) -> None:
     cuda = torch.cuda.is_available()
     cfg = compose(workload(model=args.model, hw=args.hw, micro=args.micro, ckpt=args.ckpt, kl=not args.no_kl,
                            prompts=args.prompts, steps=args.steps, prompt_len=args.prompt_len,
-                           response_len=args.response_len, memory_gb=None if args.hw == "cpu" else 141))
+                           response_len=args.response_len, memory_gb=card_memory_gb(args.hw)))
     tok = build_tokenizer(cfg.model)
     model_dir = Path(args.work_dir) / "init_hf"
     t0 = time.perf_counter()
@@ -331,7 +331,7 @@ def measure_group(ckpt: bool, kl: bool, shapes, args, port: int, results: List[D
 
     def overrides(micro, prompts, p_len, r_len):
         return workload(model=args.model, hw=args.hw, micro=micro, ckpt=ckpt, kl=kl, prompts=prompts,
-                        prompt_len=p_len, response_len=r_len, steps=2, memory_gb=None if args.hw == "cpu" else 141)
+                        prompt_len=p_len, response_len=r_len, steps=2, memory_gb=card_memory_gb(args.hw))
 
     mem = DeviceMemory()
     # the GDN kernels this process runs (transformers picks fla when it can import it)

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.gpu.grpo_h200 import DeviceMemory, workload, write_json  # noqa: E402
+from bench.gpu.grpo_h200 import DeviceMemory, card_memory_gb, workload, write_json  # noqa: E402
 
 
 def sequences(rows: int, seq_len: int, seed: int = 0):
@@ -56,7 +56,7 @@ def cmd_run(args) -> None:
     model = args.model if cuda else "qwen3_5_tiny"
     ov = workload(model=model, hw=args.hw, devices=world, micro=args.rows, kl=False, prompts=1,
                   prompt_len=args.seq_len // 2, response_len=args.seq_len - args.seq_len // 2, steps=2,
-                  memory_gb=None if not cuda else 141)
+                  memory_gb=card_memory_gb(args.hw))
     layout_ov = [f"parallelism.sp={args.sp}", f"parallelism.fsdp_size={args.fsdp_size or world}"]
     cfg = compose(ov + layout_ov + args.extra)
     engine = FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=rank, world_size=world, device=device)

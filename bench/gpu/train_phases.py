@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.gpu.grpo_h200 import N, DeviceMemory, profile_call, workload, write_json  # noqa: E402
+from bench.gpu.grpo_h200 import N, DeviceMemory, card_memory_gb, profile_call, workload, write_json  # noqa: E402
 from bench.gpu.lengths import response_lengths  # noqa: E402
 
 VARIANTS = ("torch", "conv", "head", "regions", "flanorm", "fused", "qknorm")
@@ -76,7 +76,8 @@ def build(args, overrides_extra: List[str], port: int):
 
     ov = workload(model=args.model, hw=args.hw, micro=args.micro, ckpt=args.ckpt, kl=True, backend=args.backend,
                   prompts=args.prompts,
-                  prompt_len=args.prompt_len, response_len=args.response_len, steps=2) + args.set + overrides_extra
+                  prompt_len=args.prompt_len, response_len=args.response_len, steps=2,
+                  memory_gb=card_memory_gb(args.hw)) + args.set + overrides_extra
     cfg = compose(ov)
     worker = PolicyWorker(OmegaConf.to_container(cfg, resolve=True), layout=derive_layout(cfg), rank=0,
                           world_size=1, local_rank=0, run_dir="/tmp/qwen35rl-phases", optimizer_steps=100)

@@ -12,12 +12,25 @@ def system_prompt(prompt_len: int) -> str:
     return ("reply with the last digit before the equals sign " * 64)[:prompt_len - len("\n\n7 3 9 =")]
 
 
+def card_memory_gb(hw: str) -> Optional[int]:
+    """The GPU's memory in the vendor's GB (10^9 bytes) as torch reads it from the device (an H100 80GB says 85, an
+    H200 150), for `hw.memory_gb`; None on CPU or without CUDA."""
+    if hw == "cpu":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(0).total_memory / 1e9)
+
+
 def workload(model: str = "qwen3_5_0_8b", hw: str = "gpu_1x", devices: int = 1, micro: int = 16, ckpt: bool = False,
              kl: bool = True, backend: str = "fsdp", prompts: int = PROMPTS, n: int = N, prompt_len: int = PROMPT_LEN,
              response_len: int = RESPONSE_LEN, steps: int = 4, peak_tflops: Optional[float] = None,
-             memory_gb: Optional[float] = 141, data: str = "synthetic") -> List[str]:
+             memory_gb: Optional[float] = None, data: str = "synthetic") -> List[str]:
     """Hydra overrides of the workload (qwen35rl side; the TRL side reads the same composed config). `data`: another
-    data config (e.g. geo3k: its files are more overrides) keeps its own system prompt."""
+    data config (e.g. geo3k: its files are more overrides) keeps its own system prompt. `memory_gb`: the card's
+    (`card_memory_gb`), None: the hw preset's."""
     prompt = [f"data.system_prompt='{system_prompt(prompt_len)}'"] if data == "synthetic" else []
     o = [f"model={model}", "model.init=random", "model.tokenizer=byte", f"hw={hw}", f"hw.devices_per_node={devices}",
          f"backend={backend}", "rollout=hf", f"data={data}", *prompt,

@@ -19,6 +19,7 @@ from qwen35rl.config.compose import compose
 from qwen35rl.config.layout import derive_layout
 
 TOLERANCE = 0.10
+H200_GB = 141  # the card the fixtures were measured on
 DATA = Path(__file__).parent / "data"
 FIXTURE = json.loads((DATA / "memory_h200_2026_11_29b.json").read_text())  # torch GDN: spans every knob
 FLA_FIXTURE = json.loads((DATA / "memory_h200_2026_11_30b_fla.json").read_text())
@@ -295,7 +296,7 @@ def test_estimate_with_compiled_layers_meets_the_h200_peak():
 
     measured = {(r["variant"], r["workload"]): r["train_peak_gib"] for r in json.loads(PHASES_H200.read_text())}
     for variant, extra in (("head", []), ("regions", ["backend.compile_layers=true"])):
-        cfg = compose(workload(model="qwen3_5_0_8b", micro=16, kl=True, steps=2) + extra)
+        cfg = compose(workload(model="qwen3_5_0_8b", micro=16, kl=True, steps=2, memory_gb=H200_GB) + extra)
         est = estimate(cfg, derive_layout(cfg), gdn="fla").train_peak_gib
         assert est == pytest.approx(measured[(variant, "cap")], rel=TOLERANCE), variant
         assert est > measured[(variant, "realistic")]
@@ -317,7 +318,7 @@ def test_estimate_meets_the_h200_peak_of_fuller_micro_batches(run, model, micro,
     from bench.gpu.grpo_h200 import workload
     from qwen35rl.config.memory import estimate
 
-    cfg = compose(workload(model=model, micro=micro, kl=True, steps=2) + extra)
+    cfg = compose(workload(model=model, micro=micro, kl=True, steps=2, memory_gb=H200_GB) + extra)
     est = estimate(cfg, derive_layout(cfg), gdn="fla").train_peak_gib
     rows = json.loads((RESULTS_0412 / run).read_text())
     assert rows
@@ -343,7 +344,7 @@ def test_megatron_estimate_meets_the_h200_peak(run, model, micro):
     from bench.gpu.grpo_h200 import workload
     from qwen35rl.config.memory import estimate
 
-    cfg = compose(workload(model=model, micro=micro, kl=True, backend="megatron", steps=2) + MEGATRON_ON_DEVICE)
+    cfg = compose(workload(model=model, micro=micro, kl=True, backend="megatron", steps=2, memory_gb=H200_GB) + MEGATRON_ON_DEVICE)
     est = estimate(cfg, derive_layout(cfg)).train_peak_gib
     (row,) = json.loads((RESULTS_0412B / run).read_text())
     assert est == pytest.approx(row["train_peak_gib"], rel=TOLERANCE)
