@@ -7,13 +7,14 @@ Exit codes (qwen35rl/exit_codes.py):
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from qwen35rl.exit_codes import EXIT_INTERRUPTED, EXIT_TERMINATED, table as _exit_code_table
 
 __doc__ += _exit_code_table() + "\n"
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -22,21 +23,23 @@ from qwen35rl.cli.stdout import console_script
 from qwen35rl.config.compose import resolve_in_place
 from qwen35rl.config.problems import ERROR, Problem
 
+if TYPE_CHECKING:
+    from qwen35rl.config.resolved import ResolvedRun
+
 _exit_codes: List[int] = []
 _checked: Dict[str, Any] = {}
-"""A single run's config as `main` composed, resolved and checked it before Hydra started the job: the job takes
-it instead of searching the layout and running the rules a second time (a sweep's jobs each do it themselves)."""
+"""A single run as `main` resolved and checked it before Hydra started the job: the job takes it instead of
+searching the layout and running the rules a second time (a sweep's jobs each do it themselves)."""
 
 
-def launch_problems(cfg: DictConfig) -> List[Problem]:
-    """Problems that stop a launch: the plan's errors, and missing cluster packages (warnings for a plan, errors
-    for a run, which needs them here)."""
+def launch_problems(run: ResolvedRun) -> List[Problem]:
+    """Problems that stop a launch: what resolving found, the plan's errors, and missing cluster packages (warnings
+    for a plan, errors for a run, which needs them here)."""
     from qwen35rl.config.plan import environment_problems
-    from qwen35rl.config.layout import derive_layout
     from qwen35rl.config import rules
 
-    problems = rules.check_all(cfg, derive_layout(cfg))
-    problems += [Problem(p.code, p.key, p.message, p.hint, ERROR) for p in environment_problems(cfg)]
+    problems = list(run.problems) + rules.check_all(run.cfg, run.layout)
+    problems += [Problem(p.code, p.key, p.message, p.hint, ERROR) for p in environment_problems(run.cfg)]
     # what the plan only warns of for a cluster run, a launch needs here: the checkpoint path, the tracker packages
     # (the driver builds the trackers)
     needed = lambda p: p.code == "model_path_missing" or (p.code == "names_valid" and p.key == "trainer.trackers")  # noqa: E731
@@ -50,7 +53,7 @@ def _print_problems(problems: List[Problem]) -> None:
 
 def _train_job(cfg: DictConfig) -> Dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
-    from qwen35rl.config.plan import select_layout
+    from qwen35rl.config.resolved import resolve_run
 
     stopped = next((c for c in _exit_codes if c in (EXIT_INTERRUPTED, EXIT_TERMINATED)), None)
     if stopped is not None:  # Ctrl-C / SIGTERM stopped an earlier job of this sweep: the rest do not start
@@ -58,12 +61,13 @@ def _train_job(cfg: DictConfig) -> Dict[str, Any]:
         _exit_codes.append(stopped)
         return {"valid": True, "problems": [], "exit_code": stopped, "skipped": "the sweep was stopped"}
     resolve_in_place(cfg)  # a literal ${ in a value stays literal
+    run_dir = str(HydraConfig.get().runtime.output_dir)
     checked = _checked.pop("run", None)
     if checked is not None and checked[0] == OmegaConf.to_container(cfg):  # the config main checked: as it was
-        cfg, problems = checked[1], list(checked[2])
+        run, problems = dataclasses.replace(checked[1], run_dir=run_dir), list(checked[2])
     else:
-        cfg, _, problems = select_layout(cfg)
-        problems += launch_problems(cfg)
+        run = resolve_run(cfg, run_dir)
+        problems = launch_problems(run)
     errors = [p for p in problems if p.severity == ERROR]
     _print_problems(problems)
     if errors:  # a sweep job that is invalid returns without launching anything
@@ -72,8 +76,10 @@ def _train_job(cfg: DictConfig) -> Dict[str, Any]:
     from qwen35rl.runtime.entry import train as run_training  # run identity and start-up lines, then the driver
     from qwen35rl.runtime.slurm import ray_for_allocation
 
-    cfg = ray_for_allocation(cfg)  # a multi-node Slurm job (hydra/launcher=submitit_slurm): Ray across its nodes
-    code = run_training(cfg, Path(HydraConfig.get().runtime.output_dir))
+    # a multi-node Slurm job (hydra/launcher=submitit_slurm): Ray across its nodes, the run's config pointed at it
+    # (a copy: the address changes nothing that was resolved)
+    run = dataclasses.replace(run, cfg=ray_for_allocation(run.cfg.copy()))
+    code = run_training(run, Path(run_dir))
     _exit_codes.append(code)
     return {"valid": True, "problems": [p.to_dict() for p in problems], "exit_code": code}
 
@@ -116,21 +122,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if done is not None:
         return done
     if not args.multirun:
-        from qwen35rl.config.plan import select_layout
+        from qwen35rl.config.resolved import resolve_run
 
         if _run_dir_refused(args):
             return EXIT_CONFIG
 
         composed = OmegaConf.to_container(cfg)
-        cfg, _, problems = select_layout(cfg)
-        problems += launch_problems(cfg)
+        run = resolve_run(cfg, args.run_dir)
+        problems = launch_problems(run)
         errors = [p for p in problems if p.severity == ERROR]
         if errors:
             _print_problems(errors)
             return EXIT_CONFIG
-        if _reward_refused(str(cfg.data.reward)):
+        if _reward_refused(str(run.cfg.data.reward)):
             return EXIT_CONFIG
-        _checked["run"] = (composed, cfg, problems)
+        _checked["run"] = (composed, run, problems)
     _exit_codes.clear()
     try:
         run_hydra(_train_job, args, "train")

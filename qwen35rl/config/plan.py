@@ -9,8 +9,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from qwen35rl.config import (auto_batch, capabilities, data_check, engine_specs, fit_hint, layout_search, memory,
                              params, quirks, redact, rules, run_name, step_time, vllm_facts)
-from qwen35rl.config.layout import Layout, derive_layout, is_split, placement, pools_per_node
+from qwen35rl.config.layout import Layout, pools_per_node
 from qwen35rl.config.problems import ERROR, WARNING, Problem
+from qwen35rl.config.resolved import resolve_auto, resolve_run
 from qwen35rl.config.run_summary import render_lines as run_lines, run_summary
 from qwen35rl.config.verl import exporter as verl_exporter
 
@@ -43,41 +44,6 @@ def environment_problems(cfg: DictConfig) -> List[Problem]:
     return out
 
 
-def resolve_auto(cfg: DictConfig) -> Tuple[DictConfig, List[Any], Optional[auto_batch.Choice], List[Problem]]:
-    """Everything `auto` resolved once, here, so that rules, estimate, engines, run identity and the verl export
-    only see concrete values: (the config, the ranked candidates of `parallelism=auto`, what an `auto` micro batch /
-    checkpointing resolved to, a problem when no layout is valid). `parallelism=auto` applies the best searched
-    layout, which carries its own micro batch / checkpointing choice (`layout_search.search` chooses per layout);
-    otherwise (or when no layout is valid) they are chosen for the config's own layout (`auto_batch`). A value out
-    of its range leaves the config as it is: the gate rules report it and nothing computes with it. The vLLM facts
-    come first (`vllm_facts.resolve`: `rollout.vllm_version=auto`, the GDN prefill kernel)."""
-    cfg = vllm_facts.resolve(cfg)
-    if rules.gate_problems(memory.as_tree(cfg)):
-        return cfg, [], None, []
-    candidates: List[Any] = []
-    problems: List[Problem] = []
-    choice = None
-    if cfg.parallelism.auto:
-        candidates = layout_search.search(cfg)
-        if candidates:  # the tested layout unless the model says another is better beyond its error
-            chosen = layout_search.pick(cfg, candidates)
-            cfg, choice = layout_search.apply(cfg, chosen), chosen.batch
-        else:
-            problems.append(Problem("no_valid_layout", "parallelism", "no layout of this model fits this hardware "
-                                    "with this backend", "use more devices (hw.nodes), offload, or another backend"))
-    elif is_split(cfg) and placement(cfg)["rollout_devices"] is None:  # the pool size alone, for this layout
-        size = layout_search.best_pool_size(cfg)
-        if size is not None:
-            cfg = cfg.copy()
-            cfg.placement.rollout_devices = size
-    if auto_batch.auto_keys(cfg):
-        cfg, choice = auto_batch.resolve(cfg)
-    if memory.pool_is_auto(cfg):  # the vLLM pool from what this layout's trainer leaves on the device
-        cfg = cfg.copy()
-        cfg.rollout.gpu_memory_utilization = memory.auto_pool_fraction(cfg, derive_layout(cfg))
-    return cfg, candidates, choice, problems
-
-
 def select_layout(cfg: DictConfig) -> Tuple[DictConfig, List[Any], List[Problem]]:
     """The config with its `auto` settings resolved (`resolve_auto`: the best searched layout with
     `parallelism=auto`, the micro batch / checkpointing with `auto`), the ranked candidates, and a problem when no
@@ -87,20 +53,18 @@ def select_layout(cfg: DictConfig) -> Tuple[DictConfig, List[Any], List[Problem]
 
 
 def build_plan(cfg: DictConfig) -> Dict[str, Any]:
-    """The plan dict. With `parallelism=auto` the best searched layout is applied first (and the top five listed)."""
+    """The plan dict of the run `resolve_run` makes of `cfg`. With `parallelism=auto` the best searched layout is
+    applied first (and the top five listed)."""
     searched_from = cfg
-    unsafe = rules.gate_problems(memory.as_tree(cfg))
-    if unsafe:  # a value out of its range: nothing below may divide by it or search over it
-        cfg = vllm_facts.resolve(cfg)
-        return refused_plan(cfg, rules.check_all(cfg, derive_layout(cfg)) + environment_problems(cfg))
-    cfg, candidates, choice, problems = resolve_auto(cfg)
-    layout = derive_layout(cfg)
-    problems += rules.check_all(cfg, layout) + environment_problems(cfg)
+    resolved = resolve_run(cfg)
+    cfg, layout, mem, candidates = resolved.cfg, resolved.layout, resolved.memory, list(resolved.candidates)
+    if rules.gate_problems(memory.as_tree(searched_from)):  # a value out of range: nothing was searched or estimated
+        return refused_plan(cfg, rules.check_all(cfg, layout) + environment_problems(cfg))
+    problems = list(resolved.problems) + rules.check_all(cfg, layout) + environment_problems(cfg)
     problems = fit_hint.with_fit_hint(vllm_facts.resolve(searched_from), problems)  # a model that does not fit
-    if layout.split and min(layout.world, layout.rollout_world) < 1:  # an empty pool (split_pool_sizes says so):
-        return refused_plan(cfg, problems)  # the memory and cost arithmetic would divide by its size
+    if mem is None:  # an empty pool of placement=split (split_pool_sizes says so): no memory or cost arithmetic
+        return refused_plan(cfg, problems)
     count = params.count_params(cfg.model)
-    mem = memory.estimate(cfg, layout)
     preset, changed = layout_search.layout_origin(cfg)
     run = run_summary(cfg)
     return {
@@ -123,7 +87,7 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "compile": compile_settings(cfg),
         "cost": {**layout_search.cost(cfg, layout, mem), "score_unit": layout_search.SCORE_UNIT},
         "step_time": _step_time(cfg, layout, mem, run["total_steps"]),
-        "batch": batch_arithmetic(cfg, layout, choice),
+        "batch": batch_arithmetic(cfg, layout, resolved.choice),
         "placement": placement_plan(cfg, layout, mem),
         "device": str(cfg.hw.device),
         "nodes": int(cfg.hw.nodes),
@@ -135,7 +99,7 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "auto_candidate_count": len(candidates),
         "auto_tested": layout_search.tested_rank(searched_from, candidates) if candidates else None,
         "auto_choice": layout_search.explain(searched_from, candidates) if candidates else None,
-        "vllm": vllm_plan(searched_from, cfg),
+        "vllm": resolved.vllm.to_dict() if resolved.vllm is not None else None,
         "run": run,
         "data_check": data_check.check(cfg),
         "verl": verl_export(cfg),
@@ -146,15 +110,6 @@ def _step_time(cfg: DictConfig, layout: Layout, mem: memory.MemoryEstimate,
                total_steps: Optional[int]) -> Optional[Dict[str, Any]]:
     st = step_time.estimate(cfg, layout, mem)
     return None if st is None else st.to_dict(total_steps, layout.devices)
-
-
-def vllm_plan(configured: DictConfig, cfg: DictConfig) -> Optional[Dict[str, Any]]:
-    """For a vLLM rollout: the version the plan used and where it came from, the GDN prefill kernel, the rollout
-    checkpoint's form and what the engine arguments were checked against (`configured`: before `resolve_auto`)."""
-    if not engine_specs.rollout_uses(cfg, "vllm"):
-        return None
-    res = vllm_facts.resolution(configured)
-    return None if res is None else res.to_dict()
 
 
 def placement_plan(cfg: DictConfig, layout: Layout, mem: memory.MemoryEstimate) -> Dict[str, Any]:

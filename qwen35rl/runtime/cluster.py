@@ -24,9 +24,8 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from omegaconf import OmegaConf
-
 from qwen35rl.config import redact
+from qwen35rl.config.resolved import ResolvedRun
 from qwen35rl.runtime import local_watchdog
 from qwen35rl.runtime.platform import Platform, apply_env
 
@@ -364,30 +363,31 @@ class WorkerGroup:
         return len(self.actors)
 
     @classmethod
-    def create(cls, cfg: Any, platform: Platform, worker_cls: type, world: int, *,
+    def create(cls, run: ResolvedRun, platform: Platform, worker_cls: type, world: int, *,
                on_started: Optional[Any] = None, **worker_kwargs: Any) -> "WorkerGroup":
-        """Place one `worker_cls(cfg, rank=, world_size=, local_rank=, **worker_kwargs)` actor per device (Ray must
-        be connected) and join them in torch.distributed. `on_started()` is called once every worker answered,
-        before they join (and build their engines)."""
-        return cls.create_pools(cfg, platform, [(worker_cls, world, worker_kwargs)], on_started=on_started)[0]
+        """Place one `worker_cls(run.cfg, layout=run.layout, rank=, world_size=, local_rank=, **worker_kwargs)`
+        actor per device (Ray must be connected) and join them in torch.distributed. `on_started()` is called once
+        every worker answered, before they join (and build their engines)."""
+        return cls.create_pools(run, platform, [(worker_cls, world, worker_kwargs)], on_started=on_started)[0]
 
     @classmethod
-    def create_pools(cls, cfg: Any, platform: Platform, pools: Sequence[Tuple[type, int, Dict[str, Any]]], *,
+    def create_pools(cls, run: ResolvedRun, platform: Platform, pools: Sequence[Tuple[type, int, Dict[str, Any]]], *,
                      on_started: Optional[Any] = None) -> List["WorkerGroup"]:
         """One worker group per (worker class, world, keyword arguments) of `pools`, which take the devices in rank
         order (node-major: the first pool the first devices of node 0). Every worker is placed in the per-node
         placement groups before any pool joins; each pool then joins its own torch.distributed world (rank 0 of the
-        pool hosts the rendezvous) and builds its engines, all pools at once."""
+        pool hosts the rendezvous) and builds its engines, all pools at once. Every worker gets `run`'s typed config
+        and layout as they are (Ray pickles them)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        cfg = run.cfg
         nodes, per_node = cfg.hw.nodes, cfg.hw.devices_per_node
         total = sum(world for _, world, _ in pools)
         if nodes * per_node != total:
             raise ClusterError(f"worker pools of {[w for _, w, _ in pools]} devices != hw.nodes {nodes} x "
                                f"hw.devices_per_node {per_node}")
         groups = placement_groups(platform, nodes, per_node, cfg.trainer.placement_timeout_s)
-        plain_cfg = OmegaConf.to_container(cfg, resolve=True)
         resources = {k: v for k, v in platform.bundle().items() if k not in ("CPU", "GPU")}
         made: List["WorkerGroup"] = []
         offset = 0
@@ -405,7 +405,8 @@ class WorkerGroup:
                         placement_group=groups[node], placement_group_bundle_index=local_rank),
                     runtime_env={"env_vars": platform.worker_env},
                     name=f"qwen35rl-{prefix}-{rank}-{os.getpid()}",
-                ).remote(plain_cfg, rank=rank, world_size=world, local_rank=local_rank, **worker_kwargs))
+                ).remote(cfg, layout=run.layout, rank=rank, world_size=world, local_rank=local_rank,
+                         **worker_kwargs))
             made.append(cls(actors, groups))
             offset += world
         try:
@@ -494,10 +495,10 @@ class LocalWorkerGroup:
         self.where: List[Dict[str, Any]] = [whereabouts()]
 
     @classmethod
-    def create(cls, cfg: Any, platform: Platform, worker_cls: type, world: int, *,
+    def create(cls, run: ResolvedRun, platform: Platform, worker_cls: type, world: int, *,
                on_started: Optional[Any] = None, **worker_kwargs: Any) -> "LocalWorkerGroup":
-        """Build `worker_cls(cfg, rank=0, world_size=1, local_rank=0, **worker_kwargs)` here and join it in a
-        torch.distributed group of one (`on_started()` in between, as WorkerGroup.create)."""
+        """Build `worker_cls(run.cfg, layout=run.layout, rank=0, world_size=1, local_rank=0, **worker_kwargs)` here
+        and join it in a torch.distributed group of one (`on_started()` in between, as WorkerGroup.create)."""
         if world != 1:
             raise ClusterError(f"trainer.launcher=local runs one worker in this process, the layout has world "
                                f"{world}: use trainer.launcher=ray")
@@ -507,8 +508,7 @@ class LocalWorkerGroup:
             log.info("the worker keeps these variables of this process's environment over hw.env / backend.env: "
                      "%s", redact.redact(kept))
         try:
-            worker = worker_cls(OmegaConf.to_container(cfg, resolve=True), rank=0, world_size=1, local_rank=0,
-                                **worker_kwargs)
+            worker = worker_cls(run.cfg, layout=run.layout, rank=0, world_size=1, local_rank=0, **worker_kwargs)
         except Exception as e:  # noqa: BLE001 - reported like a Ray worker that failed to start
             raise WorkerFailure(0, whereabouts(), "start-up", f"failed to start ({raised_cause(e)})",
                                 traceback.format_exc()) from None

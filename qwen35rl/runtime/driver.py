@@ -12,8 +12,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 from omegaconf import DictConfig
 
 from qwen35rl.config import capabilities
-from qwen35rl.config.layout import Layout, derive_layout
 from qwen35rl.config.problems import EXIT_CONFIG
+from qwen35rl.config.resolved import ResolvedRun, resolve_run
 from qwen35rl.exit_codes import EXIT_INTERRUPTED, EXIT_REWARD_FAILURE, EXIT_TERMINATED, ExitCode
 from qwen35rl.runtime import checkpoint as ckpt
 from qwen35rl.runtime.disk_full import disk_full, quiet_log_files_when_full, report_disk_full
@@ -48,9 +48,11 @@ class _Where:
         return f"start-up ({self.phases.current})"
 
 
-def run_training(cfg: DictConfig, run_dir: Path, *, decision: Any = None, phases: Optional[report.Phases] = None,
-                 stop: Optional[StopRequest] = None, early_ray: Any = None) -> int:
-    """Train with the resolved, validated `cfg` in `run_dir`; returns the process exit code (qwen35rl.exit_codes).
+def run_training(run: Union[ResolvedRun, DictConfig], run_dir: Path, *, decision: Any = None,
+                 phases: Optional[report.Phases] = None, stop: Optional[StopRequest] = None,
+                 early_ray: Any = None) -> int:
+    """Train the validated `run` in `run_dir`; returns the process exit code (qwen35rl.exit_codes). A config
+    (tests, scripts) is resolved here first, as `qwen35rl-train` resolves it before the job starts.
     `decision`: what run_identity decided about the run directory (decided here when not given); `phases`: the
     start-up clock of the launch; `stop`: the launch's signal handling, installed already (else installed here once
     Ray is up); `early_ray`: the local cluster's start under way (`cluster.EarlyLocalRay`). A full disk anywhere ends the run with EXIT_DISK_FULL and one block saying what could not be
@@ -59,7 +61,8 @@ def run_training(cfg: DictConfig, run_dir: Path, *, decision: Any = None, phases
     where = _Where(phases or report.Phases())
     quiet_log_files_when_full()
     try:
-        return _run_training(cfg, run_dir, decision, where, stop, early_ray)
+        run = run if isinstance(run, ResolvedRun) else resolve_run(run, str(run_dir))
+        return _run_training(run, run_dir, decision, where, stop, early_ray)
     except Exception as e:  # noqa: BLE001 - every failure ends in one block and an exit code
         if disk_full(e):
             return report_disk_full(e, run_dir)
@@ -79,10 +82,11 @@ def _describe_data(train_set: Sequence[Any], loader: Any, val_set: Sequence[Any]
             f"{total_steps} step(s) to run")
 
 
-def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where, given_stop: Optional[StopRequest],
+def _run_training(run: ResolvedRun, run_dir: Path, decision: Any, where: _Where, given_stop: Optional[StopRequest],
                   early_ray: Any = None) -> int:
     from qwen35rl.runtime import run_identity
 
+    cfg, layout = run.cfg, run.layout
     phases = where.phases
     run_dir.mkdir(parents=True, exist_ok=True)
     if decision is None:
@@ -90,7 +94,6 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where, 
     if decision.exit_code is not None:
         return decision.exit_code
     phases.begin("data")
-    layout = derive_layout(cfg)
     platform = resolve_platform(cfg)
     require_stack(platform, cfg.rollout.engine)
     note = quiet.note_for_log(platform.device_type)
@@ -167,7 +170,7 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where, 
     stop = given_stop or StopRequest(cfg.trainer.get("stop_timeout_s", signals.STOP_TIMEOUT_S))
     try:
         phases.begin("Ray up" if cfg.trainer.launcher == "ray" else "preflight")
-        with launcher(cfg, platform, layout.devices, phases, early_ray) as (preflight, group_cls), \
+        with launcher(run, platform, phases, early_ray) as (preflight, group_cls), \
                 (nullcontext(stop) if given_stop else stop):
             phases.begin("preflight")
             provenance.record_cluster(start_dir, preflight())
@@ -181,10 +184,10 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where, 
                 phases.done("workers up", f"{layout.devices} worker process(es){pools} on {cfg.hw.nodes} node(s)")
                 phases.begin("engines built")
 
-            workers, rollout_workers = start_workers(cfg, platform, group_cls, layout, started, run_dir=str(run_dir),
+            workers, rollout_workers = start_workers(run, platform, group_cls, started, run_dir=str(run_dir),
                                                      optimizer_steps=optimizer_steps)
             try:
-                phases.done("engines built", _describe_engines(cfg))
+                phases.done("engines built", _describe_engines(run))
                 trainer = GRPOTrainer(cfg, layout, workers, tokenizer, loader, val_set, reward_fn,
                                       tracking, checkpoints, stop, total_steps, run_dir, rollout_workers=rollout_workers)
                 trainer.phases, trainer.provenance_start = phases, start_dir.name
@@ -240,29 +243,31 @@ def _run_training(cfg: DictConfig, run_dir: Path, decision: Any, where: _Where, 
             _say_summary(trainer, run_dir, code, phases)
 
 
-def _describe_engines(cfg: DictConfig) -> str:
+def _describe_engines(run: ResolvedRun) -> str:
+    cfg = run.cfg
     train = [f"{cfg.backend.name} train engine"] + (["reference policy"] if needs_reference(cfg) else [])
-    if cfg.placement.mode == "split":
+    if run.layout.split:
         return (f"{', '.join(train)} on each training worker; {cfg.rollout.engine} rollout engine on each rollout "
                 f"worker")
     return ", ".join(train + [f"{cfg.rollout.engine} rollout engine"]) + " on each worker"
 
 
-def start_workers(cfg: DictConfig, platform: Platform, group_cls: type, layout: Layout, on_started: Callable[[], None],
+def start_workers(run: ResolvedRun, platform: Platform, group_cls: type, on_started: Callable[[], None],
                   **worker_kwargs: Any) -> Tuple[PolicyWorkers, Union[PolicyWorkers, RolloutWorkers]]:
     """(training workers, rollout workers): one colocated group twice, or with `placement=split` the training pool on
     the first devices and the rollout pool on the last, joined by a weight-sync communicator of their own (training
-    rank 0 hosts it and sends; see `weight_sync`)."""
+    rank 0 hosts it and sends; see `weight_sync`). Every worker gets `run`'s config and layout as they are."""
+    layout = run.layout
     if not layout.split:
-        workers = PolicyWorkers(group_cls.create(cfg, platform, PolicyWorker, layout.world, layout=layout,
-                                                 on_started=on_started, **worker_kwargs))
+        workers = PolicyWorkers(group_cls.create(run, platform, PolicyWorker, layout.world, on_started=on_started,
+                                                 **worker_kwargs))
         return workers, workers
     from qwen35rl.runtime.rollout_worker import RolloutWorker
 
-    capabilities.check_placement(cfg)  # what the plan refuses never reaches the workers
-    train_group, rollout_group = group_cls.create_pools(cfg, platform, [
-        (PolicyWorker, layout.world, dict(layout=layout, **worker_kwargs)),
-        (RolloutWorker, layout.rollout_world, dict(layout=layout))], on_started=on_started)
+    capabilities.check_placement(run.cfg)  # what the plan refuses never reaches the workers
+    train_group, rollout_group = group_cls.create_pools(run, platform, [
+        (PolicyWorker, layout.world, worker_kwargs), (RolloutWorker, layout.rollout_world, {})],
+        on_started=on_started)
     workers, rollout_workers = PolicyWorkers(train_group), RolloutWorkers(rollout_group)
     try:
         workers.join_weight_sync(rollout_workers)
@@ -299,23 +304,24 @@ def _say_summary(trainer: "GRPOTrainer", run_dir: Path, code: int, phases: repor
 
 
 @contextmanager
-def launcher(cfg: DictConfig, platform: Platform, world: int, phases: Optional[report.Phases] = None,
+def launcher(run: ResolvedRun, platform: Platform, phases: Optional[report.Phases] = None,
              early_ray: Any = None) -> Iterator[Tuple[Callable[[], Dict[str, Any]], type]]:
     """How the workers start (trainer.launcher): yields the preflight to run and the worker group class. `ray`
     connects to Ray for the duration (a local cluster it starts is stopped on exit); `local` needs nothing: the
     one worker lives in this process and the probe runs here. A local CPU cluster is probed here too: its one
     node is this host, and a probe task would cost a process start."""
+    cfg = run.cfg
     if cfg.trainer.launcher == "local":
-        yield partial(run_local_preflight, cfg, platform), LocalWorkerGroup
+        yield partial(run_local_preflight, run, platform), LocalWorkerGroup
         return
-    with ray_session(cfg, platform, world, early_ray) as started_local:
+    with ray_session(cfg, platform, run.layout.devices, early_ray) as started_local:
         if phases is not None:
             beside = f"; started beside the imports, {early_ray.seconds:.1f} s in all" if early_ray else ""
             phases.done("Ray up", _describe_ray(started_local) + beside)
         # a cluster still being assembled gets time to reach its size; a local one is what it is
         wait_s = 0.0 if started_local else cfg.trainer.placement_timeout_s
         here = started_local and platform.device_type == "cpu"
-        yield partial(run_preflight, cfg, platform, wait_s=wait_s, in_process=here), WorkerGroup
+        yield partial(run_preflight, run, platform, wait_s=wait_s, in_process=here), WorkerGroup
 
 
 def _describe_ray(started_local: bool) -> str:

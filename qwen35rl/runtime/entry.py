@@ -8,32 +8,34 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qwen35rl.config.resolved import ResolvedRun
 from qwen35rl.runtime import report, run_identity
 
 log = logging.getLogger(__name__)
 
 
-def _describe_config(cfg: Any, run_dir: Path) -> str:
-    world = int(cfg.hw.nodes) * int(cfg.hw.devices_per_node)
-    return (f"{cfg.model.name} on {cfg.hw.name} ({world} device(s)), backend {cfg.backend.name}, rollout "
-            f"{cfg.rollout.engine}, algorithm {cfg.algorithm.name}, data {cfg.data.name}; run directory "
+def _describe_config(run: ResolvedRun, run_dir: Path) -> str:
+    cfg = run.cfg
+    return (f"{cfg.model.name} on {cfg.hw.name} ({run.layout.devices} device(s)), backend {cfg.backend.name}, "
+            f"rollout {cfg.rollout.engine}, algorithm {cfg.algorithm.name}, data {cfg.data.name}; run directory "
             f"{report.shown_path(run_dir)}")
 
 
-def train(cfg: Any, run_dir: Path) -> int:
-    """One training job: returns its exit code (qwen35rl.exit_codes). Ctrl-C / SIGTERM stop it within seconds at any
-    point, the last line naming the checkpoint the same command resumes from (qwen35rl.runtime.signals)."""
+def train(run: ResolvedRun, run_dir: Path) -> int:
+    """One training job of the resolved `run`: returns its exit code (qwen35rl.exit_codes). Ctrl-C / SIGTERM stop it
+    within seconds at any point, the last line naming the checkpoint the same command resumes from
+    (qwen35rl.runtime.signals)."""
     from qwen35rl.exit_codes import EXIT_INTERRUPTED
     from qwen35rl.runtime.signals import STOP_TIMEOUT_S, StopRequest, last_checkpoint
 
     from qwen35rl.runtime.checkpoint import checkpoint_dir
 
-    checkpoint_dir(run_dir, cfg)  # every report of this job names the configured checkpoint directory
+    checkpoint_dir(run_dir, run.cfg)  # every report of this job names the configured checkpoint directory
     phases = report.Phases(report.job_started_s_ago())
-    stop = StopRequest(cfg.trainer.get("stop_timeout_s", STOP_TIMEOUT_S))
+    stop = StopRequest(run.cfg.trainer.get("stop_timeout_s", STOP_TIMEOUT_S))
     try:
         with stop:
-            return _train(cfg, Path(run_dir), phases, stop)
+            return _train(run, Path(run_dir), phases, stop)
     except KeyboardInterrupt:  # before the driver's own handling: start-up
         code = stop.exit_code or EXIT_INTERRUPTED
         report.say(f"stopped by {stop.reason or 'an interrupt'} during start-up ({phases.current}) (exit code "
@@ -43,8 +45,9 @@ def train(cfg: Any, run_dir: Path) -> int:
         report.job_ended()
 
 
-def _train(cfg: Any, run_dir: Path, phases: report.Phases, stop: Any) -> int:
-    phases.done("config + plan checked", _describe_config(cfg, run_dir), since_start=True)
+def _train(run: ResolvedRun, run_dir: Path, phases: report.Phases, stop: Any) -> int:
+    cfg = run.cfg
+    phases.done("config + plan checked", _describe_config(run, run_dir), since_start=True)
     decision = run_identity.settle(cfg, run_dir)
     if decision.exit_code is not None:
         return decision.exit_code
@@ -56,7 +59,7 @@ def _train(cfg: Any, run_dir: Path, phases: report.Phases, stop: Any) -> int:
         if problem:
             log.error("%s", problem)
             return EXIT_PREFLIGHT
-    early = _early_local_ray(cfg)
+    early = _early_local_ray(run)
     try:
         phases.begin("libraries imported")
         t0 = time.monotonic()
@@ -67,19 +70,18 @@ def _train(cfg: Any, run_dir: Path, phases: report.Phases, stop: Any) -> int:
 
         if time.monotonic() - t0 > 0.05:
             phases.done("libraries imported", f"torch {torch.__version__}, transformers {transformers.__version__}")
-        return run_training(cfg, run_dir, decision=decision, phases=phases, stop=stop, early_ray=early)
+        return run_training(run, run_dir, decision=decision, phases=phases, stop=stop, early_ray=early)
     finally:
         if early is not None:
             early.close()
 
 
-def _early_local_ray(cfg: Any) -> Any:
+def _early_local_ray(run: ResolvedRun) -> Any:
     """The run's own local Ray cluster, starting now in a thread (`cluster.EarlyLocalRay`), or None."""
     from qwen35rl.runtime.cluster import EarlyLocalRay
 
-    if not EarlyLocalRay.wanted(cfg):
+    if not EarlyLocalRay.wanted(run.cfg):
         return None
-    from qwen35rl.config.layout import derive_layout
     from qwen35rl.runtime.platform import resolve_platform
 
-    return EarlyLocalRay(cfg, resolve_platform(cfg), derive_layout(cfg).devices)
+    return EarlyLocalRay(run.cfg, resolve_platform(run.cfg), run.layout.devices)

@@ -31,7 +31,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from omegaconf import OmegaConf
 
 from qwen35rl.config import engine_specs
+from qwen35rl.config.layout import Layout
 from qwen35rl.config.problems import ERROR, WARNING, Problem
+from qwen35rl.config.resolved import ResolvedRun
 from qwen35rl.runtime.cluster import node_ip
 from qwen35rl.runtime.platform import Platform, apply_env
 
@@ -201,23 +203,24 @@ def relevant_versions(cfg: Any) -> Dict[str, str]:
     return dict(s.declared_version for s in specs if s is not None and s.declared_version is not None)
 
 
-def version_facts(cfg: Any) -> Tuple[frozenset, Dict[str, Any]]:
+def version_facts(cfg: Any, layout: Layout) -> Tuple[frozenset, Dict[str, Any]]:
     """What the config layer derives from the configured versions: the rules' findings (code, severity) and the
     vLLM engine kwargs after platform quirks."""
     from qwen35rl.config import rules
-    from qwen35rl.config.layout import derive_layout
     from qwen35rl.config.quirks import effective_engine_kwargs
 
-    findings = frozenset((p.code, p.severity) for p in rules.check_all(cfg, derive_layout(cfg)))
+    findings = frozenset((p.code, p.severity) for p in rules.check_all(cfg, layout))
     return findings, effective_engine_kwargs(cfg)
 
 
-def changed_facts(cfg: Any, key: str, installed: str) -> List[str]:
-    """How the derived facts change when `key` holds the installed version instead of the configured one."""
-    plain = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
+def changed_facts(run: ResolvedRun, key: str, installed: str) -> List[str]:
+    """How the derived facts change when `key` holds the installed version instead of the configured one (a
+    version changes no degree: both read the run's layout)."""
+    plain = OmegaConf.to_container(run.cfg, resolve=True)
     other = OmegaConf.create(plain)
     OmegaConf.update(other, key, installed)
-    (found_a, kw_a), (found_b, kw_b) = version_facts(OmegaConf.create(plain)), version_facts(other)
+    (found_a, kw_a), (found_b, kw_b) = (version_facts(OmegaConf.create(plain), run.layout),
+                                        version_facts(other, run.layout))
     out = [f"rule {code} ({sev}) {'appears' if (code, sev) in found_b else 'goes away'}"
            for code, sev in sorted(found_a ^ found_b)]
     out += [f"vLLM engine arg {k}: {kw_a.get(k, '<unset>')!r} -> {kw_b.get(k, '<unset>')!r}"
@@ -225,9 +228,10 @@ def changed_facts(cfg: Any, key: str, installed: str) -> List[str]:
     return out
 
 
-def version_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
+def version_problems(run: ResolvedRun, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
     from qwen35rl.config.quirks import version_tuple
 
+    cfg = run.cfg
     out: List[Problem] = []
     for package, key in relevant_versions(cfg).items():
         configured = str(OmegaConf.select(cfg, key))
@@ -242,7 +246,7 @@ def version_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem
                 continue
             if version_tuple(installed) == version_tuple(configured):
                 continue
-            changes = changed_facts(cfg, key, installed)
+            changes = changed_facts(run, key, installed)
             message = f"{key}={configured} but {where} has {package} {installed}"
             if changes:
                 out.append(Problem(f"{package}_version_changes_facts", key,
@@ -274,14 +278,13 @@ FLA_FIX = ("install tilelang (and nvcc, for its JIT) or Triton >= 3.7.1 there, s
            "uninstall flash-linear-attention there (transformers then runs its torch GDN code: slower, more memory)")
 
 
-def _torch_gdn_fit(cfg: Any) -> Tuple[str, bool]:
+def _torch_gdn_fit(run: ResolvedRun) -> Tuple[str, bool]:
     """The memory estimate again with the torch GDN recurrence (what a node without fla's kernels runs): a phrase
     for the problem and whether it fits. On an H200 the Megatron engine's torch recurrence measured 112.2 GiB where
     this estimate says 94.4 (bench/results/h200.md, 2026-12-02c): a lower bound there."""
-    from qwen35rl.config.layout import derive_layout
     from qwen35rl.config.memory import estimate
 
-    est = estimate(cfg, derive_layout(cfg), gdn="torch")
+    est = estimate(run.cfg, run.layout, gdn="torch")
     peak = max(est.train_peak_gib, est.rollout_peak_gib)
     if est.fits:
         return f"estimated {peak:.1f} GiB per device with that code, of {est.capacity_gib:.1f} GiB usable", True
@@ -289,8 +292,9 @@ def _torch_gdn_fit(cfg: Any) -> Tuple[str, bool]:
             f"the run would run out of memory"), False
 
 
-def gdn_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
+def gdn_problems(run: ResolvedRun, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
     """Nodes whose flash-linear-attention would refuse the GDN backward (fla issue #640)."""
+    cfg = run.cfg
     refused: Dict[Tuple[str, str, str], List[str]] = {}
     for p in probes:
         g = p.get("gdn") or {}
@@ -303,7 +307,7 @@ def gdn_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
     if missing:
         runs = ("megatron-core's torch GDN recurrence" if engine_specs.train_uses(cfg, "megatron")
                 else "transformers' torch GDN code")
-        fit, fits = _torch_gdn_fit(cfg)
+        fit, fits = _torch_gdn_fit(run)
         out.append(Problem("fla_missing_on_node", "hw", f"flash-linear-attention is not installed on "
                            f"{', '.join(missing)}: the Gated DeltaNet layers run {runs} there (slower, and more "
                            f"activation memory than the plan's estimate, which assumes fla's kernels; {fit})",
@@ -312,7 +316,7 @@ def gdn_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
     for (fla, triton, device), hosts in refused.items():
         where = f"{', '.join(hosts)} ({device}, Triton {triton}, no usable TileLang)"
         if engine_specs.train_uses(cfg, "megatron"):  # megatron-core falls back to its torch recurrence
-            fit, fits = _torch_gdn_fit(cfg)
+            fit, fits = _torch_gdn_fit(run)
             out.append(Problem("fla_gdn_backward_refused", "backend.transformer_overrides.deterministic_mode",
                                f"flash-linear-attention {fla} refuses its GDN backward on {where}: the Megatron "
                                "policy trains with megatron-core's torch GDN recurrence (slower, and more activation "
@@ -326,13 +330,12 @@ def gdn_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
 
 
 # ------------------------------------------------------------------------------------ what the engines build
-def capability_problems(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
+def capability_problems(run: ResolvedRun, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
     """The engines' declaration (`config.capabilities`) on the stack each node has: what the plan could not know
     (is Transformer Engine installed there?) decided now, before the engines would refuse it."""
     from qwen35rl.config import capabilities
-    from qwen35rl.config.layout import derive_layout
 
-    layout = derive_layout(cfg)
+    cfg, layout = run.cfg, run.layout
     planned = {(p.code, p.severity) for p in capabilities.problems(cfg, layout)}
     found: Dict[Tuple[str, str], Tuple[Problem, List[str]]] = {}
     for probe in probes:
@@ -370,11 +373,12 @@ def disk_problems(cfg: Any) -> List[Problem]:
 
 
 # --------------------------------------------------------------------------------------------------- entry
-def check_probes(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
-    """What the node probes saw against the config (memory, versions, GDN kernels). Warnings are logged and
+def check_probes(run: ResolvedRun, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
+    """What the node probes saw against the run (memory, versions, GDN kernels). Warnings are logged and
     returned; errors raise PreflightError (with every error found)."""
-    problems = (memory_problems(cfg, probes) + version_problems(cfg, probes) + gdn_problems(cfg, probes)
-                + capability_problems(cfg, probes) + path_problems(cfg, probes) + disk_problems(cfg))
+    cfg = run.cfg
+    problems = (memory_problems(cfg, probes) + version_problems(run, probes) + gdn_problems(run, probes)
+                + capability_problems(run, probes) + path_problems(cfg, probes) + disk_problems(cfg))
     for p in problems:
         if p.severity != ERROR:
             log.warning("preflight: %s", p.render())
@@ -384,33 +388,34 @@ def check_probes(cfg: Any, probes: Sequence[Dict[str, Any]]) -> List[Problem]:
     return problems
 
 
-def run_preflight(cfg: Any, platform: Platform, *, wait_s: float, in_process: bool = False) -> Dict[str, Any]:
+def run_preflight(run: ResolvedRun, platform: Platform, *, wait_s: float, in_process: bool = False) -> Dict[str, Any]:
     """All checks against the connected Ray cluster. Returns what was seen, for the run's provenance.
     `in_process`: the cluster is this host's CPUs alone (a local CPU cluster), probed in this process."""
+    cfg = run.cfg
     t0 = time.monotonic()
     nodes = wait_for_resources(cfg, platform, wait_s)
     if in_process and len(nodes) == 1:
         probes = [probe_node(platform.device_type, plain_config(cfg))]
     else:
         probes = probe_nodes(platform, nodes, cfg.trainer.placement_timeout_s, plain_config(cfg))
-    warnings = check_probes(cfg, probes)
+    warnings = check_probes(run, probes)
     log.info("preflight passed in %.1f s: %d node(s) can host the run", time.monotonic() - t0, len(nodes))
     return {"nodes": [{"node_id": n.node_id, "address": n.address, "resources": n.resources} for n in nodes],
             "probes": list(probes), "warnings": [p.to_dict() for p in warnings]}
 
 
-def run_local_preflight(cfg: Any, platform: Platform) -> Dict[str, Any]:
+def run_local_preflight(run: ResolvedRun, platform: Platform) -> Dict[str, Any]:
     """trainer.launcher=local: the same checks on this process's device, probed here (no Ray). Returns what was
     seen, for the run's provenance."""
     apply_env(platform.worker_env)  # the probe sees the workers' environment, as a Ray probe task does
     try:
-        probe = probe_node(platform.device_type, plain_config(cfg))
+        probe = probe_node(platform.device_type, plain_config(run.cfg))
     except Exception as e:  # noqa: BLE001 - no such device here: no driver, a CPU-only torch, ...
         raise PreflightError([Problem(
             "local_device_missing", "hw.device", f"hw.device={platform.device_type}, but this process cannot use "
             f"a {platform.device_type} device ({type(e).__name__}: {' '.join(str(e).split())})",
             "run where the device is visible (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES), or pick the hw "
             "config of this machine (hw=cpu)")]) from None
-    warnings = check_probes(cfg, [probe])
+    warnings = check_probes(run, [probe])
     log.info("preflight passed: %s (%s) hosts the run in this process", probe["hostname"], probe["device_name"])
     return {"launcher": "local", "nodes": [], "probes": [probe], "warnings": [p.to_dict() for p in warnings]}

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from qwen35rl.config import engine_specs
 from qwen35rl.config.layout import Layout
@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class RolloutWorker:
-    def __init__(self, cfg: Dict[str, Any], *, layout: Layout, rank: int, world_size: int, local_rank: int,
-                 run_dir: str = "", optimizer_steps: Optional[int] = None):
+    def __init__(self, cfg: Union[DictConfig, Dict[str, Any]], *, layout: Layout, rank: int, world_size: int,
+                 local_rank: int, run_dir: str = "", optimizer_steps: Optional[int] = None):
         """`rank`: in the rollout pool (0 .. rollout_world - 1); the signature is the training worker's, so that both
         pools are placed by the same code."""
         self.cfg = cfg if OmegaConf.is_config(cfg) else typed(cfg)

@@ -15,11 +15,11 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from qwen35rl.config import engine_specs
 from qwen35rl.config.layout import Layout
@@ -53,11 +53,11 @@ def accelerator_ids(platform: Any) -> List[str]:
 
 
 class PolicyWorker:
-    def __init__(self, cfg: Dict[str, Any], *, layout: Layout, rank: int, world_size: int, local_rank: int,
-                 run_dir: str, optimizer_steps: Optional[int] = None):
-        """`cfg`: the resolved config as plain python (rebuilt here on the typed schema); `layout`: the driver's, which
-        every engine uses as is; `optimizer_steps`: of the whole run (the cosine LR schedule needs it); `run_dir`:
-        shared by all nodes."""
+    def __init__(self, cfg: Union[DictConfig, Dict[str, Any]], *, layout: Layout, rank: int, world_size: int,
+                 local_rank: int, run_dir: str, optimizer_steps: Optional[int] = None):
+        """`cfg`, `layout`: the run's (`ResolvedRun`: the typed config and the layout every engine uses as is; a
+        plain-python config, as scripts pass it, is typed here); `optimizer_steps`: of the whole run (the cosine LR
+        schedule needs it); `run_dir`: shared by all nodes."""
         self.cfg = cfg if OmegaConf.is_config(cfg) else typed(cfg)
         if layout.world != world_size:
             raise ValueError(f"the layout has {layout.world} ranks, the worker group {world_size}")

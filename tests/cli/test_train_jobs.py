@@ -18,7 +18,7 @@ def counted(monkeypatch, tmp_path):
     monkeypatch.setattr(layout_search, "search", counting)
     import qwen35rl.runtime.entry as entry
 
-    monkeypatch.setattr(entry, "train", lambda cfg, run_dir: calls["trained"].append(cfg) or 0)
+    monkeypatch.setattr(entry, "train", lambda run, run_dir: calls["trained"].append((run, run_dir)) or 0)
     monkeypatch.chdir(tmp_path)
     return calls
 
@@ -26,8 +26,10 @@ def counted(monkeypatch, tmp_path):
 def test_a_single_run_searches_its_layout_once(counted, tmp_path):
     assert T.main(["parallelism=auto", f"trainer.output_root={tmp_path}/runs"]) == 0
     assert counted["search"] == 1
-    (cfg,) = counted["trained"]
+    ((run, run_dir),) = counted["trained"]
+    cfg = run.cfg
     assert cfg.parallelism.auto is False and str(cfg.parallelism.name).startswith("auto/")  # the searched layout
+    assert run.candidates and run.run_dir == str(run_dir)  # the job's directory, where main only foresaw it
     assert T._checked == {}  # nothing is kept for a later call
 
 
@@ -48,7 +50,7 @@ def test_a_sweep_stopped_by_a_signal_starts_no_further_job(counted, tmp_path, mo
     import qwen35rl.runtime.entry as entry
     from qwen35rl.exit_codes import EXIT_TERMINATED
 
-    monkeypatch.setattr(entry, "train", lambda cfg, run_dir: counted["trained"].append(cfg) or EXIT_TERMINATED)
+    monkeypatch.setattr(entry, "train", lambda run, run_dir: counted["trained"].append(run) or EXIT_TERMINATED)
     code = T.main(["-m", "trainer.seed=1,2,3", f"trainer.output_root={tmp_path}/runs",
                    f"hydra.sweep.dir={tmp_path}/sweep"])
     assert len(counted["trained"]) == 1 and T._exit_codes == [EXIT_TERMINATED] * 3

@@ -56,7 +56,7 @@ def test_layout_keys_are_what_the_layout_reports():
 # them: that is what adding an engine has to be.
 import dataclasses  # noqa: E402
 
-from qwen35rl.config import capabilities, memory, plan, rules  # noqa: E402
+from qwen35rl.config import capabilities, memory, plan, resolved, rules  # noqa: E402
 from qwen35rl.config.layout import derive_layout  # noqa: E402
 
 
@@ -82,9 +82,9 @@ def test_vllm_facts_follow_the_package_a_spec_lists(monkeypatch):
     _register(monkeypatch, E.ROLLOUT_ENGINES, "vllm", "vllm_plain", packages=())
     _register(monkeypatch, E.ROLLOUT_ENGINES, "hf", "hf_on_vllm", packages=("vllm",))
     base = ["hw=gpu_1x", "model=qwen3_5_0_8b"]
-    assert plan.vllm_plan(compose(base + ["rollout=vllm"]), compose(base + ["rollout=vllm"])) is not None
+    assert resolved.vllm_resolution(compose(base + ["rollout=vllm"])) is not None
     plain = compose(base + ["rollout=vllm", "rollout.engine=vllm_plain"])
-    assert plan.vllm_plan(plain, plain) is None
+    assert resolved.vllm_resolution(plain) is None
     on_vllm = compose(base + ["rollout=hf", "rollout.engine=hf_on_vllm"])
     assert E.rollout_uses(on_vllm, "vllm") and not E.rollout_uses(plain, "vllm")
     assert not E.rollout_uses("no_such_engine", "vllm")  # before engine_known reports it

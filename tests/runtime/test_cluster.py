@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from tests.processes import cmdline, session_pids
 from qwen35rl.config.compose import compose
+from qwen35rl.config.resolved import resolve_run
 from qwen35rl.runtime.cluster import WorkerFailure, WorkerGroup, ray_address
 from qwen35rl.runtime.platform import resolve_platform
 
@@ -29,7 +30,7 @@ class FlakyWorker:
     """Rank `fail_rank` fails in `step` the way it is told; the others block, like ranks waiting in a collective
     for the failed one."""
 
-    def __init__(self, cfg, *, rank, world_size, local_rank, fail_init=False):
+    def __init__(self, cfg, *, layout, rank, world_size, local_rank, fail_init=False):
         if fail_init and rank == 1:
             raise ValueError("no such checkpoint")
         self.rank = rank
@@ -77,7 +78,7 @@ def ray_cluster():
 ])
 def test_a_failing_worker_is_named_at_once(ray_cluster, how, cause):
     cfg = compose(["hw.devices_per_node=3", "trainer.placement_timeout_s=60"])
-    wg = WorkerGroup.create(cfg, resolve_platform(cfg), FlakyWorker, 3)
+    wg = WorkerGroup.create(resolve_run(cfg), resolve_platform(cfg), FlakyWorker, 3)
     try:
         pids = wg.start("pid", [()] * 3).wait()
         assert [w["pid"] for w in wg.where] == pids
@@ -98,7 +99,7 @@ def test_a_worker_that_fails_to_start_is_named(ray_cluster):
 
     cfg = compose(["hw.devices_per_node=3", "trainer.placement_timeout_s=60"])
     with pytest.raises(WorkerFailure) as e:
-        WorkerGroup.create(cfg, resolve_platform(cfg), FlakyWorker, 3, fail_init=True)
+        WorkerGroup.create(resolve_run(cfg), resolve_platform(cfg), FlakyWorker, 3, fail_init=True)
     assert e.value.rank == 1 and "failed to start (ValueError: no such checkpoint)" in str(e.value)
     assert ray.util.placement_group_table() and all(
         g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())

@@ -57,7 +57,9 @@ def test_the_early_cluster_serves_the_run_then_stops_and_an_untaken_one_is_stopp
                 raise AssertionError("a local CPU cluster is probed in the driver, without a probe task")
 
             preflight.probe_nodes = no_task
-            seen = preflight.run_preflight(cfg, platform, wait_s=0.0, in_process=True)
+            from qwen35rl.config.resolved import resolve_run
+
+            seen = preflight.run_preflight(resolve_run(cfg), platform, wait_s=0.0, in_process=True)
             assert len(seen["nodes"]) == 1 and seen["probes"][0]["device_name"] == "cpu"
         assert not ray.is_initialized() and not early.thread.is_alive()
 

@@ -12,6 +12,7 @@ import torch
 
 from qwen35rl.config.compose import compose
 from qwen35rl.config.problems import ERROR, WARNING
+from qwen35rl.config.resolved import resolve_run
 from qwen35rl.engines import gdn_kernels
 from qwen35rl.runtime import preflight
 
@@ -91,7 +92,7 @@ def _probe(host, refused, fla="0.6.0"):
 
 
 def test_fsdp_run_on_a_refusing_node_is_refused_before_launch():
-    cfg = compose(["hw=gpu_1node", "backend=fsdp", "rollout=hf"])
+    cfg = resolve_run(compose(["hw=gpu_1node", "backend=fsdp", "rollout=hf"]))
     found = preflight.gdn_problems(cfg, [_probe("n1", True), _probe("n2", True), _probe("n3", False)])
     assert [(p.code, p.severity, p.key) for p in found] == [("fla_gdn_backward_refused", ERROR, "backend.name")]
     msg = found[0].message
@@ -102,7 +103,7 @@ def test_fsdp_run_on_a_refusing_node_is_refused_before_launch():
 
 
 def test_megatron_run_on_a_refusing_node_is_warned_about():
-    cfg = compose(["hw=gpu_1node", "backend=megatron", "rollout=hf"])
+    cfg = resolve_run(compose(["hw=gpu_1node", "backend=megatron", "rollout=hf"]))
     found = preflight.gdn_problems(cfg, [_probe("n1", True)])
     assert [(p.code, p.severity) for p in found] == [("fla_gdn_backward_refused", WARNING)]
     assert "torch GDN recurrence" in found[0].message
@@ -118,12 +119,12 @@ def test_megatron_on_a_refusing_node_is_checked_against_the_torch_recurrences_me
             "backend.param_offload=false", "backend.grad_offload=false", "backend.optimizer_offload=false",
             "backend.optimizer_cpu_offload=false"]
     fits = compose(base + ["backend.micro_batch_size_per_device=4"])
-    (p,) = preflight.gdn_problems(fits, [_probe("n1", True)])
+    (p,) = preflight.gdn_problems(resolve_run(fits), [_probe("n1", True)])
     torch_est = estimate(fits, derive_layout(fits), gdn="torch")
     torch_peak = max(torch_est.train_peak_gib, torch_est.rollout_peak_gib)
     assert p.severity == WARNING and f"estimated {torch_peak:.1f} GiB per device" in p.message
     tight = compose(base + ["backend.micro_batch_size_per_device=16", "hw.memory_gb=75"])
     plan, torch_est = (estimate(tight, derive_layout(tight), gdn=g) for g in ("fla", "torch"))
     assert plan.fits and not torch_est.fits                      # the plan alone would let it start
-    (p,) = preflight.gdn_problems(tight, [_probe("n1", True)])
+    (p,) = preflight.gdn_problems(resolve_run(tight), [_probe("n1", True)])
     assert p.severity == ERROR and "would run out of memory" in p.message

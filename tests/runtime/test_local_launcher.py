@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from qwen35rl.config.compose import compose
 from qwen35rl.config.problems import WARNING
+from qwen35rl.config.resolved import resolve_run
 from qwen35rl.runtime import driver
 from qwen35rl.runtime.cluster import EXIT_WORKER_FAILURE, ClusterError, LocalWorkerGroup, WorkerFailure
 from qwen35rl.runtime.platform import resolve_platform
@@ -39,10 +40,10 @@ STEP_METRICS = ["critic/score/mean", "critic/rewards/mean", "critic/advantages/m
 class Recorder:
     """A worker that records how it was built and called."""
 
-    def __init__(self, cfg, *, rank, world_size, local_rank, fail_init=False, tag=None):
+    def __init__(self, cfg, *, layout, rank, world_size, local_rank, fail_init=False, tag=None):
         if fail_init:
             raise ValueError("no such checkpoint")
-        self.cfg, self.placed, self.tag = cfg, (rank, world_size, local_rank), tag
+        self.cfg, self.layout, self.placed, self.tag = cfg, layout, (rank, world_size, local_rank), tag
         self.calls, self.rendezvous, self.closed = [], None, False
 
     def init_distributed(self, addr, port):
@@ -62,15 +63,15 @@ class Recorder:
 
 
 def _group(*overrides, **kwargs):
-    cfg = compose([*LOCAL, *overrides])
-    return LocalWorkerGroup.create(cfg, resolve_platform(cfg), Recorder, 1, **kwargs)
+    run = resolve_run(compose([*LOCAL, *overrides]))
+    return LocalWorkerGroup.create(run, resolve_platform(run.cfg), Recorder, 1, **kwargs)
 
 
 def test_one_in_process_worker_with_the_group_interface():
     wg = _group(tag="x")
     w = wg.worker
     assert wg.world == 1 and w.placed == (0, 1, 0) and w.tag == "x"
-    assert w.cfg["trainer"]["launcher"] == "local" and isinstance(w.cfg, dict)  # plain, like a Ray actor's copy
+    assert w.cfg.trainer.launcher == "local" and w.layout.world == 1  # the run's typed config and layout, as is
     addr, port = w.rendezvous
     assert addr == "127.0.0.1" and port > 0
     assert wg.where == [{"hostname": socket.gethostname(), "ip": "127.0.0.1", "pid": os.getpid()}]
@@ -106,9 +107,9 @@ def test_a_worker_that_fails_to_start_is_named():
 
 
 def test_more_than_one_device_is_refused():
-    cfg = compose(["hw.devices_per_node=2"])
+    run = resolve_run(compose(["hw.devices_per_node=2"]))
     with pytest.raises(ClusterError, match="trainer.launcher=ray"):
-        LocalWorkerGroup.create(cfg, resolve_platform(cfg), Recorder, 2)
+        LocalWorkerGroup.create(run, resolve_platform(run.cfg), Recorder, 2)
 
 
 def test_worker_env_is_applied_but_the_users_values_stay(monkeypatch):
@@ -122,7 +123,7 @@ def test_worker_env_is_applied_but_the_users_values_stay(monkeypatch):
 def test_local_preflight_checks_this_process_like_a_node(caplog):
     cfg = compose([*LOCAL, "hw.memory_gb=100000"])  # more than any host: the CPU memory warning
     with caplog.at_level(logging.WARNING, logger="qwen35rl.runtime.preflight"):
-        report = run_local_preflight(cfg, resolve_platform(cfg))
+        report = run_local_preflight(resolve_run(cfg), resolve_platform(cfg))
     assert report["launcher"] == "local" and report["probes"][0]["packages"]["torch"] == torch.__version__
     assert [(w["code"], w["severity"]) for w in report["warnings"]] == [("host_memory_short", WARNING)]
     assert "host_memory_short" in caplog.text
@@ -132,7 +133,7 @@ def test_local_preflight_checks_this_process_like_a_node(caplog):
 def test_local_preflight_without_the_device_fails_before_any_worker():
     cfg = compose(["hw=gpu_1x", "rollout=hf", "trainer.launcher=local"])
     with pytest.raises(PreflightError) as e:
-        run_local_preflight(cfg, resolve_platform(cfg))
+        run_local_preflight(resolve_run(cfg), resolve_platform(cfg))
     assert [p.code for p in e.value.problems] == ["local_device_missing"]
     assert "hw.device=cuda" in str(e.value) and "hw=cpu" in str(e.value)
 

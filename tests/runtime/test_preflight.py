@@ -14,6 +14,7 @@ import pytest
 
 from qwen35rl.config.compose import compose
 from qwen35rl.config.problems import ERROR, WARNING
+from qwen35rl.config.resolved import resolve_run
 from qwen35rl.runtime import preflight
 from qwen35rl.runtime.platform import resolve_platform
 from qwen35rl.runtime.preflight import EXIT_PREFLIGHT, Node, PreflightError
@@ -77,7 +78,7 @@ def test_device_memory_against_the_plan():
 
 # ------------------------------------------------------------------------------------------------- versions
 def test_vllm_version_that_changes_a_quirk_is_an_error():
-    cfg = compose(["hw=a3_1node", "model=qwen3_5_0_8b", "rollout.vllm_version=0.22.0"])
+    cfg = resolve_run(compose(["hw=a3_1node", "model=qwen3_5_0_8b", "rollout.vllm_version=0.22.0"]))
     found = preflight.version_problems(cfg, [_probe({"vllm": "0.18.0"})])
     assert [(p.code, p.severity) for p in found] == [("vllm_version_changes_facts", ERROR)]
     assert "mm_processor_cache_gb" in found[0].message and found[0].hint == "set rollout.vllm_version=0.18.0"
@@ -90,16 +91,16 @@ def test_vllm_version_that_changes_a_quirk_is_an_error():
 
 def test_megatron_version_that_changes_a_rule_is_an_error():
     # EP1 with ETP != TP gets wrong expert gradients before megatron-core 0.19: a rule the node's version brings
-    cfg = compose(["backend=megatron", "model=qwen3_5_tiny_moe", "hw.devices_per_node=2", "parallelism.tp=2",
-                   "parallelism.etp=1", "backend.megatron_core_version=0.19.2"])
+    cfg = resolve_run(compose(["backend=megatron", "model=qwen3_5_tiny_moe", "hw.devices_per_node=2",
+                               "parallelism.tp=2", "parallelism.etp=1", "backend.megatron_core_version=0.19.2"]))
     found = preflight.version_problems(cfg, [_probe({"megatron-core": "0.16.1"})])
     assert found and found[0].severity == ERROR and "expert_grads_need_ep_or_etp_equal_tp" in found[0].message
     # the version of a package this run does not use is not checked
-    assert preflight.version_problems(compose([]), [_probe({"megatron-core": "0.1.0", "vllm": "0.1.0"})]) == []
+    assert preflight.version_problems(resolve_run(compose([])), [_probe({"megatron-core": "0.1.0", "vllm": "0.1.0"})]) == []
 
 
 def test_settings_that_need_transformer_engine_are_decided_on_the_nodes_stack():
-    cfg = compose(["backend=megatron", "model=qwen3_5_tiny_moe", "hw=gpu_1node", "rollout=hf"])
+    cfg = resolve_run(compose(["backend=megatron", "model=qwen3_5_tiny_moe", "hw=gpu_1node", "rollout=hf"]))
     with_te = {"device": "cuda", "transformer_engine": True, "fla": True}
     assert preflight.capability_problems(cfg, [_probe(stack=with_te)]) == []
     found = preflight.capability_problems(cfg, [_probe(stack={**with_te, "transformer_engine": False})])
@@ -143,7 +144,7 @@ def test_placement_group_that_cannot_be_placed_times_out():
 
 
 def test_gpu_nodes_without_fla_get_a_warning_naming_what_runs_instead():
-    cfg = compose(["backend=megatron", "model=qwen3_5_tiny_moe", "hw=gpu_1node", "rollout=hf"])
+    cfg = resolve_run(compose(["backend=megatron", "model=qwen3_5_tiny_moe", "hw=gpu_1node", "rollout=hf"]))
     no_fla = _probe(gdn={"fla": None, "triton": "3.5.0", "capability": [9, 0], "fla_backward_refused": False})
     (p,) = preflight.gdn_problems(cfg, [no_fla])
     assert p.code == "fla_missing_on_node" and p.severity == WARNING and "megatron-core's torch" in p.message
