@@ -35,7 +35,8 @@ from qwen35rl.engines.base import RolloutRequest  # noqa: E402
 from qwen35rl.models.build import build_model, save_hf  # noqa: E402
 from qwen35rl.models.tokenizer import build_tokenizer  # noqa: E402
 
-# (prompts, n, max new tokens): the tiny recipe's batch (16 prompts x 8, 8 tokens), and longer responses.
+# (prompts, n, max new tokens): the tiny recipe's 128 responses of 8 tokens a step (as 16 prompts x 8, the recipe's
+# shape when the results were recorded), and longer responses.
 BATCHES = [(16, 8, 8), (16, 8, 128)]
 PROMPT_LEN = 16
 

@@ -321,7 +321,7 @@ def test_what_stays_between_phases():
 
 
 def test_hf_engine_cache_prefill_and_sampler():
-    t = tree(TINY)  # 16 prompts x n 8 over 2 devices: 64 rows of 32 prompt + 8 new tokens, fp32 model
+    t = tree(TINY)  # 8 prompts x n 16 over 2 devices: 64 rows of 32 prompt + 8 new tokens, fp32 model
     lay = derive_layout(t)
     # per row: K and V of the one attention layer (2 KV heads of 32) for 40 positions; per GDN layer (3) the fp32
     # recurrent state (4 heads x 64 x 64) and 4 conv columns of the 512 conv channels

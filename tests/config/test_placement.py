@@ -18,7 +18,7 @@ from tests.config.trees import updated
 from qwen35rl.config.verl.exporter import export
 
 SPLIT4 = ["hw.devices_per_node=4", "placement=split", "placement.rollout_devices=1", "data.train_batch_size=24",
-          "algorithm.mini_batch_size=6"]
+          "algorithm.mini_batch_size=6", "rollout.n=8"]
 """The tiny model on 4 CPU workers: 3 train (DP3: 24 prompts x 8 responses split over them), 1 generates."""
 MG_TINY = ["model=qwen3_5_tiny_moe", "backend=megatron", "backend.moe_permute_fusion=false",
            "backend.use_precision_aware_optimizer=false"]
@@ -234,7 +234,8 @@ def test_check_placement_refuses_for_the_runtime():
 
 # ------------------------------------------------------------------------------------------------------ memory
 def test_each_pool_has_its_own_memory():
-    colocated = compose(["hw.devices_per_node=3", "data.train_batch_size=24", "algorithm.mini_batch_size=6"])
+    colocated = compose(["hw.devices_per_node=3", "data.train_batch_size=24", "algorithm.mini_batch_size=6",
+                         "rollout.n=8"])
     split = compose(SPLIT4)
     lay_c, lay_s = derive_layout(colocated), derive_layout(split)
     assert lay_c.train_dict() == lay_s.train_dict()  # the same training layout (DP3) on both

@@ -36,7 +36,7 @@ def line(text, head):
 def test_batch_line_shows_the_number_of_responses_per_prompt():
     plan, text = plan_of("rollout.n=5")
     assert plan["batch"]["responses_per_prompt"] == 5
-    assert "16 prompts x 5 -> 80 responses/step" in line(text, "batch")
+    assert "8 prompts x 5 -> 40 responses/step" in line(text, "batch")
     assert " x n " not in text
 
 

@@ -128,7 +128,7 @@ CASES = [
      "algorithm__overlong_shaping__buffer_len": 4}, {"algorithm__overlong_shaping__enable": True,
      "algorithm__overlong_shaping__buffer_len": 512}, "algorithm.overlong_shaping.buffer_len", ERROR),
     ("rollout_n_at_least_2", "tiny", {"rollout__n": 2}, {"rollout__n": 1}, "rollout.n", ERROR),
-    ("mini_batch_within_batch", "tiny", {"algorithm__mini_batch_size": 16}, {"algorithm__mini_batch_size": 32},
+    ("mini_batch_within_batch", "tiny", {"algorithm__mini_batch_size": 8}, {"algorithm__mini_batch_size": 16},
      "algorithm.mini_batch_size", ERROR),
     ("batch_divisible_by_mini_batch", "tiny", {"algorithm__mini_batch_size": 4}, {"algorithm__mini_batch_size": 6},
      "algorithm.mini_batch_size", ERROR),

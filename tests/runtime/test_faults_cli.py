@@ -82,7 +82,7 @@ def test_damaged_and_incomplete_checkpoints_are_moved_aside_named_and_never_over
 
 # ---------------------------------------------------------------------------------------------------- rewards
 def test_a_hung_reward_function_costs_seconds_a_step_is_counted_and_stops_the_run(tmp_path):
-    """The tiny default's batches (16 prompts x 8 responses) with a reward that hangs on every call and the default
+    """The tiny default's batches (8 prompts x 16 responses) with a reward that hangs on every call and the default
     data.reward_timeout_s: each step gives up on it after its first calls (not one limit per response: 64 x 5 s on
     two reward workers), scores 0, counts every response in reward/timeout, says so, and the run stops with exit 5
     after data.reward_failure_window steps, with the last checkpoint named."""

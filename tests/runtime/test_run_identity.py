@@ -19,7 +19,7 @@ def _keys(changes):
 
 def test_a_change_is_experiment_allowed_or_ignored():
     saved = compose(BASE)
-    now = compose([*BASE, "algorithm=dr_grpo", "data.train_batch_size=8", "rollout.temperature=0.7", "trainer.seed=3",
+    now = compose([*BASE, "algorithm=dr_grpo", "data.train_batch_size=4", "rollout.temperature=0.7", "trainer.seed=3",
                    "backend.lr=0.0005", "data.max_response_length=6",                        # the experiment
                    "hw.devices_per_node=2", "trainer.launcher=ray", "trainer.total_steps=9",  # how / bookkeeping
                    "backend.micro_batch_size_per_device=4", "rollout.max_num_seqs=8", "trainer.save_freq=5",
