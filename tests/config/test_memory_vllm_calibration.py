@@ -47,6 +47,18 @@ def test_training_peak_beside_the_sleeping_engine_within_10_percent(run):
     assert abs(err) <= TOLERANCE, f"{run['name']}: plan {m['train_peak']} GiB vs {measured:.2f} ({err:+.1%})"
 
 
+WOKEN = [r for r in RUNS if "device_used_before_wake_gib" in r]
+
+
+@pytest.mark.parametrize("run", WOKEN, ids=[r["name"] for r in WOKEN])
+def test_what_the_trainer_keeps_beside_the_sleeping_engine_within_10_percent(run):
+    m = memory_of(run)
+    expected = m["terms"]["rollout/kept_by_trainer"] + m["reserve"]
+    err = expected / run["device_used_before_wake_gib"] - 1
+    assert abs(err) <= TOLERANCE, f"{run['name']}: plan {expected:.2f} GiB vs {run['device_used_before_wake_gib']} " \
+                                  f"GiB used before the wake ({err:+.1%})"
+
+
 def test_the_reserve_is_the_hardware_setting():
     m = memory_of(RUNS[0])
     tree = compose(FIXTURE["common_overrides"] + RUNS[0]["overrides"] + ["hw.reserve_gib=5"])
