@@ -11,7 +11,7 @@ from qwen35rl.config import (auto_batch, capabilities, data_check, engine_specs,
                              params, quirks, redact, rules, run_name, step_time, vllm_facts)
 from qwen35rl.config.layout import Layout, pools_per_node
 from qwen35rl.config.problems import ERROR, WARNING, Problem
-from qwen35rl.config.resolved import resolve_auto, resolve_run
+from qwen35rl.config.resolved import resolve_run
 from qwen35rl.config.run_summary import render_lines as run_lines, run_summary
 from qwen35rl.config.verl import exporter as verl_exporter
 
@@ -42,14 +42,6 @@ def environment_problems(cfg: DictConfig) -> List[Problem]:
         out.append(Problem("torch_npu_not_installed", "hw.device", "torch_npu is not installed here; NPU training "
                            "needs it (and CANN) on every node", "pip install 'qwen35rl[npu]' on the Ascend nodes", WARNING))
     return out
-
-
-def select_layout(cfg: DictConfig) -> Tuple[DictConfig, List[Any], List[Problem]]:
-    """The config with its `auto` settings resolved (`resolve_auto`: the best searched layout with
-    `parallelism=auto`, the micro batch / checkpointing with `auto`), the ranked candidates, and a problem when no
-    layout is valid. A config without `auto` comes back unchanged."""
-    cfg, candidates, _, problems = resolve_auto(cfg)
-    return cfg, candidates, problems
 
 
 def build_plan(cfg: DictConfig) -> Dict[str, Any]:

@@ -4,8 +4,8 @@ the full policy for generation; with `placement=split` generation lives on its o
 training rank 0 sends the weights there over a communicator of their own (`weight_sync`).
 
 The driver calls every worker at once (through the typed handles of `worker_groups`); collective methods
-(log-probs, updates, weight sync, checkpoints, export) must be called on all ranks together. Arguments and results are plain python
-(`batching.Sequences`, lists, dicts), so nothing here depends on how the driver transports them.
+(log-probs, updates, weight sync, checkpoints, export) must be called on all ranks together. Arguments and results
+are plain python (`batching.Sequences`, lists, dicts), so nothing here depends on how the driver transports them.
 """
 from __future__ import annotations
 

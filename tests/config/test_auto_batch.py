@@ -16,7 +16,8 @@ from qwen35rl.config import auto_batch, layout_search, rules, schema, vllm_facts
 from qwen35rl.config.compose import compose
 from qwen35rl.config.layout import derive_layout
 from qwen35rl.config.memory import as_tree, estimate
-from qwen35rl.config.plan import build_plan, resolve_auto
+from qwen35rl.config.plan import build_plan
+from qwen35rl.config.resolved import resolve_auto
 from qwen35rl.config.problems import errors
 
 MICRO, CKPT = "backend.micro_batch_size_per_device", "backend.gradient_checkpointing"

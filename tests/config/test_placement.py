@@ -425,10 +425,11 @@ def test_a_null_pool_size_is_resolved_to_the_best_valid_one_for_the_given_layout
     are skipped (here TP2 training needs an even training pool)."""
     from qwen35rl.config.layout_search import best_pool_size, cost
     from qwen35rl.config.memory import estimate
-    from qwen35rl.config.plan import select_layout
+    from qwen35rl.config.resolved import resolve_run
 
-    cfg, _, problems = select_layout(compose(["placement=split", "algorithm.max_staleness=1"]))
-    assert problems == [] and cfg.placement.rollout_devices == 1
+    run = resolve_run(compose(["placement=split", "algorithm.max_staleness=1"]))
+    cfg = run.cfg
+    assert run.problems == () and cfg.placement.rollout_devices == 1
     assert not [p for p in rules.check_all(cfg, derive_layout(cfg)) if p.severity == ERROR]
     four = compose(["placement=split", "hw.devices_per_node=4"])
     scores = {}

@@ -120,11 +120,17 @@ def test_dynamic_batch_size_cuts_by_tokens_and_keeps_row_order(worker, monkeypat
     assert [len(r) for r in dynamic] == lengths
     for a, b in zip(dynamic, fixed):
         assert a == pytest.approx(b, abs=1e-5)
+    seen = _update_micro_batches(worker, seqs, dynamic, monkeypatch)
+    assert [int(b.response_mask.sum()) for b in seen] == [sum(lengths[i] for i in g) for g in groups]
+
+
+def _update_micro_batches(worker, seqs, old_log_probs, monkeypatch):
+    """The micro batches one update of `seqs` trains on (the engine's step recorded instead of taken)."""
     seen = []
     monkeypatch.setattr(worker.actor, "train_mini_batch", lambda micro, scale: seen.extend(micro) or {})
-    seqs.advantages, seqs.old_log_probs = [1.0] * 6, dynamic
+    seqs.advantages, seqs.old_log_probs = [1.0] * len(seqs), old_log_probs
     worker.update_actor(seqs, _scale(seqs))
-    assert [int(b.response_mask.sum()) for b in seen] == [sum(lengths[i] for i in g) for g in groups]
+    return seen
 
 
 def test_checkpoint_round_trip_restores_policy_optimizer_and_rng(worker, tmp_path):
@@ -176,10 +182,7 @@ def test_log_prob_passes_cut_their_own_micro_batches(worker, monkeypatch):
     assert rows == [3, 3]
     for a, b in zip(together, one_by_one):
         assert a == pytest.approx(b, abs=1e-5)
-    seen = []
-    monkeypatch.setattr(worker.actor, "train_mini_batch", lambda micro, scale: seen.extend(micro) or {})
-    seqs.advantages, seqs.old_log_probs = [1.0] * 6, together
-    worker.update_actor(seqs, _scale(seqs))
+    seen = _update_micro_batches(worker, seqs, together, monkeypatch)
     assert len(seen) == 6  # the training micro batch of 1
     setting("dynamic_batch_size", True)
     setting("max_tokens_per_device", 11)
