@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from qwen35rl.algo.loss import ActorLoss  # noqa: E402
 from qwen35rl.config.layout import derive_layout
 from qwen35rl.config.compose import compose  # noqa: E402
 from qwen35rl.engines.fsdp_engine import FsdpTrainEngine  # noqa: E402
@@ -44,7 +45,7 @@ def measure(engine, batches, repeats=3):
             engine.compute_log_probs(b)
         fwd.append(time.perf_counter() - t)
         t = time.perf_counter()
-        engine.train_mini_batch(batches, {})
+        engine.train_mini_batch(batches, ActorLoss.from_config(engine.cfg), {})
         upd.append(time.perf_counter() - t)
     return min(fwd), min(upd)
 

@@ -216,6 +216,7 @@ def diff(a, b, mask):
 def run_layout(model: str, layout_name: str, args, hf_state, refs, batch) -> Dict[str, Any]:
     from megatron.core import parallel_state
 
+    from qwen35rl.algo.loss import ActorLoss
     from qwen35rl.engines.megatron.engine import MegatronTrainEngine
     from qwen35rl.runtime.flops import mfu, train_flops
 
@@ -257,7 +258,7 @@ def run_layout(model: str, layout_name: str, args, hf_state, refs, batch) -> Dic
     for i in range(args.steps):
         _sync()
         t0 = time.perf_counter()
-        m = eng.train_mini_batch(micro, {})
+        m = eng.train_mini_batch(micro, ActorLoss.from_config(eng.cfg), {})
         _sync()
         dt = time.perf_counter() - t0
         steps.append({"pg_loss": m["actor/pg_loss"], "grad_norm": m["actor/grad_norm"], "ppo_kl": m["actor/ppo_kl"],

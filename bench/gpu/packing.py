@@ -58,6 +58,7 @@ def micro_groups(seqs, args, mode: str) -> List[List[int]]:
 def measure(cfg, seqs, args, mode: str) -> Dict[str, Any]:
     import torch
 
+    from qwen35rl.algo.loss import ActorLoss
     from qwen35rl.engines import fsdp_engine
     from qwen35rl.engines.packed_attention import use_packed_attention
     from qwen35rl.config.layout import derive_layout
@@ -95,7 +96,7 @@ def measure(cfg, seqs, args, mode: str) -> Dict[str, Any]:
     for _ in range(args.repeats):  # the first repeat compiles and autotunes kernels
         logp, s = timed(lambda: [engine.compute_log_probs(b)[0] for b in batches])
         res["log_probs_s"].append(s)
-        _, s = timed(lambda: engine.train_mini_batch(batches, {}))
+        _, s = timed(lambda: engine.train_mini_batch(batches, ActorLoss.from_config(engine.cfg), {}))
         res["update_s"].append(s)
         print(f"[{time.strftime('%H:%M:%S')}] {mode}: log-probs {res['log_probs_s'][-1]:.2f} s, "
               f"update {s:.2f} s", flush=True)

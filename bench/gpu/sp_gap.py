@@ -41,6 +41,7 @@ def cmd_run(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from qwen35rl.algo.loss import ActorLoss
     from qwen35rl.config.compose import compose
     from qwen35rl.config.layout import derive_layout
     from qwen35rl.engines.fsdp_engine import FsdpTrainEngine
@@ -79,7 +80,7 @@ def cmd_run(args) -> None:
         first = logp.detach().float().cpu() if first is None else first
         mem.reset_peak()
         t0 = time.perf_counter()
-        engine.train_mini_batch([batch], scale)
+        engine.train_mini_batch([batch], ActorLoss.from_config(engine.cfg), scale)
         mem.sync()
         out["update_s"].append(time.perf_counter() - t0)
         out["update_peak_gib"] = mem.peak()

@@ -8,13 +8,16 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-# Keys of `global_scale` in `TrainEngine.train_mini_batch` (the arguments of `algo.core.agg_loss`).
+from qwen35rl.algo.core import local_batch_counts
+from qwen35rl.algo.loss import LossScale, TrainLoss
+
+# Keys of `global_scale` in `TrainEngine.train_mini_batch` (the fields of `LossScale`).
 GLOBAL_TOKENS = "global_tokens"
 """Valid response tokens of the whole mini batch over all DP ranks."""
 GLOBAL_SEQS = "global_seqs"
 """Responses with at least one valid token in the whole mini batch over all DP ranks."""
 NORM_CONST = "norm_const"
-"""Divisor of seq-mean-token-sum-norm (optional; default algorithm.loss_scale_factor or data.max_response_length)."""
+"""Divisor of seq-mean-token-sum-norm (optional; absent: the loss function's default)."""
 
 
 @dataclass
@@ -92,13 +95,15 @@ class TrainEngine(abc.ABC):
         the rollout's sampling distribution (logits / rollout.temperature). Collective across DP ranks (FSDP)."""
 
     @abc.abstractmethod
-    def train_mini_batch(self, micro_batches: List[Batch], global_scale: Dict[str, float]) -> Dict[str, float]:
-        """One optimizer step over this rank's micro batches of a mini batch (collective across DP ranks).
+    def train_mini_batch(self, micro_batches: List[Batch], loss_fn: TrainLoss,
+                         global_scale: Optional[Dict[str, float]] = None) -> Dict[str, float]:
+        """One optimizer step minimising `loss_fn` over this rank's micro batches of a mini batch (collective across
+        DP ranks).
 
         `global_scale` holds the mini batch's global normalisers under GLOBAL_TOKENS / GLOBAL_SEQS (and optionally
-        NORM_CONST); when the counts are absent the engine all-reduces them itself. Micro batches need advantages,
-        ref_log_probs when algorithm.use_kl_loss, and old_log_probs (absent: the current log-probs, i.e. on-policy).
-        Returns `actor/*` metrics, identical on every rank."""
+        NORM_CONST); when the counts are absent the engine all-reduces them itself. Micro batches carry what
+        `loss_fn` reads (advantages; old, reference and rollout log-probs where it uses them). Returns the loss's
+        metrics with `actor/grad_norm`, `actor/lr` and `actor/skipped_steps`, identical on every rank."""
 
     @abc.abstractmethod
     def export_weights(self, bucket_mb: int) -> Iterator[List[Tuple[str, torch.Tensor]]]:
@@ -129,17 +134,13 @@ class RolloutEngine(abc.ABC):
         """Undo sleep before the next generation. No-op by default."""
 
 
-def mini_batch_agg(micro_batches: List[Batch], global_scale: Dict[str, float], algo: Any, max_response_length: int,
-                   dp_size: int, sum_over_dp: Callable[[torch.Tensor], torch.Tensor]) -> Dict[str, Any]:
-    """The `agg_loss` settings of one mini batch: the driver's global normalisers when it sent them, else this
-    rank's token / sequence counts summed over data parallel by `sum_over_dp`."""
-    from qwen35rl.algo.core import agg_settings, local_batch_counts
-
+def mini_batch_scale(micro_batches: List[Batch], global_scale: Dict[str, float], dp_size: int,
+                     sum_over_dp: Callable[[torch.Tensor], torch.Tensor]) -> LossScale:
+    """The normalisers of one mini batch's loss: the driver's global counts when it sent them, else this rank's
+    token / sequence counts summed over data parallel by `sum_over_dp`."""
     if GLOBAL_TOKENS in global_scale and GLOBAL_SEQS in global_scale:
         tokens, seqs = float(global_scale[GLOBAL_TOKENS]), float(global_scale[GLOBAL_SEQS])
     else:
         local = torch.tensor([local_batch_counts(mb.response_mask) for mb in micro_batches], dtype=torch.float64)
         tokens, seqs = sum_over_dp(local.sum(0)).tolist()
-    return agg_settings(algo, max_response_length, global_tokens=tokens, global_seqs=seqs, dp_size=dp_size,
-                        norm_const=global_scale.get(NORM_CONST))
-
+    return LossScale(global_tokens=tokens, global_seqs=seqs, dp_size=dp_size, norm_const=global_scale.get(NORM_CONST))

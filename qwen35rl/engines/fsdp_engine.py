@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qwen35rl.algo.core import ACTOR_SUMS, GAP_MAX, actor_loss, actor_metrics, add_actor_sums
+from qwen35rl.algo import lr_schedule
+from qwen35rl.algo.loss import LossInputs, TrainLoss
 from qwen35rl.config import capabilities
 from qwen35rl.config.layout import Layout
-from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
+from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_scale
 from qwen35rl.engines.logprob import chunked_logprobs_entropy
 from qwen35rl.engines.packed_attention import use_packed_attention
 from qwen35rl.engines import host_optimizer, packed_gdn
@@ -81,25 +82,6 @@ def decoder_layers(lm: nn.Module) -> List[nn.Module]:
     if hasattr(inner, "visual"):
         units += list(inner.visual.blocks)
     return units
-
-
-def lr_lambda(warmup: int, scheduler: str, total_steps: Optional[int], min_lr_ratio: float):
-    """Linear warmup over `warmup` optimizer steps (step k uses (k+1)/warmup), then constant or cosine down to
-    min_lr_ratio at `total_steps`."""
-    if scheduler not in ("constant", "cosine"):
-        raise ValueError(f"backend.lr_scheduler={scheduler!r}: expected constant or cosine")
-    if scheduler == "cosine" and not total_steps:
-        raise ValueError("backend.lr_scheduler=cosine needs the total number of optimizer steps")
-
-    def fn(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if scheduler == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return fn
 
 
 class PolicyWithLogProbs(nn.Module):
@@ -229,7 +211,7 @@ class FsdpTrainEngine(TrainEngine):
         for p in capabilities.check_engine(cfg, layout, capabilities.Stack.installed(self.device.type)):
             if not reference:
                 log.warning("%s [%s]", p.message, p.code)
-        self.backend, self.algo = cfg.backend, cfg.algorithm
+        self.backend = cfg.backend
         self.distributed = dist.is_available() and dist.is_initialized() and (world_size > 1 or self.shard_single_rank)
         if world_size > 1 and not self.distributed:
             raise RuntimeError(f"world_size={world_size} needs an initialised torch.distributed process group")
@@ -287,8 +269,8 @@ class FsdpTrainEngine(TrainEngine):
         if not reference:
             trainable = [p for p in self.module.parameters() if p.requires_grad]
             self.optimizer = host_optimizer.adamw(trainable, b, on_host=self.offloaded)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(
-                b.lr_warmup_steps, b.lr_scheduler, total_steps, b.min_lr_ratio))
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer,
+                                                               lr_schedule.from_backend(b, total_steps))
 
     # ------------------------------------------------------------------------------------------ setup
     def _groups(self, group: Optional[Any]) -> None:
@@ -391,35 +373,34 @@ class FsdpTrainEngine(TrainEngine):
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group or self.dp_group)
         return t.cpu()
 
-    def train_mini_batch(self, micro_batches: List[Batch], global_scale: Dict[str, float]) -> Dict[str, float]:
+    def train_mini_batch(self, micro_batches: List[Batch], loss_fn: TrainLoss,
+                         global_scale: Optional[Dict[str, float]] = None) -> Dict[str, float]:
         if self.reference:
             raise RuntimeError("the reference engine is frozen: it has no optimizer")
-        algo = self.algo
         # every rank of an SP group computes its micro batch's whole loss from the gathered log-probs, but its
         # gradient only through its own tokens; FSDP averages over all grad_ranks: the loss scale undoes that
-        agg = mini_batch_agg(micro_batches, global_scale, algo, self.cfg.data.max_response_length, self.grad_ranks,
-                             self._all_reduce)
+        scale = mini_batch_scale(micro_batches, global_scale or {}, self.grad_ranks, self._all_reduce)
 
         # offloaded: gradients accumulate and the optimizer steps on the host, on this device's share of its cores
         threads = host_optimizer.torch_threads(self.host_threads) if self.offloaded else contextlib.nullcontext()
         with threads:
             self.module.train()
             self.optimizer.zero_grad(set_to_none=True)
-            # sums over this rank: aggregated losses, then masked token sums and counts for the token-mean metrics
-            # (kept on the device: reading them per micro batch would stall the launch queue)
-            sums = torch.zeros(GAP_MAX + 1, dtype=torch.float64, device=self.device)
+            # the loss's statistics over this rank's micro batches (kept on the device: reading them per micro
+            # batch would stall the launch queue)
+            stats = loss_fn.zeros(self.device)
             for mb in micro_batches:
                 logp, ent = self._forward(mb, with_entropy=True)
-                loss, mb_sums = actor_loss(logp, ent, _on(mb.old_log_probs, self.device),
-                                           _on(mb.ref_log_probs, self.device), mb.advantages.to(self.device),
-                                           mb.response_mask.to(self.device), algo, agg,
-                                           _on(mb.rollout_log_probs, self.device))
+                loss, mb_stats = loss_fn(LossInputs(
+                    logp, ent, mb.response_mask.to(self.device), _on(mb.advantages, self.device),
+                    _on(mb.old_log_probs, self.device), _on(mb.ref_log_probs, self.device),
+                    _on(mb.rollout_log_probs, self.device)), scale)
                 loss.backward()
-                sums = add_actor_sums(sums, mb_sums)
-            sums = torch.cat([self._all_reduce(sums[:GAP_MAX]), sums[GAP_MAX:].cpu()])  # the gap's max stays per rank
+                stats = loss_fn.combine(stats, mb_stats)
+            stats = loss_fn.reduce(stats, self._all_reduce)
             grad_norm = self._clip_grad_norm()
             lr = self.optimizer.param_groups[0]["lr"]
-            nonfinite_loss = sums[ACTOR_SUMS.index("nonfinite")] > 0
+            nonfinite_loss = loss_fn.nonfinite(stats)
             if nonfinite_loss or not math.isfinite(grad_norm):
                 self.skipped_steps += 1
                 log.warning("skipping optimizer step: non-finite %s",
@@ -433,7 +414,7 @@ class FsdpTrainEngine(TrainEngine):
                 self.scheduler.step()
         self.module.eval()
         return {
-            **actor_metrics(sums, self.grad_ranks, rollout_gap=micro_batches[0].rollout_log_probs is not None),
+            **loss_fn.metrics(stats, self.grad_ranks, rollout_gap=micro_batches[0].rollout_log_probs is not None),
             "actor/grad_norm": grad_norm,
             "actor/lr": lr,
             "actor/skipped_steps": float(self.skipped_steps),

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from qwen35rl.algo.loss import ActorLoss
 from qwen35rl.config import engine_specs
 from qwen35rl.config.layout import Layout
 from qwen35rl.config.schema import typed
@@ -113,6 +114,7 @@ class PolicyWorker:
             torch.set_num_threads(node_thread_share(cfg.hw.devices_per_node))
         try:
             self.actor = self._train_engine(reference=False)
+            self.actor_loss = ActorLoss.from_config(cfg)
             if needs_reference(cfg):
                 self.ref = self._train_engine(reference=True)
             if not self.layout.split:  # split: the rollout pool generates (rollout_worker.RolloutWorker)
@@ -249,7 +251,7 @@ class PolicyWorker:
         with self.memory.phase("update_actor"):
             micro_batches = [build_batch(seqs.take(rows), self.pad_token_id, self.device, self._image_processor)
                              for rows in self.micro_batch_groups(seqs, self.actor)]
-            return self.actor.train_mini_batch(micro_batches, dict(global_scale))
+            return self.actor.train_mini_batch(micro_batches, self.actor_loss, dict(global_scale))
 
     def _move_trainer_states(self, where: str, move) -> None:
         """`move` (offload or reload) on the policy and the reference engine; logs what moved and how long it took."""

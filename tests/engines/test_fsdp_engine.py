@@ -10,14 +10,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from qwen35rl.algo.loss import ActorLoss, LossScale
+from qwen35rl.algo.lr_schedule import lr_lambda
 from qwen35rl.config.compose import compose
 from qwen35rl.config.layout import derive_layout
 from qwen35rl.engines.base import GLOBAL_SEQS, GLOBAL_TOKENS, Batch
-from qwen35rl.engines.fsdp_engine import FsdpTrainEngine, lr_lambda
+from qwen35rl.engines.fsdp_engine import FsdpTrainEngine
 from qwen35rl.runtime.batching import Sequences, build_batch
 
 PAD = 259
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def _loss(engine):
+    """The run's GRPO loss, as the worker hands it to the engine."""
+    return ActorLoss.from_config(engine.cfg)
 
 
 def _cfg(*overrides, world=1):
@@ -53,11 +60,12 @@ def _full_grads(engine):
     return out
 
 
-def _step_capturing_grads(engine, micro_batches, global_scale=None):
-    """One train_mini_batch; returns (metrics, grads just before the optimizer step, weights after)."""
+def _step_capturing_grads(engine, micro_batches, global_scale=None, loss_fn=None):
+    """One train_mini_batch (of the run's loss unless `loss_fn`); returns (metrics, grads just before the optimizer
+    step, weights after)."""
     captured = {}
     hook = engine.optimizer.register_step_pre_hook(lambda *_: captured.update(_full_grads(engine)))
-    metrics = engine.train_mini_batch(micro_batches, global_scale or {})
+    metrics = engine.train_mini_batch(micro_batches, loss_fn or _loss(engine), global_scale)
     hook.remove()
     weights = {n: t for bucket in engine.export_weights(1) for n, t in bucket}
     return metrics, captured, weights
@@ -110,7 +118,7 @@ def test_loss_decreases_on_a_fixed_batch():
     mask = batch.response_mask.bool()
     nll = [-engine.compute_log_probs(batch)[0][mask].mean().item()]
     for _ in range(8):
-        m = engine.train_mini_batch([batch], {})
+        m = engine.train_mini_batch([batch], _loss(engine))
         nll.append(-engine.compute_log_probs(batch)[0][mask].mean().item())
     assert nll[-1] < nll[0] - 1.0, nll
     assert all(b < a for a, b in zip(nll, nll[1:])), nll
@@ -123,7 +131,7 @@ def test_metrics_follow_the_loss_definitions():
     batch = build_batch(_sequences(), PAD)
     logp, ent = engine.compute_log_probs(batch, with_entropy=True)
     mask = batch.response_mask.bool()
-    m = engine.train_mini_batch([batch], {})
+    m = engine.train_mini_batch([batch], _loss(engine))
     delta = (logp - batch.old_log_probs)[mask]
     ratio = delta.exp()
     adv = batch.advantages[mask]
@@ -149,12 +157,12 @@ def test_on_policy_update_logs_its_gap_to_the_rollout_log_probs():
     trainer = [row[m].tolist() for row, m in zip(logp, mask)]
     shift = [[0.01 * (i + 1) * (-1) ** j for j in range(len(r))] for i, r in enumerate(trainer)]
     seqs.rollout_log_probs = [[a + d for a, d in zip(r, s)] for r, s in zip(trainer, shift)]
-    m = engine.train_mini_batch(_micro_batches(seqs, 2), {})
+    m = engine.train_mini_batch(_micro_batches(seqs, 2), _loss(engine))
     gaps = [abs(d) for s in shift for d in s]
     assert m["rollout/logprob_diff_mean"] == pytest.approx(sum(gaps) / len(gaps), abs=1e-5)
     assert m["rollout/logprob_diff_max"] == pytest.approx(max(gaps), abs=1e-5)
     seqs.rollout_log_probs = None
-    assert "rollout/logprob_diff_mean" not in engine.train_mini_batch([build_batch(seqs, PAD)], {})
+    assert "rollout/logprob_diff_mean" not in engine.train_mini_batch([build_batch(seqs, PAD)], _loss(engine))
 
 
 def test_non_finite_loss_skips_the_step():
@@ -162,10 +170,53 @@ def test_non_finite_loss_skips_the_step():
     batch = build_batch(_sequences(), PAD)
     before = {n: t.clone() for n, t in engine.lm.state_dict().items()}
     batch.advantages = batch.advantages.masked_fill(batch.response_mask.bool(), float("nan"))
-    m = engine.train_mini_batch([batch], {})
+    m = engine.train_mini_batch([batch], _loss(engine))
     assert m["actor/skipped_steps"] == 1
     assert all(torch.equal(before[n], t) for n, t in engine.lm.state_dict().items())
-    assert engine.train_mini_batch([build_batch(_sequences(), PAD)], {})["actor/skipped_steps"] == 1
+    assert engine.train_mini_batch([build_batch(_sequences(), PAD)], _loss(engine))["actor/skipped_steps"] == 1
+
+
+class _ZeroLoss(ActorLoss):
+    """The run's loss statistics with nothing to back-propagate; records what the engine hands it."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg.algorithm, cfg.data.max_response_length)
+        self.calls = []
+
+    def __call__(self, inputs, scale):
+        self.calls.append((inputs, scale))
+        loss, stats = super().__call__(inputs, scale)
+        return loss * 0.0, stats
+
+
+def test_the_engine_minimises_the_loss_function_it_is_given():
+    """A zero loss gives zero gradients and leaves the weights as they were (no weight decay); the loss function
+    sees the engine's log-probs with their gradients, each micro batch's mask and the mini batch's normalisers."""
+    engine = _engine(_cfg("backend.weight_decay=0"), rank=0, world_size=1, device="cpu")
+    seqs = _sequences()
+    batches = _micro_batches(seqs, 2)
+    before = {n: t.clone() for bucket in engine.export_weights(1) for n, t in bucket}
+    zero = _ZeroLoss(engine.cfg)
+    m, grads, after = _step_capturing_grads(engine, batches, loss_fn=zero)
+    assert grads and all(not g.any() for g in grads.values())
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert m["actor/grad_norm"] == 0 and m["actor/skipped_steps"] == 0 and m["actor/pg_loss"] != 0
+    tokens = float(sum(len(r) for r in seqs.response_ids))
+    assert [scale for _, scale in zero.calls] == [LossScale(tokens, float(len(seqs)), 1)] * len(batches)
+    for (inputs, _), batch in zip(zero.calls, batches):
+        assert inputs.log_probs.requires_grad and torch.equal(inputs.mask, batch.response_mask)
+        assert torch.equal(inputs.advantages, batch.advantages)
+
+
+def test_the_loss_function_not_the_engine_config_decides_the_loss():
+    """Engines built with and without algorithm.use_kl_loss take the same step with the same loss function."""
+    no_kl = ActorLoss.from_config(_cfg("algorithm.use_kl_loss=false"))
+    batches = _micro_batches(_sequences(), 2)
+    steps = [_step_capturing_grads(_engine(_cfg(kl), rank=0, world_size=1, device="cpu"), batches, loss_fn=no_kl)
+             for kl in ("algorithm.use_kl_loss=true", "algorithm.use_kl_loss=false")]
+    (m_a, g_a, _), (m_b, g_b, _) = steps
+    assert m_a == m_b and m_a["actor/kl_loss"] == 0
+    assert all(torch.equal(g_a[n], g_b[n]) for n in g_a)
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
@@ -210,7 +261,7 @@ def test_engine_lr_follows_schedule():
     engine = _engine(_cfg("backend.lr=1e-3", "backend.lr_warmup_steps=2", "backend.lr_scheduler=cosine",
                                   "backend.min_lr_ratio=0.5"), rank=0, world_size=1, device="cpu", total_steps=4)
     batch = build_batch(_sequences(), PAD)
-    lrs = [engine.train_mini_batch([batch], {})["actor/lr"] for _ in range(5)]
+    lrs = [engine.train_mini_batch([batch], _loss(engine))["actor/lr"] for _ in range(5)]
     # warmup 1/2, 2/2; cosine over steps 2..4 from 1 down to min_lr_ratio; then flat
     assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3 * (0.5 + 0.25 * (1 + math.cos(math.pi / 2))), 5e-4])
 
@@ -218,7 +269,7 @@ def test_engine_lr_follows_schedule():
 def test_export_round_trip_and_reference_mode():
     cfg = _cfg()
     engine = _engine(cfg, rank=0, world_size=1, device="cpu")
-    engine.train_mini_batch(_micro_batches(_sequences(), 4), {})
+    engine.train_mini_batch(_micro_batches(_sequences(), 4), _loss(engine))
     buckets = list(engine.export_weights(bucket_mb=0))  # tiny buckets: one tensor each
     assert len(buckets) == len(list(engine.lm.named_parameters())) and all(len(b) == 1 for b in buckets)
     assert len(list(engine.export_weights(bucket_mb=1024))) == 1
@@ -238,7 +289,7 @@ def test_export_round_trip_and_reference_mode():
                 params[name].copy_(t)
     torch.testing.assert_close(ref.compute_log_probs(batch)[0], engine.compute_log_probs(batch)[0])
     with pytest.raises(RuntimeError, match="frozen"):
-        ref.train_mini_batch([batch], {})
+        ref.train_mini_batch([batch], _loss(ref))
 
 
 def test_checkpoint_state_round_trip(tmp_path):
@@ -247,7 +298,7 @@ def test_checkpoint_state_round_trip(tmp_path):
     cfg = _cfg("backend.lr_scheduler=cosine")
     a = _engine(cfg, rank=0, world_size=1, device="cpu", total_steps=10)
     seqs = _sequences()
-    a.train_mini_batch(_micro_batches(seqs, 4), {})
+    a.train_mini_batch(_micro_batches(seqs, 4), _loss(a))
     dcp.save({"engine": a.state_dict_for_checkpoint()}, checkpoint_id=str(tmp_path))
     b = _engine(cfg, rank=0, world_size=1, device="cpu", total_steps=10)
     state = {"engine": b.state_dict_for_checkpoint()}
@@ -277,7 +328,7 @@ def _dp2_worker(rank, init_file, out_file):
         import torch.distributed.checkpoint as dcp
         a = _engine(cfg, rank=rank, world_size=2, device="cpu")
         share = seqs.select(2 * rank, 2 * rank + 2)
-        a.train_mini_batch(_micro_batches(share, 2), {})
+        a.train_mini_batch(_micro_batches(share, 2), _loss(a))
         dcp.save({"engine": a.state_dict_for_checkpoint()}, checkpoint_id=ckpt)
         b = _engine(cfg, rank=rank, world_size=2, device="cpu")
         state = {"engine": b.state_dict_for_checkpoint()}
@@ -358,7 +409,7 @@ def test_vision_language_batch():
     torch.testing.assert_close(logp[:, -6:], ref[:, -6:], rtol=1e-4, atol=1e-4)
     blank = Batch(enc["input_ids"], enc["attention_mask"], resp, multimodal={**mm, "pixel_values": mm["pixel_values"] * 0})
     assert not torch.allclose(engine.compute_log_probs(blank)[0][0], logp[0])  # the image reaches the log-probs
-    m = engine.train_mini_batch([batch], {})
+    m = engine.train_mini_batch([batch], _loss(engine))
     assert math.isfinite(m["actor/grad_norm"]) and m["actor/skipped_steps"] == 0
     assert any(n.startswith("model.visual.") for bucket in engine.export_weights(64) for n, _ in bucket)
 
@@ -384,7 +435,7 @@ def test_frozen_vision_tower_keeps_its_weights():
     batch = Batch(ids, torch.ones_like(ids), resp, advantages=resp.float(), ref_log_probs=torch.full(resp.shape, -5.0),
                   multimodal=vision_inputs(proc.image_processor, [img]))
     before = {n: p.detach().clone() for n, p in engine.lm.named_parameters()}
-    m = engine.train_mini_batch([batch], {})
+    m = engine.train_mini_batch([batch], _loss(engine))
     assert math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0
     after = dict(engine.lm.named_parameters())
     assert all(torch.equal(after[n], before[n]) for n in before if n.startswith("model.visual."))
@@ -426,7 +477,7 @@ def test_single_rank_without_fsdp_computes_what_the_unsharded_engine_does(monkey
     seqs = _sequences()
     batch = build_batch(seqs, PAD)
     plain = FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device="cpu")
-    want = (plain.compute_log_probs(batch)[0], plain.train_mini_batch([batch], {})["actor/grad_norm"])
+    want = (plain.compute_log_probs(batch)[0], plain.train_mini_batch([batch], _loss(plain))["actor/grad_norm"])
     with tempfile.TemporaryDirectory() as d:
         dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=0, world_size=1)
         try:
@@ -436,7 +487,8 @@ def test_single_rank_without_fsdp_computes_what_the_unsharded_engine_does(monkey
             single = FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device="cpu")
             assert not single.distributed
             assert not any(isinstance(p, DTensor) for p in single.module.parameters())
-            got = (single.compute_log_probs(batch)[0], single.train_mini_batch([batch], {})["actor/grad_norm"])
+            got = (single.compute_log_probs(batch)[0],
+                   single.train_mini_batch([batch], _loss(single))["actor/grad_norm"])
         finally:
             dist.destroy_process_group()
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
@@ -501,7 +553,7 @@ def test_compile_layers_reaches_every_decoder_layer_and_trains_as_eager(ckpt):
                     n, total = compiled_parts(e)
                     assert n == (total if extra else 0) and total >= 4 * len(decoder_layers(e.lm))
                 results.append((engine.compute_log_probs(batch)[0], ref.compute_log_probs(batch)[0],
-                                engine.train_mini_batch([batch], {})["actor/grad_norm"]))
+                                engine.train_mini_batch([batch], _loss(engine))["actor/grad_norm"]))
         finally:
             dist.destroy_process_group()
     (eager_lp, eager_ref, eager_norm), (lp, ref_lp, norm) = results

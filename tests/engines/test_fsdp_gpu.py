@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from qwen35rl.algo.loss import ActorLoss
 from qwen35rl.config.compose import compose
 from qwen35rl.config.layout import derive_layout
 from qwen35rl.engines.base import RolloutRequest
@@ -23,6 +24,11 @@ from qwen35rl.runtime.batching import Sequences, build_batch, response_values
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 PAD = BYTE_SPECIAL_IDS["pad"]
+
+
+def _loss(engine):
+    """The run's GRPO loss, as the worker hands it to the engine."""
+    return ActorLoss.from_config(engine.cfg)
 
 
 def _cfg(*overrides):
@@ -60,7 +66,7 @@ def test_fsdp_bf16_matches_fp32_and_trains(nccl_world_1):
     fp32 = _engine(_cfg("backend.mixed_precision=fp32"), rank=0, world_size=1, device="cuda")
     lp_fp32 = fp32.compute_log_probs(batch)[0].cpu()
     assert (lp_bf16[mask] - lp_fp32[mask]).abs().max() < 0.05
-    metrics = [fsdp.train_mini_batch([batch], {}) for _ in range(3)]
+    metrics = [fsdp.train_mini_batch([batch], _loss(fsdp)) for _ in range(3)]
     assert all(math.isfinite(m["actor/grad_norm"]) and m["actor/skipped_steps"] == 0 for m in metrics)
     names = {n for bucket in fsdp.export_weights(1) for n, t in bucket if t.device.type == "cpu"}
     assert names == {n for n, _ in fsdp.lm.named_parameters()}
@@ -98,8 +104,8 @@ def test_packed_equals_padded(nccl_world_1, precision, tol):
     assert packed.pack and not padded.pack
     a, b = packed.compute_log_probs(batch)[0], padded.compute_log_probs(batch)[0]
     torch.testing.assert_close(a[mask], b[mask], rtol=tol, atol=tol)
-    ga = packed.train_mini_batch([batch], {})["actor/grad_norm"]
-    gb = padded.train_mini_batch([batch], {})["actor/grad_norm"]
+    ga = packed.train_mini_batch([batch], _loss(packed))["actor/grad_norm"]
+    gb = padded.train_mini_batch([batch], _loss(padded))["actor/grad_norm"]
     assert ga == pytest.approx(gb, rel=tol)
 
 
@@ -110,7 +116,7 @@ def test_cpu_offload_matches_on_device(nccl_world_1):
     offloaded = _engine(_cfg(*common, "backend.offload_policy=true"), rank=0, world_size=1, device="cuda")
     assert offloaded.offloaded and not on_device.offloaded
     assert next(iter(offloaded.module.parameters())).to_local().device.type == "cpu"
-    a, b = on_device.train_mini_batch([batch], {}), offloaded.train_mini_batch([batch], {})
+    a, b = on_device.train_mini_batch([batch], _loss(on_device)), offloaded.train_mini_batch([batch], _loss(offloaded))
     assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
     wa = {n: t for bucket in on_device.export_weights(1) for n, t in bucket}
     wb = {n: t for bucket in offloaded.export_weights(1) for n, t in bucket}

@@ -18,7 +18,7 @@ from qwen35rl.config.layout import derive_layout
 from qwen35rl.engines.base import Batch
 from qwen35rl.engines.fsdp_engine import FsdpTrainEngine
 from qwen35rl.runtime.batching import build_batch
-from tests.engines.test_fsdp_engine import PAD, _sequences, _step_capturing_grads
+from tests.engines.test_fsdp_engine import PAD, _loss, _sequences, _step_capturing_grads
 from tests.shared_results import result_dict
 
 WORLD = 4
@@ -104,7 +104,7 @@ def _worker(rank, init_file, ckpt, resume, results):
         if resume:  # a fresh set of processes: the checkpoint's step, then the second one
             load_engine_state(ckpt, engine)
         else:
-            engine.train_mini_batch([first], {})
+            engine.train_mini_batch([first], _loss(engine))
             save_engine_state(ckpt, engine)
         metrics, _, weights = _step_capturing_grads(engine, [second])
         results[("resume" if resume else "straight", rank)] = (metrics, weights if rank == 0 else None)

@@ -118,6 +118,7 @@ def test_use_torch_compile_null_compiles_on_cuda_only():
 
 def test_fsdp_engine_with_compiled_log_probs_trains_as_eager():
     """backend.use_torch_compile reaches the FSDP engine: its log-probs and an update's metrics equal eager ones."""
+    from qwen35rl.algo.loss import ActorLoss
     from qwen35rl.config.compose import compose
     from qwen35rl.engines.fsdp_engine import FsdpTrainEngine
     from qwen35rl.runtime.batching import Sequences, build_batch
@@ -130,7 +131,7 @@ def test_fsdp_engine_with_compiled_log_probs_trains_as_eager():
                        f"backend.use_torch_compile={str(flag).lower()}"])
         engine = FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=0, world_size=1, device="cpu")
         assert engine.module.compiled is flag
-        runs[flag] = (engine.compute_log_probs(batch)[0], engine.train_mini_batch([batch], {}))
+        runs[flag] = (engine.compute_log_probs(batch)[0], engine.train_mini_batch([batch], ActorLoss.from_config(cfg)))
     (lp_eager, m_eager), (lp_compiled, m_compiled) = runs[False], runs[True]
     torch.testing.assert_close(lp_compiled, lp_eager, rtol=1e-5, atol=1e-5)
     for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from qwen35rl.algo.core import agg_loss, kl_penalty, local_batch_counts, logprobs_from_logits, policy_loss
+from qwen35rl.algo.loss import ActorLoss, LossScale
 from qwen35rl.config.compose import compose
 from qwen35rl.config.layout import derive_layout
 from qwen35rl.engines.base import Batch
@@ -39,6 +40,11 @@ def _config(model: str, parallel):
     OmegaConf.set_struct(cfg, False)
     cfg.backend.transformer_overrides = dict(CPU_TRANSFORMER_OVERRIDES)
     return cfg
+
+
+def _loss(engine):
+    """The run's GRPO loss, as the worker hands it to the engine."""
+    return ActorLoss.from_config(engine.cfg)
 
 
 def _batch(cfg):
@@ -98,9 +104,9 @@ def _worker(rank, world, port, cfg, batch, agg, out):
         res["export"] = {k: v for b in eng.export_weights(1) for k, v in b}
         res["logp"], _ = eng.compute_log_probs(batch)
         # gradients of one mini batch (every DP rank holds the same batch: the global counts double)
-        scaled = dict(agg, dp_size=eng.dp_size, global_tokens=agg["global_tokens"] * eng.dp_size,
-                      global_seqs=agg["global_seqs"] * eng.dp_size)
-        eng.step.backward([batch], scaled)
+        scaled = LossScale(dp_size=eng.dp_size, global_tokens=agg["global_tokens"] * eng.dp_size,
+                           global_seqs=agg["global_seqs"] * eng.dp_size, norm_const=agg["norm_const"])
+        eng.step.backward([batch], _loss(eng), scaled)
         eng.optimizer.prepare_grads()
         res["grad_norm"] = float(eng.optimizer.get_grad_norm())
         params = {p: p.data for c in eng.chunks for p in c.parameters()}
@@ -109,7 +115,7 @@ def _worker(rank, world, port, cfg, batch, agg, out):
         res["grads"] = {k: v for b in eng.export_weights(1) for k, v in b}
         for p, data in params.items():
             p.data = data
-        res["steps"] = [eng.train_mini_batch([batch], {}) for _ in range(3)]
+        res["steps"] = [eng.train_mini_batch([batch], _loss(eng)) for _ in range(3)]
         res["trained"] = {k: v for b in eng.export_weights(1) for k, v in b}
         out[rank] = res
         dist.barrier()  # a rank that leaves the group while its peer still talks to it aborts at exit (gloo)
@@ -170,9 +176,9 @@ def _checkpoint_worker(rank, world, port, cfg, batch, path, out):
         batch.ref_log_probs = batch.old_log_probs
         first = MegatronTrainEngine(cfg, layout=derive_layout(cfg), rank=rank, world_size=world, device="cpu",
                                     total_steps=10)
-        first.train_mini_batch([batch], {})
+        first.train_mini_batch([batch], _loss(first))
         dcp.save({"engine": first.state_dict_for_checkpoint()}, checkpoint_id=path)
-        expected = first.train_mini_batch([batch], {})  # the step a resumed run must reproduce
+        expected = first.train_mini_batch([batch], _loss(first))  # the step a resumed run must reproduce
         expected_weights = {k: v for b in first.export_weights(1) for k, v in b}  # after Adam's update
         from megatron.core import parallel_state
 
@@ -182,7 +188,7 @@ def _checkpoint_worker(rank, world, port, cfg, batch, path, out):
         state = {"engine": second.state_dict_for_checkpoint()}
         dcp.load(state, checkpoint_id=path)
         second.load_checkpoint_state(state["engine"])
-        resumed = second.train_mini_batch([batch], {})
+        resumed = second.train_mini_batch([batch], _loss(second))
         weights = {k: v for b in second.export_weights(1) for k, v in b}
         out[rank] = (expected, resumed, second.steps,
                      max((weights[k] - expected_weights[k]).abs().max().item() for k in weights))

@@ -16,7 +16,7 @@ from qwen35rl.config import capabilities
 from qwen35rl.config.compose import compose
 from qwen35rl.config.layout import derive_layout
 from qwen35rl.runtime.cluster import free_port
-from tests.engines.test_megatron_engine_cpu import _batch
+from tests.engines.test_megatron_engine_cpu import _batch, _loss
 from tests.shared_results import result_dict
 
 pytestmark = pytest.mark.slow
@@ -70,7 +70,7 @@ def _te_worker(rank, world, port, cfg, out):
                                   total_steps=10)
         batch = _batch(cfg)
         batch.ref_log_probs = batch.old_log_probs
-        metrics = eng.train_mini_batch([batch], {})
+        metrics = eng.train_mini_batch([batch], _loss(eng))
         out[rank] = {
             "te_seen": is_te_min_version("2.1.0") and Adam.__module__ == "tests.engines.te_standin",
             "options": (eng.tconfig.moe_grouped_gemm, eng.tconfig.moe_permute_fusion, eng.te),

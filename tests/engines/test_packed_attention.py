@@ -21,6 +21,7 @@ from qwen35rl.engines.packed_gdn import disable_packing, is_packing_enabled, mod
 from qwen35rl.models.build import build_model
 from qwen35rl.runtime.batching import Sequences, build_batch
 from tests.engines import packed_models as pm
+from tests.engines.test_fsdp_engine import _loss
 
 # The model tests run transformers' torch GDN on CPU; with fla installed it would pick fla's kernels.
 torch_gdn = pytest.mark.skipif(importlib.util.find_spec("fla") is not None, reason="fla replaces the torch GDN rule")
@@ -295,8 +296,8 @@ def test_engine_packs_with_this_attention_and_matches_padded(monkeypatch):
         a, b = packed.compute_log_probs(batch)[0], padded.compute_log_probs(batch)[0]
         assert calls and all(len(c) == len(prompts) + 1 for c in calls)
         torch.testing.assert_close(a[mask], b[mask], rtol=1e-5, atol=1e-5)
-        ga = packed.train_mini_batch([batch], {})["actor/grad_norm"]
-        gb = padded.train_mini_batch([batch], {})["actor/grad_norm"]
+        ga = packed.train_mini_batch([batch], _loss(packed))["actor/grad_norm"]
+        gb = padded.train_mini_batch([batch], _loss(padded))["actor/grad_norm"]
         assert ga == pytest.approx(gb, rel=1e-4)
     finally:
         disable_packing(*[m for m in modeling_modules() if m.__name__ not in before])

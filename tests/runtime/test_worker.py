@@ -127,7 +127,7 @@ def test_dynamic_batch_size_cuts_by_tokens_and_keeps_row_order(worker, monkeypat
 def _update_micro_batches(worker, seqs, old_log_probs, monkeypatch):
     """The micro batches one update of `seqs` trains on (the engine's step recorded instead of taken)."""
     seen = []
-    monkeypatch.setattr(worker.actor, "train_mini_batch", lambda micro, scale: seen.extend(micro) or {})
+    monkeypatch.setattr(worker.actor, "train_mini_batch", lambda micro, loss, scale: seen.extend(micro) or {})
     seqs.advantages, seqs.old_log_probs = [1.0] * len(seqs), old_log_probs
     worker.update_actor(seqs, _scale(seqs))
     return seen

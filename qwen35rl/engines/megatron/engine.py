@@ -25,10 +25,11 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from qwen35rl.algo.core import ACTOR_SUMS, actor_metrics
+from qwen35rl.algo import lr_schedule
+from qwen35rl.algo.loss import TrainLoss
 from qwen35rl.config.capabilities import compiles_log_probs
 from qwen35rl.config.layout import Layout
-from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_agg
+from qwen35rl.engines.base import Batch, TrainEngine, mini_batch_scale
 from qwen35rl.engines.host_offload import HostOffload
 from qwen35rl.engines.megatron import ascend, checkpoint_state
 from qwen35rl.engines.megatron import mapping as mp
@@ -57,7 +58,7 @@ class MegatronTrainEngine(TrainEngine):
                  total_steps: Optional[int] = None, hf_state: Optional[Dict[str, torch.Tensor]] = None):
         check_world(layout, world_size)
         self.cfg, self.layout, self.reference, self.total_steps = cfg, layout, reference, total_steps
-        self.backend, self.algo = cfg.backend, cfg.algorithm
+        self.backend = cfg.backend
         self.device = torch.device(device)
         self._host = HostOffload()  # what offload_states moved to the host
         if self.device.type == "cpu":
@@ -90,17 +91,14 @@ class MegatronTrainEngine(TrainEngine):
                 c.eval()
             self.model, self.optimizer = list(self.chunks), None
         else:
-            from qwen35rl.engines.fsdp_engine import lr_lambda
-
             self.model, self.optimizer = opt.wrap_and_optimize(self.tconfig, self.chunks, self.backend,
                                                                param_dtype(self.backend), self.device,
                                                                self.te.use_precision_aware_optimizer)
-            b = self.backend
-            self.lr_at = lr_lambda(b.lr_warmup_steps, b.lr_scheduler, total_steps, b.min_lr_ratio)
+            self.lr_at = lr_schedule.from_backend(self.backend, total_steps)
         temperature = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         batch_shape = BatchShape(tp=layout.tp, device=self.device, micro_multiple=layout.pp if layout.vpp else 1,
                                  vl_config=built.meta.config if self.vision else None)
-        self.step = Step(self.model, self.ranks, batch_shape, temperature, self.backend.logprob_chunk_size, self.algo,
+        self.step = Step(self.model, self.ranks, batch_shape, temperature, self.backend.logprob_chunk_size,
                          compiles_log_probs(self.backend.use_torch_compile, self.device.type))
 
     # ------------------------------------------------------------------------------------------ ranks
@@ -116,22 +114,22 @@ class MegatronTrainEngine(TrainEngine):
     def compute_log_probs(self, batch: Batch, with_entropy: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         return self.step.log_probs(batch, with_entropy)
 
-    def train_mini_batch(self, micro_batches: List[Batch], global_scale: Dict[str, float]) -> Dict[str, float]:
+    def train_mini_batch(self, micro_batches: List[Batch], loss_fn: TrainLoss,
+                         global_scale: Optional[Dict[str, float]] = None) -> Dict[str, float]:
         if self.reference:
             raise RuntimeError("the reference engine is frozen: it has no optimizer")
-        agg = mini_batch_agg(micro_batches, global_scale, self.algo, self.cfg.data.max_response_length, self.dp_size,
-                             self.ranks.sum_over_dp)
+        scale = mini_batch_scale(micro_batches, global_scale or {}, self.dp_size, self.ranks.sum_over_dp)
         self.optimizer.zero_grad()
-        sums = self.step.backward(micro_batches, agg)
+        stats = self.step.backward(micro_batches, loss_fn, scale)
         lr = self.backend.lr * self.lr_at(self.steps)
         grad_norm, applied = opt.guarded_step(self.optimizer, self.model, self.device, lr,
-                                              nonfinite_loss=bool(sums[ACTOR_SUMS.index("nonfinite")] > 0))
+                                              nonfinite_loss=loss_fn.nonfinite(stats))
         self.skipped_steps += not applied
         self.steps += 1
         for c in self.model:
             c.eval()
         return {
-            **actor_metrics(sums, self.dp_size, rollout_gap=micro_batches[0].rollout_log_probs is not None),
+            **loss_fn.metrics(stats, self.dp_size, rollout_gap=micro_batches[0].rollout_log_probs is not None),
             "actor/grad_norm": grad_norm,
             "actor/lr": lr,
             "actor/skipped_steps": float(self.skipped_steps),

@@ -1,5 +1,5 @@
 """Forward and backward passes through megatron's pipeline schedule: per-token log-probs (and entropy) of a batch,
-and the GRPO loss's gradients over a mini batch. Results exist on the last pipeline stage; they are broadcast so
+and a loss function's gradients over a mini batch. Results exist on the last pipeline stage; they are broadcast so
 every rank returns the same."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from qwen35rl.algo.core import GAP_MAX, actor_loss, add_actor_sums
+from qwen35rl.algo.loss import LossInputs, LossScale, TrainLoss
 from qwen35rl.engines.base import Batch
 from qwen35rl.engines.megatron import batches
 from qwen35rl.engines.megatron.batches import BatchShape
@@ -40,7 +40,6 @@ class Step:
     shape: BatchShape
     temperature: float
     logprob_chunk_size: int
-    algo: Any
     compiled: bool = False
 
     # ------------------------------------------------------------------------------------------ the schedule
@@ -92,13 +91,13 @@ class Step:
             out["ent"] = ent.detach()
         return hidden.new_zeros(()), out
 
-    def train_loss(self, agg: Dict[str, Any], num_micro: int, b, weight, hidden):
+    def train_loss(self, loss_fn: TrainLoss, scale: LossScale, num_micro: int, b, weight, hidden):
         logp, ent = self._logprobs(b, weight, hidden, with_entropy=True)
-        loss, sums = actor_loss(logp, ent, b["old"], b["ref"], b["advantages"], b["loss_mask"], self.algo, agg,
-                                b["rollout"])
-        # megatron's schedule divides the loss by the number of micro batches; agg_loss already normalises over
-        # the global mini batch, so undo it
-        return loss * num_micro, {"sums": sums}
+        loss, stats = loss_fn(LossInputs(logp, ent, b["loss_mask"], b["advantages"], b["old"], b["ref"], b["rollout"]),
+                              scale)
+        # megatron's schedule divides the loss by the number of micro batches; the loss already normalises over
+        # the global mini batch (`scale`), so undo it
+        return loss * num_micro, {"stats": stats}
 
     # ------------------------------------------------------------------------------------------ passes
     @torch.no_grad()
@@ -121,18 +120,17 @@ class Step:
         ent = batches.to_batch_layout(prepared, stacked[1], batch.response_mask) if with_entropy else None
         return logp, ent
 
-    def backward(self, micro_batches: List[Batch], agg: Dict[str, Any]) -> torch.Tensor:
-        """Gradients of the GRPO loss over `micro_batches` into megatron's gradient buffers (zeroed first); returns
-        the loss sums (`ACTOR_SUMS`) over the data-parallel ranks, on the host, the same on every rank of a pipeline
-        (then GAP_MAX, the largest rollout log-prob gap of this data-parallel rank's tokens)."""
+    def backward(self, micro_batches: List[Batch], loss_fn: TrainLoss, scale: LossScale) -> torch.Tensor:
+        """Gradients of `loss_fn` over `micro_batches` into megatron's gradient buffers (zeroed first); returns its
+        statistics reduced over the micro batches and data-parallel ranks (`loss_fn.reduce`), on the host, the same
+        on every rank of a pipeline."""
         prepared = [batches.prepare(mb, self.shape, train=True) for mb in micro_batches]
         for c in self.model:
             c.train()
             c.zero_grad_buffer()
-        out = self.run(prepared, partial(self.train_loss, agg), forward_only=False)
-        sums = torch.zeros(GAP_MAX + 1, dtype=torch.float64, device=self.shape.device)
+        out = self.run(prepared, partial(self.train_loss, loss_fn, scale), forward_only=False)
+        stats = loss_fn.zeros(self.shape.device)
         if self.ranks.is_last_stage():
             for o in out:
-                sums = add_actor_sums(sums, o["sums"].to(self.shape.device))
-        sums = torch.cat([self.ranks.sum_over_dp(sums[:GAP_MAX]), sums[GAP_MAX:]])  # the gap's max stays per rank
-        return self.ranks.pp_broadcast(sums).cpu()
+                stats = loss_fn.combine(stats, o["stats"].to(self.shape.device))
+        return self.ranks.pp_broadcast(loss_fn.reduce(stats, self.ranks.sum_over_dp)).cpu()
