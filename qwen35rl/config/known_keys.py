@@ -75,6 +75,7 @@ spec_tokens swa_bounded_replay use_fp64_gumbel use_replayssm video_pruning_metho
 VLLM_OWNED: Dict[str, str] = {
     "model": "model.path",
     "tokenizer": "model.tokenizer",
+    "trust_remote_code": "model.trust_remote_code",
     "dtype": "model.dtype",
     "seed": "trainer.seed",
     "logprobs_mode": "nothing (the rollout returns the log-probs of the sampled distribution)",

@@ -135,9 +135,26 @@ class ModelConfig:
     freeze_vision_tower: bool = False
     """Train the language model only: the vision tower (when the policy includes it) gets no gradients and no
     optimizer state, on both engines; it is still exported and checkpointed unchanged."""
+    trust_remote_code: bool = False
+    """Let transformers and vLLM run Python code the checkpoint ships (its config.json or tokenizer_config.json
+    `auto_map`) where they load it: the tokenizer, the config and the model (`from_pretrained`) and the vLLM rollout
+    engine (`trust_remote_code`). false: transformers' own classes, and a checkpoint whose classes exist only in its
+    own code fails to load with transformers' message. A checkpoint that ships no code (the official Qwen3.5 ones)
+    loads the same either way."""
 
 
 # ------------------------------------------------------------------------------------------------------------ hw
+@dataclass
+class RayRuntimeEnvConfig:
+    """The run's Ray runtime environment (Ray's `runtime_env`), given to `ray.init` when the driver starts or joins
+    Ray (the run's launcher is ray): every actor of the run inherits it; the worker environment (hw.env,
+    backend.env) is merged over it per actor."""
+
+    py_executable: Optional[str] = None
+    """The interpreter Ray starts the run's workers with: a path (`/opt/venv/bin/python3`) or a command prefix that
+    ends in one (`uv run --frozen python`), Ray's `py_executable`. null: Ray's default (the driver's interpreter)."""
+
+
 @dataclass
 class HwConfig:
     """A hardware target: what kind of device, how many, how much memory, and what each worker needs."""
@@ -177,6 +194,8 @@ class HwConfig:
     arguments, not megatron-core TransformerConfig fields. Not read off NPU."""
     multi_node_rollout_tp: bool = False
     """Allow one rollout TP group to span nodes."""
+    ray_runtime_env: RayRuntimeEnvConfig = field(default_factory=RayRuntimeEnvConfig)
+    """Ray's runtime environment of the run on this cluster (see RayRuntimeEnvConfig)."""
 
 
 # ------------------------------------------------------------------------------------------------------- backend

@@ -139,6 +139,7 @@ def engine_args_from_config(cfg: Any, layout: Layout, model_dir: str) -> Dict[st
     args: Dict[str, Any] = dict(
         model=model_dir,
         tokenizer=model_dir,
+        trust_remote_code=bool(cfg["model"].get("trust_remote_code", False)),
         dtype=engine_dtype(cfg),
         seed=int(cfg["trainer"]["seed"]),
         tensor_parallel_size=layout.rollout_tp,

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig, PreTrainedModel
 
 from qwen35rl.models.hf_config import hf_model_class, to_hf_config
+from qwen35rl.models.tokenizer import trusts_remote_code
 from qwen35rl.config.special_tokens import special_token_ids
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -62,7 +63,8 @@ def build_model(
         if not model_cfg.path or not os.path.isdir(model_cfg.path):
             raise FileNotFoundError(f"model.init=pretrained needs model.path to be a checkpoint directory (got {model_cfg.path!r})")
         auto = AutoModelForCausalLM if cls is hf_model_class(model_cfg, True) else AutoModelForImageTextToText
-        model = auto.from_pretrained(model_cfg.path, dtype=dtype).to(device)
+        model = auto.from_pretrained(model_cfg.path, dtype=dtype,
+                                     trust_remote_code=trusts_remote_code(model_cfg)).to(device)
     else:
         raise ValueError(f"model.init={model_cfg.init!r}: expected random or pretrained")
     return model
@@ -81,7 +83,7 @@ def _config_for(model_cfg: Any, text_only: bool):
     if model_cfg.init == "pretrained" and model_cfg.path and os.path.isfile(os.path.join(model_cfg.path, "config.json")):
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(model_cfg.path)
+        config = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=trusts_remote_code(model_cfg))
         if text_only:
             config = config.get_text_config()
     else:

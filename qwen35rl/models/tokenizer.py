@@ -96,6 +96,11 @@ def qwen_tokenizer() -> PreTrainedTokenizerBase:
     return tok
 
 
+def trusts_remote_code(model_cfg: Any) -> bool:
+    """`model.trust_remote_code`: whether transformers and vLLM may run code the checkpoint ships."""
+    return bool(getattr(model_cfg, "trust_remote_code", False))
+
+
 def build_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
     """The tokenizer `model.tokenizer` names: `byte`, `qwen`, `checkpoint` (model.path) or a directory."""
     kind = model_cfg.tokenizer
@@ -108,7 +113,7 @@ def build_tokenizer(model_cfg: Any) -> PreTrainedTokenizerBase:
         if not path or not os.path.isdir(path):
             where = "model.path" if kind == "checkpoint" else "model.tokenizer"
             raise FileNotFoundError(f"{where}={path!r} is not a directory with a tokenizer (model.tokenizer={kind})")
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trusts_remote_code(model_cfg))
         tok.padding_side = "left"
     if len(tok) > model_cfg.vocab_size:
         raise ValueError(f"tokenizer has {len(tok)} tokens, more than model.vocab_size={model_cfg.vocab_size}")

@@ -164,6 +164,13 @@ def _signal_handlers_kept() -> Any:
                 signal.signal(s, handler)
 
 
+def ray_runtime_env(cfg: Any) -> Dict[str, str]:
+    """The fields of `hw.ray_runtime_env` that are set: the job's runtime_env given to ray.init, which every actor of
+    the run inherits (each actor's own env_vars, the worker environment, are merged over it)."""
+    env = (cfg.get("hw") or {}).get("ray_runtime_env") or {}
+    return {str(k): str(v) for k, v in env.items() if v not in (None, "")}
+
+
 def connect(cfg: Any, platform: Platform, world: int) -> bool:
     """Connect the driver to Ray. Returns True when this call started a local cluster (and must stop it)."""
     import ray
@@ -171,7 +178,10 @@ def connect(cfg: Any, platform: Platform, world: int) -> bool:
     if ray.is_initialized():
         return False
     address = ray_address(cfg)
-    quiet = dict(logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
+    quiet: Dict[str, Any] = dict(logging_level=logging.WARNING, log_to_driver=True, configure_logging=True)
+    runtime_env = ray_runtime_env(cfg)
+    if runtime_env:
+        quiet["runtime_env"] = runtime_env
     if address:
         problem = unreachable_cluster(cfg, resolve_auto=True)  # ray.init would wait for minutes, uninterruptibly
         if problem:

@@ -581,8 +581,9 @@ def _carry(k: Key, values: Dict[str, Any], base: Dict[str, Any], out: Imported) 
 
 
 VLLM_FIRST_CLASS = ("max_model_len", "gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs",
-                    "enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "cudagraph_capture_sizes")
-"""vLLM engine arguments qwen35rl sets through a rollout key of its own (known_keys.VLLM_OWNED): a script's
+                    "enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "cudagraph_capture_sizes",
+                    "trust_remote_code")
+"""vLLM engine arguments qwen35rl sets through a key of its own (known_keys.VLLM_OWNED): a script's
 `engine_kwargs.vllm.<name>` (which verl's vLLM server applies over its own setting) carries to that key."""
 
 
@@ -628,9 +629,10 @@ def _pass_through(values: Dict[str, Any], base: Dict[str, Any], backend: str, co
 
 def _carry_first_class(key: str, value: Any, qwen: str, values: Dict[str, Any], base: Dict[str, Any],
                        out: Imported) -> None:
-    """An engine argument verl's vLLM server takes over the rollout setting of the same name: carried to
-    qwen35rl's rollout key; the rollout setting, if the script also gave it another value, is reported overridden."""
-    first = f"{ROLLOUT}.{qwen.split('.', 1)[1]}"
+    """An engine argument verl's vLLM server takes over verl's own setting of the same name (a rollout key, or
+    model.trust_remote_code): carried to qwen35rl's key; verl's setting, if the script also gave it another value,
+    is reported overridden."""
+    first = next((k.verl for k in _all_keys() if k.qwen == qwen), f"{ROLLOUT}.{qwen.split('.', 1)[1]}")
     if first in values and first in out.carried and not _same(values[first], value):
         del out.carried[first]
         out.not_carried.append({"key": first, "value": values[first], "why": f"{key} overrides it in verl's "

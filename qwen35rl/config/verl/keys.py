@@ -335,6 +335,20 @@ def _is_verl_reward(cfg: Any) -> bool:
     return parse_verl_reward(str(get(cfg, "data.reward"))) is not None
 
 
+RAY_RUNTIME_ENV = "ray_kwargs.ray_init.runtime_env"
+"""verl hands `ray_kwargs.ray_init` to ray.init; qwen35rl's counterpart of its runtime_env is hw.ray_runtime_env."""
+
+
+def _py_executable_to_qwen(v: Any, ctx: Any) -> Any:
+    """Ray's py_executable: an interpreter path or a command prefix ending in one (a string); null is Ray's default."""
+    if v is None or v == "":
+        return None
+    if not isinstance(v, str):
+        raise NotCarried(f"py_executable={v!r} is not a string: Ray takes an interpreter path or a command prefix "
+                         "that ends in one (hw.ray_runtime_env.py_executable)")
+    return v
+
+
 def _quirk(name: str) -> Callable[[Any], bool]:
     return lambda cfg: get(cfg, f"hw.megatron_quirks.{name}") is not None
 
@@ -348,6 +362,11 @@ def get_verl(ctx: Any, key: str, default: Any = None) -> Any:
 KEYS: List[Key] = [
     # model and data
     Key(f"{MODEL}.path", "model.path", effective=lambda c: get(c, "model.path") or get(c, "model.hf_id")),
+    # one setting for every place the checkpoint is loaded (verl's driver reads data.trust_remote_code for its
+    # tokenizer and processor, its workers model.trust_remote_code): exported to both
+    Key(f"{MODEL}.trust_remote_code", "model.trust_remote_code", aliases=("data.trust_remote_code",),
+        also=("data.trust_remote_code",), verl_default=False,
+        export_when=lambda c: bool(get(c, "model.trust_remote_code"))),
     Key(f"{ACTOR}.freeze_vision_tower", "model.freeze_vision_tower", verl_default=False),
     Key("data.train_files", "data.train_files", to_qwen=_as_list),
     Key("data.val_files", "data.val_files", to_qwen=_as_list),
@@ -513,6 +532,9 @@ KEYS: List[Key] = [
         export_when=_quirk("use_flash_attn")),
     Key(f"{OVERRIDE_TC}.use_naive_l2norm", "hw.megatron_quirks.gdn_naive_l2norm", MEGATRON, plus=True,
         export_when=_quirk("gdn_naive_l2norm")),
+    # Ray: the runtime environment verl passes to ray.init (its workers inherit it)
+    Key(f"{RAY_RUNTIME_ENV}.py_executable", "hw.ray_runtime_env.py_executable", verl_default=None,
+        to_qwen=_py_executable_to_qwen, export_when=lambda c: get(c, "hw.ray_runtime_env.py_executable") is not None),
     # the trainer loop
     Key("trainer.total_epochs", "trainer.total_epochs", verl_default=30),
     Key("trainer.balance_batch", "trainer.balance_batch", verl_default=True),
@@ -658,8 +680,6 @@ NOT_CARRIED: Dict[str, str] = {
     f"{ACTOR}.megatron.seed": "qwen35rl seeds from trainer.seed",
     f"{ACTOR}.megatron.": "no counterpart in qwen35rl's Megatron engine",
     f"{ACTOR}.": "no counterpart in qwen35rl",
-    f"{MODEL}.trust_remote_code": "qwen35rl builds Qwen3.5 from transformers' own classes and runs no code "
-                                  "from the checkpoint",
     f"{MODEL}.external_lib": "qwen35rl builds Qwen3.5 from transformers' own classes",
     f"{MODEL}.override_config.": "qwen35rl reads the architecture from model= and the checkpoint",
     f"{MODEL}.": "no counterpart in qwen35rl",
@@ -698,7 +718,8 @@ NOT_CARRIED: Dict[str, str] = {
     "trainer.default_hdfs_dir": "no counterpart in qwen35rl",
     "trainer.ray_wait_register_center_timeout": "qwen35rl waits trainer.placement_timeout_s for its workers",
     "trainer.": "no counterpart in qwen35rl's trainer settings",
-    "ray_kwargs.ray_init.runtime_env.py_executable": "launcher plumbing: qwen35rl's workers run the driver's Python",
+    f"{RAY_RUNTIME_ENV}.": "py_executable carries to hw.ray_runtime_env.py_executable; Ray's other runtime_env "
+                           "fields have no qwen35rl setting",
     "ray_kwargs.": "launcher plumbing: qwen35rl starts or joins Ray itself (ray_address)",
     "global_profiler.": "no counterpart in qwen35rl",
     "transfer_queue.": "no counterpart in qwen35rl",
@@ -814,6 +835,8 @@ NOT_EXPORTED: Dict[str, str] = {
 """qwen35rl settings the exporter cannot write (exact key, or a prefix ending with '.'; the longest match wins)."""
 
 IMPLIED: Dict[str, Callable[[Any], bool]] = {
+    "model.trust_remote_code": lambda c: not get(c, "model.trust_remote_code"),
+    "hw.ray_runtime_env.py_executable": lambda c: get(c, "hw.ray_runtime_env.py_executable") is None,
     "backend.log_prob_max_tokens_per_device": lambda c: get(c, "backend.log_prob_max_tokens_per_device") is None,
     "placement.mode": lambda c: get(c, "placement.mode") == "colocated",
     "placement.rollout_devices": lambda c: get(c, "placement.mode") == "colocated",

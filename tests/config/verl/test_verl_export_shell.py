@@ -88,6 +88,7 @@ def hostile_config():
         cfg.data.system_prompt = literal("\n".join(HOSTILE))
         cfg.trainer.output_root = HOSTILE[1]
         cfg.trainer.checkpoint_dir = literal(HOSTILE[7])  # verl's trainer.default_local_dir
+        cfg.hw.ray_runtime_env.py_executable = literal(HOSTILE[3])  # verl's ray_kwargs.ray_init.runtime_env
         cfg.data.train_files = [literal(v) for v in HOSTILE[:3]]
         cfg.data.val_files = [literal(v) for v in HOSTILE[5:8]]
     return cfg
@@ -107,6 +108,7 @@ def test_hostile_values_round_trip_exactly(tmp_path):
     verl = compose_verl([a for a in argv[2:] if not a.startswith("model_engine=")] + ["model_engine=megatron"])
     assert verl["trainer"]["experiment_name"] == "".join(HOSTILE[:5])
     assert verl["trainer"]["default_local_dir"] == HOSTILE[7]
+    assert verl["ray_kwargs"]["ray_init"]["runtime_env"]["py_executable"] == HOSTILE[3]
     assert verl["data"]["train_files"] == HOSTILE[:3] and verl["data"]["val_files"] == HOSTILE[5:8]
 
 

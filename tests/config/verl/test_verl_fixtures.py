@@ -332,7 +332,7 @@ SCRIPT_ONLY = {  # shell variables that shape the override list and must never r
 
 NOT_CARRIED = {  # verl keys the fixtures set on purpose that qwen35rl has no place for
     "fsdp_27b": set(),  # its custom_reward_function carries to data.reward=verl:PATH:NAME
-    "megatron_35b": {"ray_kwargs.ray_init.runtime_env.py_executable"},
+    "megatron_35b": set(),  # its ray_init.runtime_env.py_executable carries to hw.ray_runtime_env.py_executable
     "megatron_122b_v080": {"actor_rollout_ref.hybrid_engine", "actor_rollout_ref.rollout.load_format",
                            "actor_rollout_ref.actor.optim.warmup_style",
                            "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", "algorithm.kl_ctrl.kl_coef",
