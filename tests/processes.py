@@ -29,6 +29,21 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def workers_of(driver: int) -> List[int]:
+    """The training workers of a run started in its own session: Ray's PolicyWorker actors, or the local worker
+    processes (named qwen35rl-rank<N>)."""
+    pids = session_pids(driver)
+    ray = [p for p in pids if cmdline(p).startswith("ray::") and "PolicyWorker" in cmdline(p)]
+    return ray or [p for p in pids if comm(p).startswith("qwen35rl-rank")]
+
+
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def kill_after_checkpoint(cmd: Sequence[str], run_dir: Path, step: int) -> None:
     """Start `cmd` (a training run into `run_dir`) in its own session; SIGKILL the whole session (driver, Ray,
     workers) once the step's checkpoint is committed."""

@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
+from qwen35rl.config.launcher import auto_choice, launcher_of
 from qwen35rl.config import (auto_batch, capabilities, data_check, engine_specs, fit_hint, layout_search, memory,
                              params, quirks, redact, rules, run_name, step_time, vllm_facts)
 from qwen35rl.config.layout import Layout, pools_per_node
@@ -42,6 +43,21 @@ def environment_problems(cfg: DictConfig) -> List[Problem]:
         out.append(Problem("torch_npu_not_installed", "hw.device", "torch_npu is not installed here; NPU training "
                            "needs it (and CANN) on every node", "pip install 'qwen35rl[npu]' on the Ascend nodes", WARNING))
     return out
+
+
+def launcher_plan(configured: DictConfig) -> Dict[str, Any]:
+    """How the workers start: trainer.launcher as configured, what it resolves to, and why for `auto`."""
+    setting = str(configured.trainer.launcher)
+    return {"configured": setting, "launcher": launcher_of(configured),
+            "why": auto_choice(configured)[1] if setting == "auto" else None}
+
+
+def _launcher_text(launcher: Optional[Dict[str, Any]], devices: int) -> str:
+    if not launcher:
+        return ""
+    how = ("workers as Ray actors" if launcher["launcher"] == "ray" else "the worker in this process, no Ray"
+           if devices == 1 else "workers in local processes, no Ray")
+    return f"; {how} (trainer.launcher={launcher['configured']}" + (f": {launcher['why']})" if launcher["why"] else ")")
 
 
 def build_plan(cfg: DictConfig) -> Dict[str, Any]:
@@ -84,6 +100,7 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "device": str(cfg.hw.device),
         "nodes": int(cfg.hw.nodes),
         "devices_per_node": int(cfg.hw.devices_per_node),
+        "launcher": launcher_plan(searched_from),
         "worker_env": redact.redact({**OmegaConf.to_container(cfg.hw.env), **OmegaConf.to_container(cfg.backend.env)}),
         "vllm_quirks": vllm_quirks(cfg),
         "output_dir": f"{cfg.trainer.output_root}/{cfg.trainer.run_name}",
@@ -357,7 +374,8 @@ def render_text(plan: Dict[str, Any]) -> str:
         f"  model      {_fmt_count(p['total'])} total, {_fmt_count(p['active'])} active"
         f" (text {_fmt_count(p['text'])}, vision {_fmt_count(p['vision'])}, MTP {_fmt_count(p['mtp'])})",
         *_run_lines(plan),
-        f"  hardware   {plan['nodes']} node(s) x {plan['devices_per_node']} {plan['device']} = {world}",
+        f"  hardware   {plan['nodes']} node(s) x {plan['devices_per_node']} {plan['device']} = {world}"
+        f"{_launcher_text(plan.get('launcher'), plan['nodes'] * plan['devices_per_node'])}",
         f"  train      {train}   [layout: {plan['layout_name']}]",
         f"  rollout    {plan['rollout_engine']} TP{r['tp']} DP{r['dp']} EP{r['ep']}",
         *_placement_lines(plan),

@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from qwen35rl.config import auto_batch, engine_specs, layout_search, memory, rules, vllm_facts
 from qwen35rl.config.auto_batch import Choice
+from qwen35rl.config.launcher import launcher_of
 from qwen35rl.config.layout import Layout, derive_layout, is_split, placement
 from qwen35rl.config.problems import Problem
 from qwen35rl.config.quirks import effective_engine_kwargs
@@ -69,6 +70,9 @@ def _resolve_auto(cfg: DictConfig) -> Tuple[DictConfig, List[Any], Optional[Choi
     """`resolve_auto`, and the layout of the config it returns: derived once the degrees and pools are settled
     (the micro batch, checkpointing and vLLM pool resolved after it change none of them)."""
     cfg = vllm_facts.resolve(cfg)
+    if cfg.trainer.launcher == "auto":
+        cfg = cfg.copy()
+        cfg.trainer.launcher = launcher_of(cfg)
     if rules.gate_problems(memory.as_tree(cfg)):
         return cfg, [], None, [], derive_layout(cfg)
     candidates: List[Any] = []

@@ -24,6 +24,7 @@ from qwen35rl.config import capabilities, engine_specs, known_keys, memory, quir
 from qwen35rl.names import REWARDS, TRACKERS, did_you_mean, parse_verl_reward, reward_is_file
 from qwen35rl.config.layout import (Layout, even_pipeline_layout, format_pipeline_layout, is_split,
                                     parse_pipeline_layout, placement)
+from qwen35rl.config.launcher import LAUNCHERS, launcher_of
 from qwen35rl.config.problems import ERROR, WARNING, Problem
 from qwen35rl.config.megatron_versions import EXPERT_GROUPS_WITHOUT_EP  # the version facts, stated once
 
@@ -655,15 +656,22 @@ def megatron_dispatcher_takes_variable_lengths(cfg: Any, layout: Layout) -> List
 
 
 @rule("config")
-def local_launcher_runs_one_device(cfg: Any, layout: Layout) -> List[Problem]:
-    """trainer.launcher=local holds the one worker in the driver's process: the run has exactly one device."""
+def local_launcher_runs_on_this_host(cfg: Any, layout: Layout) -> List[Problem]:
+    """trainer.launcher=local starts its workers without Ray on this host: one in the driver's process, or one
+    process per CPU device. Several accelerators would each need their device assigned, which Ray does."""
     nodes, per_node = int(val(cfg, "hw.nodes")), int(val(cfg, "hw.devices_per_node"))
-    if val(cfg, "trainer.launcher") != "local" or nodes * per_node == 1:
+    if launcher_of(cfg) != "local" or nodes * per_node == 1:
         return []
-    return _err("local_launcher_runs_one_device", "trainer.launcher", f"trainer.launcher=local runs one worker in "
-                f"the driver's process, but hw.nodes x hw.devices_per_node = {nodes} x {per_node} = "
-                f"{nodes * per_node} devices", "try trainer.launcher=ray (any number of devices), or "
-                "hw.nodes=1 hw.devices_per_node=1 for a single-device run")
+    if nodes > 1:
+        return _err("local_launcher_runs_on_this_host", "trainer.launcher", f"trainer.launcher=local starts its "
+                    f"workers on this host, but hw.nodes={nodes}", "try trainer.launcher=ray (any number of nodes), "
+                    "or hw.nodes=1")
+    if val(cfg, "hw.device") != "cpu":
+        return _err("local_launcher_runs_on_this_host", "trainer.launcher", f"trainer.launcher=local runs several "
+                    f"workers on CPU only; hw.device={val(cfg, 'hw.device')} with {per_node} devices needs each "
+                    f"worker on its own device, which Ray assigns", "try trainer.launcher=ray, or "
+                    "hw.devices_per_node=1 for a single-device run in the driver's process")
+    return []
 
 
 # ==================================================================================== placement and staleness
@@ -785,7 +793,7 @@ CHOICES: Dict[str, Sequence[Any]] = {
     "rollout.sleep_level": (1, 2),
     "rollout.cudagraph_mode": ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", None),
     "format": ("text", "json", "verl"),
-    "trainer.launcher": ("ray", "local"),
+    "trainer.launcher": LAUNCHERS,
 }
 
 
@@ -1365,7 +1373,7 @@ def is_local_run(cfg: Any) -> bool:
     the preflight checks every node."""
     if _get(cfg, "ray_address", None) not in (None, "") or os.environ.get("RAY_ADDRESS"):
         return False
-    return _get(cfg, "trainer.launcher", "ray") == "local" or _get(cfg, "hw.device", "cpu") == "cpu"
+    return launcher_of(cfg) == "local" or _get(cfg, "hw.device", "cpu") == "cpu"
 
 
 def _find_module(name: str) -> bool:

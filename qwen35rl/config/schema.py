@@ -577,10 +577,13 @@ class TrainerConfig:
     placement_timeout_s: float = at_least(0.0, 300.0, high=INF)
     """Seconds to wait for the cluster to offer the run's devices (nodes still joining, a placement group still
     pending) before failing with what is missing. A local cluster started by the run fails at once."""
-    launcher: str = "ray"
-    """How the workers start. ray: one Ray actor per device, on one node or many. local: a run of one device
-    (hw.nodes x hw.devices_per_node = 1) holds its worker in the driver's process, without Ray (no start-up cost,
-    no Ray install needed)."""
+    launcher: str = "auto"
+    """How the workers start. auto: local for a colocated run of this host's CPUs that names no Ray cluster
+    (ray_address null, RAY_ADDRESS unset), else ray (`config/launcher.py`; the plan says which and why). ray: one
+    Ray actor per device, on one node or many. local: without Ray, on this host
+    (no Ray start-up, no Ray install needed): a run of one device holds its worker in the driver's process; a CPU
+    run of several devices (hw.nodes=1) forks one process per device from a server that imported torch and the
+    engines once (`runtime/local_processes.py`)."""
 
 
 @dataclass

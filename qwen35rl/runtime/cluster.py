@@ -25,6 +25,7 @@ import traceback
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from qwen35rl.config import redact
+from qwen35rl.config.launcher import launcher_of
 from qwen35rl.config.resolved import ResolvedRun
 from qwen35rl.runtime import local_watchdog
 from qwen35rl.runtime.platform import Platform, apply_env
@@ -247,7 +248,7 @@ class EarlyLocalRay:
     @classmethod
     def wanted(cls, cfg: Any) -> bool:
         """The run starts a local cluster of its own (trainer.launcher=ray, no cluster address)."""
-        return cfg.trainer.launcher == "ray" and not ray_address(cfg)
+        return launcher_of(cfg) == "ray" and not ray_address(cfg)
 
     def take(self) -> Tuple[bool, Optional["LocalClusterWatchdog"]]:
         """Wait for the start; (whether a local cluster was started, its watchdog), or the start's error. The

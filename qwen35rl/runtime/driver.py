@@ -307,12 +307,15 @@ def _say_summary(trainer: "GRPOTrainer", run_dir: Path, code: int, phases: repor
 def launcher(run: ResolvedRun, platform: Platform, phases: Optional[report.Phases] = None,
              early_ray: Any = None) -> Iterator[Tuple[Callable[[], Dict[str, Any]], type]]:
     """How the workers start (trainer.launcher): yields the preflight to run and the worker group class. `ray`
-    connects to Ray for the duration (a local cluster it starts is stopped on exit); `local` needs nothing: the
-    one worker lives in this process and the probe runs here. A local CPU cluster is probed here too: its one
-    node is this host, and a probe task would cost a process start."""
+    connects to Ray for the duration (a local cluster it starts is stopped on exit); `local` needs no Ray: one
+    worker lives in this process, more are local processes (`local_processes`), and the probe runs here. A local
+    CPU cluster is probed here too: its one node is this host, and a probe task would cost a process start."""
     cfg = run.cfg
     if cfg.trainer.launcher == "local":
-        yield partial(run_local_preflight, run, platform), LocalWorkerGroup
+        from qwen35rl.runtime.local_processes import ProcessWorkerGroup
+
+        yield (partial(run_local_preflight, run, platform),
+               LocalWorkerGroup if run.layout.devices == 1 else ProcessWorkerGroup)
         return
     with ray_session(cfg, platform, run.layout.devices, early_ray) as started_local:
         if phases is not None:

@@ -60,6 +60,7 @@ def _train(run: ResolvedRun, run_dir: Path, phases: report.Phases, stop: Any) ->
             log.error("%s", problem)
             return EXIT_PREFLIGHT
     early = _early_local_ray(run)
+    _early_local_processes(run)
     try:
         phases.begin("libraries imported")
         t0 = time.monotonic()
@@ -74,6 +75,14 @@ def _train(run: ResolvedRun, run_dir: Path, phases: report.Phases, stop: Any) ->
     finally:
         if early is not None:
             early.close()
+
+
+def _early_local_processes(run: ResolvedRun) -> None:
+    """The local workers' server, importing torch and the engines now in its own process (`local_processes`)."""
+    from qwen35rl.runtime import local_processes
+
+    if local_processes.wanted(run):
+        local_processes.start_server(run)
 
 
 def _early_local_ray(run: ResolvedRun) -> Any:

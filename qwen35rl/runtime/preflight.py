@@ -407,6 +407,7 @@ def run_preflight(run: ResolvedRun, platform: Platform, *, wait_s: float, in_pro
 def run_local_preflight(run: ResolvedRun, platform: Platform) -> Dict[str, Any]:
     """trainer.launcher=local: the same checks on this process's device, probed here (no Ray). Returns what was
     seen, for the run's provenance."""
+    t0 = time.monotonic()
     apply_env(platform.worker_env)  # the probe sees the workers' environment, as a Ray probe task does
     try:
         probe = probe_node(platform.device_type, plain_config(run.cfg))
@@ -417,5 +418,6 @@ def run_local_preflight(run: ResolvedRun, platform: Platform) -> Dict[str, Any]:
             "run where the device is visible (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES), or pick the hw "
             "config of this machine (hw=cpu)")]) from None
     warnings = check_probes(run, [probe])
-    log.info("preflight passed: %s (%s) hosts the run in this process", probe["hostname"], probe["device_name"])
+    log.info("preflight passed in %.1f s: %s (%s) hosts the run on this host, without Ray", time.monotonic() - t0,
+             probe["hostname"], probe["device_name"])
     return {"launcher": "local", "nodes": [], "probes": [probe], "warnings": [p.to_dict() for p in warnings]}

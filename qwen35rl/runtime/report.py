@@ -210,8 +210,9 @@ _FIXES: Tuple[Tuple[str, str], ...] = (
      "the node ran out of host memory: fewer workers per node (hw.devices_per_node), less host offload "
      "(backend.optimizer_offload / param_offload), or a node with more memory"),
     (r"its process died",
-     "the worker's own log says why (`ray logs` or /tmp/ray/session_latest/logs/worker-*.err on that node; "
-     "dmesg for the kernel's OOM killer); then run the same command again: it resumes from the last checkpoint"),
+     "the worker's own log says why (a local worker's is this run's output; a Ray worker's: `ray logs` or "
+     "/tmp/ray/session_latest/logs/worker-*.err on that node; dmesg for the kernel's OOM killer); then run the same "
+     "command again: it resumes from the last checkpoint"),
     (r"failed to start",
      "every node needs the same qwen35rl install and packages (qwen35rl-plan and the preflight list them); "
      "the cause above names what is missing"),

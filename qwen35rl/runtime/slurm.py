@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
+from qwen35rl.config.launcher import launcher_of
+
 log = logging.getLogger(__name__)
 
 RAY_PORT = 6379
@@ -207,7 +209,7 @@ def bring_up(cfg: Any, env: Optional[Mapping[str, str]] = None, popen: Callable[
     """Start Ray over a multi-node Slurm allocation for this run (see the module docstring); the process runners
     are parameters so that tests can record the commands instead of running srun."""
     env = os.environ if env is None else env
-    if str(cfg.trainer.get("launcher", "ray")) != "ray":
+    if launcher_of(cfg) != "ray":
         return BringUp(None, [], [])
     if cfg.get("ray_address") or env.get("RAY_ADDRESS"):
         return BringUp(None, [], [])  # the run names its cluster

@@ -73,7 +73,7 @@ R = [  # (argv, key the error names)
     ("hw.nodes=four", "hw.nodes"), ("rollout.n=two", "rollout.n"), ("backend.lr=fast", "backend.lr"),
     ("hw.nodez=4", "hw.nodez"), ("model=qwen3_5_27", "model"), ("rollout.engine=vlm", "rollout.engine"),
     ("data.truncation=middle", "data.truncation"), ("trainer.launcher=slurm", "trainer.launcher"),
-    ("trainer.launcher=local hw.devices_per_node=2", "trainer.launcher"),
+    ("trainer.launcher=local hw.nodes=2", "trainer.launcher"), ("trainer.launcher=local hw=gpu_1node", "trainer.launcher"),
     ("model.name=qwen\u0417", "model.name"),
     # parse errors: the key and the reason
     ("trainer.trackers=[console,jsonl", "trainer.trackers"), ("trainer.trackers=[console,jsonl]]", "trainer.trackers"),

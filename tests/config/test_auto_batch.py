@@ -179,9 +179,11 @@ def test_defaults_are_unchanged_and_need_no_resolution():
     assert vllm_facts.resolve(cfg) is cfg
     same, candidates, choice, problems = resolve_auto(cfg)
     assert choice is None and not candidates and not problems
-    # the other: the vLLM pool (rollout.gpu_memory_utilization=auto), sized for this layout; nothing else changes
+    # the others: the vLLM pool (rollout.gpu_memory_utilization=auto), sized for this layout, and the launcher;
+    # nothing else changes
     assert cfg.rollout.gpu_memory_utilization == "auto" and 0 < same.rollout.gpu_memory_utilization <= 0.9
-    same.rollout.gpu_memory_utilization = "auto"
+    assert cfg.trainer.launcher == "auto" and same.trainer.launcher in ("ray", "local")
+    same.rollout.gpu_memory_utilization = same.trainer.launcher = "auto"
     assert same == cfg
     resolved = resolve_auto(cfg)[0]
     assert resolve_auto(resolved)[0] is resolved

@@ -321,7 +321,8 @@ def test_the_plan_shows_both_pools():
     json.dumps(plan)
     text = render_text(plan).splitlines()
     line = lambda head: next(x for x in text if x.startswith(f"  {head}"))  # noqa: E731
-    assert line("hardware") == "  hardware   1 node(s) x 4 cpu = 4 devices: training pool 3, rollout pool 1"
+    assert line("hardware") == ("  hardware   1 node(s) x 4 cpu = 4 devices: training pool 3, rollout pool 1; workers as "
+                                "Ray actors (trainer.launcher=auto: placement=split places its pools as Ray actors)")
     pools = line("pools")
     assert pools.startswith("  pools      training 3 CPU (DP3 FSDP_SIZE3; peak ")
     assert ", rollout 1 CPU (hf TP1 DP1; peak " in pools and "node 0: 3" in pools and "node 0: 1" in pools

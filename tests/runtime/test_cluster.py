@@ -119,7 +119,7 @@ def test_local_cluster_goes_away_when_the_driver_is_sigkilled(tmp_path):
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "qwen35rl.cli.train"]
     run = tmp_path / "run"
     proc = subprocess.Popen([*cmd, f"hydra.run.dir={run}", "trainer.total_steps=100", "trainer.test_freq=-1",
-                             "trainer.save_freq=-1"], stdout=subprocess.DEVNULL,
+                             "trainer.save_freq=-1", "trainer.launcher=ray"], stdout=subprocess.DEVNULL,
                             stderr=open(tmp_path / "stderr.txt", "w"), start_new_session=True, env=dict(os.environ))
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 600

@@ -18,7 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_only_a_run_that_starts_its_own_cluster_starts_it_early(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert cluster.EarlyLocalRay.wanted(compose([]))
+    assert cluster.EarlyLocalRay.wanted(compose(["trainer.launcher=ray"]))
+    assert cluster.EarlyLocalRay.wanted(compose(["hw.nodes=2"]))  # auto: Ray for more than this host
+    assert not cluster.EarlyLocalRay.wanted(compose([]))  # auto: this host's CPUs are local processes
     assert not cluster.EarlyLocalRay.wanted(compose(["ray_address=10.0.0.1:6379"]))
     assert not cluster.EarlyLocalRay.wanted(compose(["trainer.launcher=local", "hw.devices_per_node=1"]))
 

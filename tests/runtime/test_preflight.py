@@ -114,7 +114,8 @@ def test_settings_that_need_transformer_engine_are_decided_on_the_nodes_stack():
 @pytest.mark.slow
 def test_run_asking_for_gpus_on_a_cpu_cluster_fails_fast(tmp_path):
     t0 = time.monotonic()
-    proc = subprocess.run([*TRAIN, f"hydra.run.dir={tmp_path / 'run'}", "hw.ray_resource=GPU", "trainer.total_steps=1"],
+    proc = subprocess.run([*TRAIN, f"hydra.run.dir={tmp_path / 'run'}", "hw.ray_resource=GPU", "trainer.total_steps=1",
+                           "trainer.launcher=ray"],
                           capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert proc.returncode == EXIT_PREFLIGHT, proc.stderr[-3000:]
     assert time.monotonic() - t0 < 60

@@ -1,0 +1,43 @@
+"""trainer.launcher: how the workers start, with `auto` made concrete (one rule, read by the plan, the rules and the
+launch). Torch-free and Ray-free."""
+from __future__ import annotations
+
+import os
+from typing import Any, Tuple
+
+LAUNCHERS = ("auto", "ray", "local")
+
+
+def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
+    node = cfg
+    try:
+        for part in dotted.split("."):
+            node = node[part]
+    except (KeyError, AttributeError, TypeError):
+        return default
+    return node
+
+
+def auto_choice(cfg: Any) -> Tuple[str, str]:
+    """What `auto` means for this run, and why. `local` for a colocated run of this host's CPUs that names no Ray
+    cluster: there Ray would only add its start-up (a cluster of its own, a process per worker that imports torch
+    again). `ray` otherwise."""
+    if _get(cfg, "ray_address") not in (None, ""):
+        return "ray", "ray_address names a cluster"
+    if os.environ.get("RAY_ADDRESS"):
+        return "ray", "RAY_ADDRESS names a cluster"
+    if int(_get(cfg, "hw.nodes", 1)) != 1:
+        return "ray", f"{_get(cfg, 'hw.nodes')} nodes"
+    if _get(cfg, "hw.device", "cpu") != "cpu":
+        return "ray", f"{_get(cfg, 'hw.device')} devices, which Ray assigns to the workers"
+    if _get(cfg, "placement.mode", "colocated") != "colocated":
+        return "ray", "placement=split places its pools as Ray actors"
+    if any(v not in (None, "") for v in dict(_get(cfg, "hw.ray_runtime_env", None) or {}).values()):
+        return "ray", "hw.ray_runtime_env asks Ray for the workers' interpreter"
+    return "local", "one CPU host, colocated, no Ray cluster named"
+
+
+def launcher_of(cfg: Any) -> str:
+    """`ray` or `local`: trainer.launcher, `auto` resolved by `auto_choice`."""
+    configured = str(_get(cfg, "trainer.launcher", "auto"))
+    return auto_choice(cfg)[0] if configured == "auto" else configured
