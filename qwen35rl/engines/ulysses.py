@@ -10,9 +10,9 @@ Heads fewer than sp are replicated so that every rank holds the heads its own he
 - GDN: value head j reads key head j // (n_v / n_k); value heads split contiguously, q/k heads are repeated the same
   way, the causal conv (per channel) and the recurrence (per value head) run on the rank's channels and heads.
   Needs sp | n_v.
-The plan's rule `sp_divides_heads` (config/rules.py) states both. The row keeps its document boundaries (`cu_seq_lens_q` of the
-whole row) so the conv and the recurrence restart at each document (`packed_gdn`) and attention stays within it
-(`packed_attention`).
+The plan's rule `sp_divides_heads` (config/rules/parallelism.py) states both. The row keeps its document boundaries
+(`cu_seq_lens_q` of the whole row) so the conv and the recurrence restart at each document (`packed_gdn`) and
+attention stays within it (`packed_attention`).
 """
 from __future__ import annotations
 
