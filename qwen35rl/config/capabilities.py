@@ -30,9 +30,12 @@ NOT_APPLIED = WARNING
 
 AXES: Dict[str, Tuple[str, ...]] = {name: spec.layout_axes for name, spec in TRAIN_ENGINES.items()}
 """The `parallelism.*` layout axes each engine reads (its spec's); the others must keep their defaults."""
-MAX_DEGREE: Dict[str, Dict[str, int]] = {"megatron": {"cp": 1}}
-"""Axes an engine reads but builds only up to a degree (the entries below say why); the layout search stays
-inside."""
+
+
+def max_degree(engine: str, axis: str) -> Optional[int]:
+    """The largest degree of `axis` the engine builds (its spec's `max_degree`; the entries below say why), or
+    None where it has no such limit."""
+    return dict(TRAIN_ENGINES[engine].max_degree).get(axis)
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ def _te(stack: Stack) -> Optional[bool]:
 
 DECLARATION: List[Support] = [
     # ------------------------------------------------------------------------------------------------ Megatron
-    Support("megatron_context_parallel", "megatron", "parallelism.cp", lambda cfg, layout: layout.cp > MAX_DEGREE["megatron"]["cp"],
+    Support("megatron_context_parallel", "megatron", "parallelism.cp", lambda cfg, layout: layout.cp > max_degree("megatron", "cp"),
             REFUSED, lambda cfg: _cp_why(cfg), lambda cfg: _cp_hint(cfg)),
     Support("megatron_pads_sequences", "megatron", "backend.remove_padding",
             lambda cfg, layout: cfg["backend"]["remove_padding"] is True, NOT_APPLIED,

@@ -45,6 +45,13 @@ class TrainEngineSpec:
     declared_version: Optional[Tuple[str, str]]
     """(distribution, config key) of the package release the config declares, which the preflight holds against
     the nodes."""
+    offload_keys: Tuple[str, ...]
+    """The settings that put its state on the host, which the layout search turns on or off together (FSDP: its
+    CPU offload policy, which any of them turns on; Megatron: the CPU optimizer step and the copies between
+    phases)."""
+    max_degree: Tuple[Tuple[str, int], ...] = ()
+    """Axes it reads but builds only up to a degree ((axis, degree); `capabilities` says why); the layout search
+    stays inside."""
 
     @property
     def layout_axes(self) -> Tuple[str, ...]:
@@ -78,6 +85,8 @@ class RolloutEngineSpec:
     """rollout.compile_decode compiles its decode step; otherwise it compiles by its own settings (or not)."""
     declared_version: Optional[Tuple[str, str]]
     """(distribution, config key) of the package release the config declares (see TrainEngineSpec)."""
+    decode_floor_s: Tuple[float, float, float]
+    """Seconds per decode step (low, typical, high) however small the model: the step-time estimate's floor."""
 
     def uses(self, package: str) -> bool:
         return package in self.packages
@@ -88,23 +97,31 @@ TRAIN_ENGINES: Dict[str, TrainEngineSpec] = {s.name: s for s in (
     TrainEngineSpec("fsdp", "qwen35rl.engines.fsdp_engine:FsdpTrainEngine", ("fsdp_size", "sp"),
                     model_parallel=False, reshardable_checkpoints=True, expert_parallel_rollout=False, packages=(),
                     pipeline_keys=(), checkpoint_bytes_per_param=12, offloads_between_phases=False,
-                    compiles_layers=True, declared_version=None),
+                    compiles_layers=True, declared_version=None,
+                    offload_keys=("backend.param_offload", "backend.optimizer_offload", "backend.offload_policy")),
     # A checkpoint of the bf16 model weights, the distributed optimizer's fp32 main copy and the two moments
     # (2 + 4 + 2 * 4 bytes).
     TrainEngineSpec("megatron", "qwen35rl.engines.megatron.engine:MegatronTrainEngine", ("tp", "pp", "cp", "ep", "etp"),
                     model_parallel=True, reshardable_checkpoints=False, expert_parallel_rollout=True,
                     packages=("megatron",), pipeline_keys=("vpp", "pipeline_layout"), checkpoint_bytes_per_param=14,
                     offloads_between_phases=True, compiles_layers=False,
-                    declared_version=("megatron-core", "backend.megatron_core_version")),
+                    declared_version=("megatron-core", "backend.megatron_core_version"),
+                    offload_keys=("backend.optimizer_cpu_offload", "backend.param_offload", "backend.grad_offload",
+                                  "backend.optimizer_offload"),
+                    max_degree=(("cp", 1),)),
 )}
 
+# Decode floors: the transformers rollout 8.0 ms a step with its CUDA graph and 40-47 ms eager
+# (bench/results/h200.md); vLLM 0.26 on an H100 11.2 ms (1.44 s for 128 steps of 64 sequences, prefill included;
+# bench/results/vllm_gpu.md). The low ends halve the typical value (a faster GPU, another release).
 ROLLOUT_ENGINES: Dict[str, RolloutEngineSpec] = {s.name: s for s in (
     RolloutEngineSpec("hf", "qwen35rl.engines.hf_rollout:HfRolloutEngine", own_weights=False, kv_pool=False,
                       tensor_parallel=False, split_pool=True, packages=(), expert_parallel=False,
-                      compiles_decode=True, declared_version=None),
+                      compiles_decode=True, declared_version=None, decode_floor_s=(0.008, 0.010, 0.045)),
     RolloutEngineSpec("vllm", "qwen35rl.engines.vllm_rollout:VllmRolloutEngine", own_weights=True, kv_pool=True,
                       tensor_parallel=True, split_pool=False, packages=("vllm",), expert_parallel=True,
-                      compiles_decode=False, declared_version=("vllm", "rollout.vllm_version")),
+                      compiles_decode=False, declared_version=("vllm", "rollout.vllm_version"),
+                      decode_floor_s=(0.006, 0.011, 0.022)),
 )}
 
 

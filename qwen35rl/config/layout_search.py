@@ -57,11 +57,11 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from qwen35rl.config import auto_batch, capabilities, log_prob_fit
+from qwen35rl.config import auto_batch, log_prob_fit
 from qwen35rl.config import memory as M
 from qwen35rl.config import params as P
 from qwen35rl.config import rules as R
-from qwen35rl.config.engine_specs import train_engine
+from qwen35rl.config.engine_specs import TRAIN_ENGINES, declared, train_engine
 from qwen35rl.config.layout import Layout, derive_layout, is_split, placement, pool_sizes
 from qwen35rl.config.problems import ERROR
 
@@ -126,8 +126,9 @@ def train_options(cfg: Any, world: int) -> Iterator[Dict[str, Any]]:
                 yield {**fixed, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": 1, "fsdp_size": f, "sp": sp}
         return
     experts = int(cfg["model"]["num_experts"]) if cfg["model"]["moe"] else 1
+    cp_max = dict(train_engine(cfg).max_degree).get("cp", world)
     for tp in _pow2_upto(world):
-        for cp in _pow2_upto(min(world // tp, capabilities.MAX_DEGREE["megatron"]["cp"])):
+        for cp in _pow2_upto(min(world // tp, cp_max)):
             for pp in _pow2_upto(world // (tp * cp)):
                 stage_world = world // pp
                 for ep in _pow2_upto(min(stage_world, experts)):
@@ -210,13 +211,6 @@ def search(cfg: Any) -> List[Candidate]:
     return out
 
 
-OFFLOAD_KEYS = {"fsdp": ("backend.param_offload", "backend.optimizer_offload", "backend.offload_policy"),
-                "megatron": ("backend.optimizer_cpu_offload", "backend.param_offload", "backend.grad_offload",
-                             "backend.optimizer_offload")}
-"""What `backend_variants` turns on or off together: the trainer's state on the host (FSDP: its CPU offload policy,
-which any of these turns on; Megatron: the CPU optimizer step and the copies between phases)."""
-
-
 def _dotted(tree: Dict[str, Any], key: str) -> Any:
     node = tree
     for part in key.split("."):
@@ -226,13 +220,14 @@ def _dotted(tree: Dict[str, Any], key: str) -> Any:
 
 def backend_variants(tree: Dict[str, Any]) -> List[Dict[str, Any]]:
     """The trainer settings the search ranks each layout with: the config's own ({}), offload toggled (all of
-    `OFFLOAD_KEYS` on when any is off, else all off) and recomputation toggled (backend.gradient_checkpointing,
+    the engine spec's `offload_keys` on when any is off, else all off) and recomputation toggled (backend.gradient_checkpointing,
     unless `auto`, which `auto_batch` chooses per layout). Each is costed: the host copies and the CPU optimizer
     step (`offload_seconds`), recomputation's extra third of the compute. With placement=split the training pool
     never shares its devices, so offload is not toggled there."""
     backend = str(tree["backend"]["name"])
     out: List[Dict[str, Any]] = [{}]
-    keys = [k for k in OFFLOAD_KEYS.get(backend, ()) if k.split(".", 1)[1] in tree["backend"]]
+    spec = declared(TRAIN_ENGINES, backend)
+    keys = [k for k in (spec.offload_keys if spec else ()) if k.split(".", 1)[1] in tree["backend"]]
     if keys and not is_split(tree):
         on = all(bool(_dotted(tree, k)) for k in keys)
         out.append({k: not on for k in keys})

@@ -158,7 +158,7 @@ def offload_settings(cfg: DictConfig, mem, layout: Optional[Layout] = None, pool
         out["optimizer_cpu_fraction"] = float(b.optimizer_offload_fraction) if b.optimizer_cpu_offload else 0.0
     else:
         out["offload_policy"] = bool(b.offload_policy)
-    keys = [k for k in layout_search.OFFLOAD_KEYS.get(str(b.name), ()) if OmegaConf.select(cfg, k) is True]
+    keys = [k for k in engine_specs.train_engine(cfg).offload_keys if OmegaConf.select(cfg, k) is True]
     if keys and layout is not None:
         tree = memory.as_tree(cfg)
         for k in keys:

@@ -32,15 +32,6 @@ MFU_MEASURED: Tuple[float, float, float] = (0.08, 0.25, 0.50)
 short responses a step, bench/results/vllm_gpu.md: update 1.9 s), 22.9-31.8 % in the 0.8B CLI runs on an H200 and
 50.1 % for the 4B with compiled layers and full micro batches (bench/results/h200.md)."""
 
-DECODE_FLOOR_S: Dict[str, Tuple[float, float, float]] = {
-    "vllm": (0.006, 0.011, 0.022),
-    "hf": (0.008, 0.010, 0.045),
-}
-"""Seconds per decode step (low, typical, high) however small the model: vLLM 0.26 on an H100, 11.2 ms (1.44 s for
-128 steps of 64 sequences, prefill included; bench/results/vllm_gpu.md); the transformers rollout 8.0 ms with its
-CUDA graph and 40-47 ms eager (bench/results/h200.md). The low ends halve the typical value (a faster GPU, another
-release)."""
-
 SYNC_GBPS: Tuple[float, float, float] = (20.0, 5.0, 0.8)
 """GB/s of the rollout's weight refresh (fast, typical, slow): 0.8 measured through the host (2.1 s for the 0.8B's
 1.7 GB, bench/results/vllm_gpu.md), about 20 on the device (the transformers rollout's 0.05-0.10 s per 1.5 GB,
@@ -102,7 +93,7 @@ def estimate(cfg: Any, layout: Layout, est: M.MemoryEstimate) -> Optional[StepTi
     engine = rollout_engine(tree)
     model_step = _decode_step_s(tree, layout, est)
     steps = _decode_steps(tree, layout, est)
-    floor = DECODE_FLOOR_S[engine.name]
+    floor = engine.decode_floor_s
     generation = tuple(steps * max(model_step, f) for f in floor)
     phases: Dict[str, Tuple[float, float, float]] = {"generation": generation}  # type: ignore[dict-item]
     if engine.own_weights:  # refreshed from the trainer after every update

@@ -12,6 +12,7 @@ from qwen35rl.config import rules
 from qwen35rl.config.problems import errors
 from qwen35rl.config.compose import compose
 from qwen35rl.config.layout import derive_layout
+from qwen35rl.config.engine_specs import train_engine
 from qwen35rl.config.memory import as_tree, estimate
 
 MG397_A3 = ["model=qwen3_5_397b_a17b", "hw=a3_16node", "backend=megatron", "parallelism=auto"]
@@ -116,7 +117,7 @@ def test_fsdp_searches_fsdp_size_sp_and_rollout_tp():
         assert {o.split("=")[0] for o in c.overrides} - set(c.variant) == {
             "parallelism.fsdp_size", "parallelism.sp", "parallelism.rollout.tp", "parallelism.rollout.dp",
             "parallelism.rollout.ep"}
-        assert set(c.variant) <= {"backend.gradient_checkpointing", *S.OFFLOAD_KEYS["fsdp"]}
+        assert set(c.variant) <= {"backend.gradient_checkpointing", *train_engine("fsdp").offload_keys}
         assert c.layout.rollout_ep == 1 and 24 % c.layout.sp == 0
     assert {"parallelism.fsdp_size=8", "parallelism.sp=1", "parallelism.rollout.tp=4"} <= set(cands[0].overrides)
 
