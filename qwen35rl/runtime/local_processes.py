@@ -180,6 +180,11 @@ class ProcessWorkerGroup:
                 theirs.close()
                 procs.append(proc)
                 conns.append(mine)
+        except BaseException:  # the workers already started go with the one that could not
+            for proc in procs:
+                proc.kill()
+            lifeline_w.close()
+            raise
         finally:
             lifeline_r.close()
         wg = cls(procs, conns, lifeline_w)
