@@ -37,6 +37,7 @@ from qwen35rl.config import memory as M
 from qwen35rl.config.layout import Layout, derive_layout
 from qwen35rl.config.rules import _divisors as divisors
 from qwen35rl.config.schema import AUTO
+from qwen35rl.config.tree import at
 
 MICRO, CHECKPOINTING = "backend.micro_batch_size_per_device", "backend.gradient_checkpointing"
 TOKENS = "backend.max_tokens_per_device"
@@ -93,16 +94,9 @@ class Choice:
                 f"{gib(self.capacity_gib)} GiB usable)")
 
 
-def _get(cfg: Any, dotted: str) -> Any:
-    node = cfg
-    for part in dotted.split("."):
-        node = node[part]
-    return node
-
-
 def auto_keys(cfg: Any) -> Tuple[str, ...]:
     """The keys of `cfg` set to `auto` (micro batch, checkpointing, token budget)."""
-    return tuple(k for k in (MICRO, CHECKPOINTING, TOKENS) if _get(cfg, k) == AUTO)
+    return tuple(k for k in (MICRO, CHECKPOINTING, TOKENS) if at(cfg, k) == AUTO)
 
 
 def micro_sizes(cfg: Any, layout: Layout) -> List[int]:

@@ -3,19 +3,18 @@ launch). Torch-free and Ray-free."""
 from __future__ import annotations
 
 import os
-from typing import Any, Tuple
+from typing import Any, Dict, Tuple
+
+from qwen35rl.config.tree import get as _get
 
 LAUNCHERS = ("auto", "ray", "local")
 
 
-def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
-    node = cfg
-    try:
-        for part in dotted.split("."):
-            node = node[part]
-    except (KeyError, AttributeError, TypeError):
-        return default
-    return node
+def ray_runtime_env(cfg: Any) -> Dict[str, str]:
+    """The fields of `hw.ray_runtime_env` that are set: the job's runtime_env given to ray.init, which every actor of
+    the run inherits (each actor's own env_vars, the worker environment, are merged over it)."""
+    env = _get(cfg, "hw.ray_runtime_env") or {}
+    return {str(k): str(v) for k, v in env.items() if v not in (None, "")}
 
 
 def auto_choice(cfg: Any) -> Tuple[str, str]:
@@ -32,7 +31,7 @@ def auto_choice(cfg: Any) -> Tuple[str, str]:
         return "ray", f"{_get(cfg, 'hw.device')} devices, which Ray assigns to the workers"
     if _get(cfg, "placement.mode", "colocated") != "colocated":
         return "ray", "placement=split places its pools as Ray actors"
-    if any(v not in (None, "") for v in dict(_get(cfg, "hw.ray_runtime_env", None) or {}).values()):
+    if ray_runtime_env(cfg):
         return "ray", "hw.ray_runtime_env asks Ray for the workers' interpreter"
     return "local", "one CPU host, colocated, no Ray cluster named"
 

@@ -64,6 +64,7 @@ from qwen35rl.config import rules as R
 from qwen35rl.config.engine_specs import TRAIN_ENGINES, declared, train_engine
 from qwen35rl.config.layout import Layout, derive_layout, is_split, placement, pool_sizes
 from qwen35rl.config.problems import ERROR
+from qwen35rl.config.tree import at
 
 MFU = 0.35
 """Fraction of hw.peak_tflops the trainer reaches."""
@@ -126,7 +127,7 @@ def train_options(cfg: Any, world: int) -> Iterator[Dict[str, Any]]:
                 yield {**fixed, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": 1, "fsdp_size": f, "sp": sp}
         return
     experts = int(cfg["model"]["num_experts"]) if cfg["model"]["moe"] else 1
-    cp_max = dict(train_engine(cfg).max_degree).get("cp", world)
+    cp_max = train_engine(cfg).degree_limit("cp") or world
     for tp in _pow2_upto(world):
         for cp in _pow2_upto(min(world // tp, cp_max)):
             for pp in _pow2_upto(world // (tp * cp)):
@@ -211,13 +212,6 @@ def search(cfg: Any) -> List[Candidate]:
     return out
 
 
-def _dotted(tree: Dict[str, Any], key: str) -> Any:
-    node = tree
-    for part in key.split("."):
-        node = node[part]
-    return node
-
-
 def backend_variants(tree: Dict[str, Any]) -> List[Dict[str, Any]]:
     """The trainer settings the search ranks each layout with: the config's own ({}), offload toggled (all of
     the engine spec's `offload_keys` on when any is off, else all off) and recomputation toggled (backend.gradient_checkpointing,
@@ -229,9 +223,9 @@ def backend_variants(tree: Dict[str, Any]) -> List[Dict[str, Any]]:
     spec = declared(TRAIN_ENGINES, backend)
     keys = [k for k in (spec.offload_keys if spec else ()) if k.split(".", 1)[1] in tree["backend"]]
     if keys and not is_split(tree):
-        on = all(bool(_dotted(tree, k)) for k in keys)
+        on = all(bool(at(tree, k)) for k in keys)
         out.append({k: not on for k in keys})
-    ckpt = _dotted(tree, "backend.gradient_checkpointing")
+    ckpt = at(tree, "backend.gradient_checkpointing")
     if ckpt in (True, False):
         out.append({"backend.gradient_checkpointing": not ckpt})
     return out
@@ -578,13 +572,7 @@ DEGREE_KEYS = ("tp", "pp", "cp", "ep", "etp", "vpp", "pipeline_layout", "fsdp_si
 
 
 def _degrees(par: Any) -> Dict[str, Any]:
-    return {k: OmegaConf.select(par, k) if isinstance(par, DictConfig) else _get(par, k) for k in DEGREE_KEYS}
-
-
-def _get(tree: Dict[str, Any], dotted: str) -> Any:
-    for part in dotted.split("."):
-        tree = tree[part]
-    return tree
+    return {k: OmegaConf.select(par, k) if isinstance(par, DictConfig) else at(par, k) for k in DEGREE_KEYS}
 
 
 @lru_cache(maxsize=64)

@@ -25,7 +25,7 @@ import traceback
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from qwen35rl.config import redact
-from qwen35rl.config.launcher import launcher_of
+from qwen35rl.config.launcher import launcher_of, ray_runtime_env
 from qwen35rl.config.resolved import ResolvedRun
 from qwen35rl.runtime import local_watchdog
 from qwen35rl.runtime.platform import Platform, apply_env
@@ -163,13 +163,6 @@ def _signal_handlers_kept() -> Any:
         for s, handler in handlers.items():
             if handler is not None:
                 signal.signal(s, handler)
-
-
-def ray_runtime_env(cfg: Any) -> Dict[str, str]:
-    """The fields of `hw.ray_runtime_env` that are set: the job's runtime_env given to ray.init, which every actor of
-    the run inherits (each actor's own env_vars, the worker environment, are merged over it)."""
-    env = (cfg.get("hw") or {}).get("ray_runtime_env") or {}
-    return {str(k): str(v) for k, v in env.items() if v not in (None, "")}
 
 
 def connect(cfg: Any, platform: Platform, world: int) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterable, List, Optional, Tuple
 
-from qwen35rl.config import engine_specs
+from qwen35rl.config import engine_specs, tree
 from qwen35rl.config.layout import Layout
 from qwen35rl.config.problems import ERROR, Problem
 
@@ -30,12 +30,8 @@ def rule(scope: str) -> Callable[[Rule], Rule]:
     return register
 
 
-def val(cfg: Any, dotted: str) -> Any:
-    """`cfg["a"]["b"]` for "a.b": works on a DictConfig and on a plain dict tree."""
-    node = cfg
-    for part in dotted.split("."):
-        node = node[part]
-    return node
+val = tree.at
+"""`cfg["a"]["b"]` for "a.b": works on a DictConfig and on a plain dict tree."""
 
 
 def _err(code: str, key: str, message: str, hint: str = "") -> List[Problem]:
@@ -91,10 +87,7 @@ def _moe(cfg: Any) -> bool:
 
 
 def _get(cfg: Any, dotted: str, default: Any = KeyError) -> Any:
-    try:
-        return val(cfg, dotted)
-    except (KeyError, AttributeError, TypeError):  # TypeError: a null group on the way (model.vision)
-        return default
+    return tree.get(cfg, dotted, default)
 
 
 def _shown(v: Any) -> str:
