@@ -32,12 +32,6 @@ AXES: Dict[str, Tuple[str, ...]] = {name: spec.layout_axes for name, spec in TRA
 """The `parallelism.*` layout axes each engine reads (its spec's); the others must keep their defaults."""
 
 
-def max_degree(engine: str, axis: str) -> Optional[int]:
-    """The largest degree of `axis` the engine builds (its spec's `max_degree`; the entries below say why), or
-    None where it has no such limit."""
-    return dict(TRAIN_ENGINES[engine].max_degree).get(axis)
-
-
 @dataclass(frozen=True)
 class Stack:
     """The installed software an engine meets. None: not known here (the plan cannot see the nodes)."""
@@ -119,7 +113,7 @@ def _te(stack: Stack) -> Optional[bool]:
 
 DECLARATION: List[Support] = [
     # ------------------------------------------------------------------------------------------------ Megatron
-    Support("megatron_context_parallel", "megatron", "parallelism.cp", lambda cfg, layout: layout.cp > max_degree("megatron", "cp"),
+    Support("megatron_context_parallel", "megatron", "parallelism.cp", lambda cfg, layout: layout.cp > TRAIN_ENGINES["megatron"].degree_limit("cp"),
             REFUSED, lambda cfg: _cp_why(cfg), lambda cfg: _cp_hint(cfg)),
     Support("megatron_pads_sequences", "megatron", "backend.remove_padding",
             lambda cfg, layout: cfg["backend"]["remove_padding"] is True, NOT_APPLIED,

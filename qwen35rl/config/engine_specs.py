@@ -53,6 +53,10 @@ class TrainEngineSpec:
     """Axes it reads but builds only up to a degree ((axis, degree); `capabilities` says why); the layout search
     stays inside."""
 
+    def degree_limit(self, axis: str) -> Optional[int]:
+        """The largest degree of `axis` it builds (`max_degree`), or None where it has no such limit."""
+        return dict(self.max_degree).get(axis)
+
     @property
     def layout_axes(self) -> Tuple[str, ...]:
         """Every `parallelism.*` key it reads; another engine's keep their defaults."""

@@ -312,10 +312,10 @@ def launcher(run: ResolvedRun, platform: Platform, phases: Optional[report.Phase
     CPU cluster is probed here too: its one node is this host, and a probe task would cost a process start."""
     cfg = run.cfg
     if cfg.trainer.launcher == "local":
-        from qwen35rl.runtime.local_processes import ProcessWorkerGroup
+        from qwen35rl.runtime import local_processes
 
         yield (partial(run_local_preflight, run, platform),
-               LocalWorkerGroup if run.layout.devices == 1 else ProcessWorkerGroup)
+               local_processes.ProcessWorkerGroup if local_processes.wanted(run) else LocalWorkerGroup)
         return
     with ray_session(cfg, platform, run.layout.devices, early_ray) as started_local:
         if phases is not None:

@@ -164,10 +164,7 @@ class ProcessWorkerGroup:
                                f"use trainer.launcher=ray")
         start_server(run)
         ctx = _context()
-        env = dict(os.environ)
-        for key, value in platform.worker_env.items():
-            env.setdefault(key, value)
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env = {"OMP_NUM_THREADS": "1", **platform.worker_env, **os.environ}  # what this process sets wins
         lifeline_r, lifeline_w = ctx.Pipe(duplex=False)
         procs, conns = [], []
         try:
