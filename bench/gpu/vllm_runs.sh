@@ -18,13 +18,17 @@
 #   bash bench/gpu/vllm_runs.sh megatron  run C: Megatron TP1 + vLLM on the images, byte-sized vocabulary (LEARN)
 #   bash bench/gpu/vllm_runs.sh warm4b    run D's kernels compiled (2 steps, killed), so that `4b` fits one call
 #   bash bench/gpu/vllm_runs.sh 4b        run D: 4B architecture, FSDP + vLLM, text
+#   bash bench/gpu/vllm_runs.sh 4bmax follow   run D at the largest micro batch the plan accepts on the card (B4
+#        prompts, default 32: 256 responses in one micro batch on an H100), started in its own process session so
+#        that it outlives the call; `follow` (again in each next back-to-back call) brings its files back and ends
+#        it once it has logged its steps (before its final checkpoint, 48 GB of host states)
 #   bash bench/gpu/vllm_runs.sh peers     bare vLLM generate and TRL's GRPOTrainer (vLLM colocate) on run A's workload
 #   bash bench/gpu/vllm_runs.sh trl       TRL's half of peers alone
 # Each run's card memory comes from the device (hw.memory_gb), never a constant. Kernel caches live in
 # /tmp/kcache (trainer.kernel_cache_dir) for the whole warm machine: the first engine start compiles, later ones
 # reuse. Results: $OUT/<run>/ (metrics.jsonl, plan.json, the log's tail) and one summary line per run.
 set -u
-[ $# -gt 0 ] || { echo "usage: vllm_runs.sh STAGE... (stage gdn install warmup text images textl imagesl megatron warm4b 4b peers trl)"; exit 2; }
+[ $# -gt 0 ] || { echo "usage: vllm_runs.sh STAGE... (stage gdn install warmup text images textl imagesl megatron warm4b 4b 4bmax follow peers trl)"; exit 2; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-/tmp/out}
@@ -54,8 +58,12 @@ q_run() {
   python3 -m qwen35rl.cli.plan "$@" format=json > "$OUT/$name/plan.json" 2> "$LOGS/$name-plan.log"
   elapsed "plan $name: exit $? ($(python3 -c "import json; p = json.load(open('$OUT/$name/plan.json')); m = p['memory_gib']; print('valid', p['valid'], 'train', round(m['train_peak'], 1), 'rollout', round(m['rollout_peak'], 1), 'usable', round(m['capacity'], 1), p.get('vllm'))" 2>&1 | tail -1))"
   # metrics and the log's tail copied as they grow: a call cut off at its limit still brings them back
+  # and which process holds how much of the device (the driver, the workers), with the step reached
   ( while sleep 10; do cp "$dir/metrics.jsonl" "$OUT/$name/" 2>/dev/null
-      tail -c 20000 "$LOGS/$name.log" > "$OUT/$name/log-tail.txt"; done ) &
+      tail -c 20000 "$LOGS/$name.log" > "$OUT/$name/log-tail.txt"
+      echo "$(date +%T) steps=$(wc -l 2>/dev/null < "$dir/metrics.jsonl") $(nvidia-smi --query-compute-apps=pid,used_memory \
+        --format=csv,noheader 2>&1 | while IFS=, read -r pid mem; do echo -n "$pid:$(ps -o comm= -p "$pid" 2>/dev/null):$mem;"; done)" \
+        >> "$OUT/$name/gpu-procs.txt"; done ) &
   local copier=$!
   timeout -s INT -k 90 "$limit" python3 -m qwen35rl.cli.train "hydra.run.dir=$dir" trainer.stop_timeout_s=75 "$@" \
     >> "$LOGS/$name.log" 2>&1
@@ -167,6 +175,37 @@ warm4b)
   # logged before the final checkpoint (48 GB of host states) would be written, which the limit may cut short
   card
   q_run text-4b-fsdp "$(left ${LIMIT:-585})" model=qwen3_5_4b backend=fsdp $(common) "${TEXT[@]}" "${D4[@]}"
+  ;;
+4bmax)
+  # started in a new process session: the device keeps it running while the machine stays warm between calls
+  card
+  mkdir -p /tmp/det
+  B4=${B4:-32} OUT=/tmp/det setsid nohup bash bench/gpu/vllm_runs.sh _4bmax > "$LOGS/4bmax.out" 2>&1 < /dev/null &
+  elapsed "run D at B4=${B4:-32} prompts started in its own session (pid $!)"
+  ;;
+_4bmax)
+  # no KL term (no reference pass) so that 50 steps of 256 responses fit the session's device time
+  q_run text-4b-max "${DLIMIT:-1700}" model=qwen3_5_4b backend=fsdp $(common) "${TEXT[@]}" "${D4[@]}" \
+    algorithm.use_kl_loss=false
+  ;;
+follow)
+  # the detached run's files into $OUT every 5 s; ends at the call's limit, when the run ends, or once it has logged
+  # STEPS steps (then it is killed: its final checkpoint would take minutes and is not needed)
+  name=${FOLLOW:-text-4b-max}
+  while :; do
+    mkdir -p "$OUT/$name"; cp /tmp/det/$name/* "$OUT/$name/" 2>/dev/null
+    n=$(cat "$RUNS/$name/metrics.jsonl" 2>/dev/null | wc -l)
+    if [ "$n" -ge "${STEPS:-50}" ]; then
+      pkill -9 -f "hydra.run.dir=$RUNS/$name"; elapsed "run $name: $n steps logged, stopped"; break
+    fi
+    pgrep -f "vllm_runs.sh _" > /dev/null || { elapsed "run $name: not running ($n steps)"; break; }
+    [ "$(left 590)" -lt 12 ] && { elapsed "run $name: still running, $n steps logged"; break; }
+    sleep 5
+  done
+  cp "$RUNS/$name/metrics.jsonl" "$OUT/$name/" 2>/dev/null
+  tail -c 20000 "$LOGS/$name.log" > "$OUT/$name/log-tail.txt"
+  grep -h "engine started\|engines built\|first step\|out of memory\|Error\|error:" "$LOGS/$name.log" | cut -c1-300 | tail -8
+  python3 bench/gpu/vllm_summary.py "$OUT/$name" | tee "$OUT/$name/summary.txt"
   ;;
 peers)
   # run A's workload: 8 prompts x 8, prompts of 256 tokens, responses of 128; vLLM at the same memory share

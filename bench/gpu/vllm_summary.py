@@ -37,7 +37,8 @@ def summary(run: Path) -> dict:
             out[key] = {"first": round(xs[0], 2), "median_after_first": round(statistics.median(steady), 3)}
     mem = {}
     for key in rows[-1]:
-        if key.startswith(("perf/device_memory_used_gb/", "perf/max_memory_allocated_gb/", "perf/memory_allocated_gb/")):
+        if key.startswith(("perf/device_memory_used_gb/", "perf/max_memory_allocated_gb/", "perf/memory_allocated_gb/",
+                               "perf/memory_reserved_gb/")):
             xs = col(key)
             mem[key] = round(max(xs), 2)
     out["memory_gib_peak"] = mem

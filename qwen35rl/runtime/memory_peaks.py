@@ -11,8 +11,10 @@ Memory that is not the caching allocator's (vLLM's sleep-mode pools, allocated t
 CUDA context) is in no allocator counter: each phase also records the device's used memory (total - free, one
 `mem_get_info` at its end), `perf/device_memory_used_gb/<phase>`, the number to hold against the plan's rollout
 estimate under vLLM. A `moment` (e.g. `before_wake`: the trainer's side alone, the engine asleep) records both the
-device's used memory and the allocator's live bytes at one point, `perf/memory_allocated_gb/<moment>`: their
-difference is what no allocator counts (CUDA context, loaded kernels, communicators).
+device's used memory and the allocator's live bytes at one point, `perf/memory_allocated_gb/<moment>`, and what the
+allocator holds from the device then, `perf/memory_reserved_gb/<moment>` (after an empty_cache: blocks it could not
+give back). Used less reserved is what no allocator counts (CUDA context, loaded kernels, communicators, memory of
+libraries with their own allocators).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class MemoryPeaks:
         self.phases: Dict[str, int] = {}
         self.used: Dict[str, int] = {}
         self.live: Dict[str, int] = {}
+        self.reserved: Dict[str, int] = {}
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -50,10 +53,13 @@ class MemoryPeaks:
                 self.used[name] = max(self.used.get(name, 0), used)
 
     def moment(self, name: str) -> None:
-        """The device's used memory and the allocator's live bytes now (largest over the step)."""
+        """The device's used memory, the allocator's live and reserved bytes now (largest over the step)."""
         if self.device is None:
             return
         self.live[name] = max(self.live.get(name, 0), int(self.device.memory_allocated()))
+        reserved = getattr(self.device, "memory_reserved", None)
+        if reserved is not None:
+            self.reserved[name] = max(self.reserved.get(name, 0), int(reserved()))
         used = self.device_used()
         if used is not None:
             self.used[name] = max(self.used.get(name, 0), used)
@@ -74,23 +80,26 @@ class MemoryPeaks:
 
     def take_phases_gb(self) -> Dict[str, float]:
         """Each phase's peak since the last call (GiB), and clears them: one step's phases per call. The device's used
-        memory at a phase's end (or a moment) comes as `DEVICE_USED + name`, a moment's live bytes as `LIVE + name`."""
+        memory at a phase's end (or a moment) comes as `DEVICE_USED + name`, a moment's live and reserved bytes as `LIVE + name`
+        and `RESERVED + name`."""
         out = {k: v / GIB for k, v in self.phases.items()}
         out.update({DEVICE_USED + k: v / GIB for k, v in self.used.items()})
         out.update({LIVE + k: v / GIB for k, v in self.live.items()})
-        self.phases.clear()
-        self.used.clear()
-        self.live.clear()
+        out.update({RESERVED + k: v / GIB for k, v in self.reserved.items()})
+        for counts in (self.phases, self.used, self.live, self.reserved):
+            counts.clear()
         return out
 
 
 DEVICE_USED = "device_used:"
 LIVE = "allocated:"
+RESERVED = "reserved:"
 
 
 def metric_name(key: str) -> str:
     """The tracker's name of a `take_phases_gb` key."""
-    for prefix, metric in ((DEVICE_USED, "perf/device_memory_used_gb/"), (LIVE, "perf/memory_allocated_gb/")):
+    for prefix, metric in ((DEVICE_USED, "perf/device_memory_used_gb/"), (LIVE, "perf/memory_allocated_gb/"),
+                           (RESERVED, "perf/memory_reserved_gb/")):
         if key.startswith(prefix):
             return metric + key[len(prefix):]
     return "perf/max_memory_allocated_gb/" + key

@@ -75,8 +75,13 @@ class FakeDevice(FakeAllocator):
     def memory_allocated(self):
         return self.allocated
 
+    def memory_reserved(self):
+        return self.allocated + self.cached
+
+    cached = 0
+
     def mem_get_info(self):
-        return self.total - self.allocated - self.outside, self.total
+        return self.total - self.memory_reserved() - self.outside, self.total
 
 
 def test_a_moment_records_device_use_and_live_bytes_under_their_tracker_names():
@@ -85,13 +90,16 @@ def test_a_moment_records_device_use_and_live_bytes_under_their_tracker_names():
     dev = FakeDevice(total=80 * GIB, outside=3 * GIB)
     peaks = MemoryPeaks(dev)
     dev.alloc(6 * GIB)
+    dev.cached = 2 * GIB              # blocks the allocator could not give back
     peaks.moment("before_wake")
+    dev.cached = 0
     dev.alloc(30 * GIB)               # the engine awake
     with peaks.phase("gen"):
         dev.alloc(1 * GIB)
         dev.free(1 * GIB)
     named = {metric_name(k): v for k, v in peaks.take_phases_gb().items()}
     assert named == {"perf/max_memory_allocated_gb/gen": 37.0, "perf/device_memory_used_gb/gen": 39.0,
-                     "perf/device_memory_used_gb/before_wake": 9.0, "perf/memory_allocated_gb/before_wake": 6.0}
+                     "perf/device_memory_used_gb/before_wake": 11.0, "perf/memory_allocated_gb/before_wake": 6.0,
+                     "perf/memory_reserved_gb/before_wake": 8.0}
     assert peaks.take_phases_gb() == {}
     MemoryPeaks(None).moment("before_wake")  # CPU: nothing to read, nothing recorded
