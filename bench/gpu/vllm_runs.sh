@@ -22,13 +22,15 @@
 #        prompts, default 32: 256 responses in one micro batch on an H100), started in its own process session so
 #        that it outlives the call; `follow` (again in each next back-to-back call) brings its files back and ends
 #        it once it has logged its steps (before its final checkpoint, 48 GB of host states)
+#   bash bench/gpu/vllm_runs.sh caches    the compiled kernels of this machine's runs into $OUT/kcache/ (parts of 15 MiB),
+#        for the next session's `install` to carry in as .kcache-vllm/
 #   bash bench/gpu/vllm_runs.sh peers     bare vLLM generate and TRL's GRPOTrainer (vLLM colocate) on run A's workload
 #   bash bench/gpu/vllm_runs.sh trl       TRL's half of peers alone
 # Each run's card memory comes from the device (hw.memory_gb), never a constant. Kernel caches live in
 # /tmp/kcache (trainer.kernel_cache_dir) for the whole warm machine: the first engine start compiles, later ones
 # reuse. Results: $OUT/<run>/ (metrics.jsonl, plan.json, the log's tail) and one summary line per run.
 set -u
-[ $# -gt 0 ] || { echo "usage: vllm_runs.sh STAGE... (stage gdn install warmup text images textl imagesl megatron warm4b 4b 4bmax follow peers trl)"; exit 2; }
+[ $# -gt 0 ] || { echo "usage: vllm_runs.sh STAGE... (stage gdn install warmup text images textl imagesl megatron warm4b 4b 4bmax follow caches peers trl)"; exit 2; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT=${OUT:-/tmp/out}
@@ -130,6 +132,8 @@ install)
   SITE=/tmp/site bash bench/gpu/install-wheels.sh .whl-x 2>&1 | tail -1
   python3 -c "import vllm, hydra, fla, tilelang, megatron.core, trl; print('imports ok: vllm', vllm.__version__)" 2>&1 | tail -1
   [ -f /tmp/data/geo3k/test.parquet ] || data
+  [ -f .kcache-vllm/kcache-vllm.tar.gz ] || { ls .kcache-vllm/kcache-vllm.tar.gz.part-? > /dev/null 2>&1 \
+    && cat .kcache-vllm/kcache-vllm.tar.gz.part-? > .kcache-vllm/kcache-vllm.tar.gz; }
   [ -f .kcache-vllm/kcache-vllm.tar.gz ] && tar xzf .kcache-vllm/kcache-vllm.tar.gz -C "$KCACHE" && echo "kernel caches carried in"
   ;;
 warmup)
@@ -206,6 +210,17 @@ follow)
   tail -c 20000 "$LOGS/$name.log" > "$OUT/$name/log-tail.txt"
   grep -h "engine started\|engines built\|first step\|out of memory\|Error\|error:" "$LOGS/$name.log" | cut -c1-300 | tail -8
   python3 bench/gpu/vllm_summary.py "$OUT/$name" | tee "$OUT/$name/summary.txt"
+  ;;
+caches)
+  # the compiled kernels of this machine's runs (Triton, TileLang, Inductor, vLLM's compile cache), for the next
+  # machine to start warm: $OUT/kcache/kcache-vllm.tar.gz.part-?, at most 3 parts of 15 MiB (the files that come
+  # back are limited); join them into .kcache-vllm/kcache-vllm.tar.gz and carry that with `install`
+  mkdir -p "$OUT/kcache"
+  (cd "$KCACHE" && nice -n 19 tar czf /tmp/kcache-vllm.tar.gz $(ls -d triton tilelang inductor vllm 2>/dev/null))
+  size=$(stat -c %s /tmp/kcache-vllm.tar.gz)
+  if [ "$size" -le $((45 * 1048576)) ]; then split -b 15M -a 1 /tmp/kcache-vllm.tar.gz "$OUT/kcache/kcache-vllm.tar.gz.part-"
+  else echo "kernel caches: $size bytes, more than the 45 MiB that may come back"; fi
+  du -sh "$KCACHE"/* 2>/dev/null; elapsed "kernel caches packed: $size bytes"
   ;;
 peers)
   # run A's workload: 8 prompts x 8, prompts of 256 tokens, responses of 128; vLLM at the same memory share
