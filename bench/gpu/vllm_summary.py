@@ -38,7 +38,7 @@ def summary(run: Path) -> dict:
     mem = {}
     for key in rows[-1]:
         if key.startswith(("perf/device_memory_used_gb/", "perf/max_memory_allocated_gb/", "perf/memory_allocated_gb/",
-                               "perf/memory_reserved_gb/")):
+                               "perf/memory_reserved_gb/", "perf/memory_default_pool")):
             xs = col(key)
             mem[key] = round(max(xs), 2)
     out["memory_gib_peak"] = mem

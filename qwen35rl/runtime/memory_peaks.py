@@ -14,13 +14,16 @@ estimate under vLLM. A `moment` (e.g. `before_wake`: the trainer's side alone, t
 device's used memory and the allocator's live bytes at one point, `perf/memory_allocated_gb/<moment>`, and what the
 allocator holds from the device then, `perf/memory_reserved_gb/<moment>` (after an empty_cache: blocks it could not
 give back). Used less reserved is what no allocator counts (CUDA context, loaded kernels, communicators, memory of
-libraries with their own allocators).
+libraries with their own allocators). Reserved counts private pools too (vLLM's sleep-mode pools, asleep or not;
+CUDA graphs): `perf/memory_default_pool_gb/<moment>` is the part in the allocator's default pool, from its
+segment list, and `perf/memory_default_pool_free_gb/<moment>` the free bytes inside those segments: what an
+empty_cache cannot give back because live blocks share their segments (fragmentation).
 """
 from __future__ import annotations
 
 import contextlib
 import resource
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from qwen35rl.config.memory import GIB
 
@@ -34,6 +37,8 @@ class MemoryPeaks:
         self.used: Dict[str, int] = {}
         self.live: Dict[str, int] = {}
         self.reserved: Dict[str, int] = {}
+        self.default_pool: Dict[str, int] = {}
+        self.default_free: Dict[str, int] = {}
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -60,9 +65,26 @@ class MemoryPeaks:
         reserved = getattr(self.device, "memory_reserved", None)
         if reserved is not None:
             self.reserved[name] = max(self.reserved.get(name, 0), int(reserved()))
+        default = self.default_pool_segments()
+        if default is not None:
+            self.default_pool[name] = max(self.default_pool.get(name, 0), default[0])
+            self.default_free[name] = max(self.default_free.get(name, 0), default[0] - default[1])
         used = self.device_used()
         if used is not None:
             self.used[name] = max(self.used.get(name, 0), used)
+
+    def default_pool_segments(self) -> Optional[Tuple[int, int]]:
+        """(reserved, allocated) bytes of the allocator's segments in its default pool (pool id (0, 0)); None where
+        the device module has no segment list."""
+        snapshot = getattr(self.device, "memory_snapshot", None)
+        if snapshot is None:
+            return None
+        try:
+            segments = snapshot()
+        except Exception:  # a diagnostic: whatever the allocator's segment list refuses, the run goes on
+            return None
+        default = [s for s in segments if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)]
+        return sum(int(s.get("total_size", 0)) for s in default), sum(int(s.get("allocated_size", 0)) for s in default)
 
     def device_used(self) -> Optional[int]:
         """Bytes in use on the device, by anyone (None where the device module cannot say)."""
@@ -81,12 +103,14 @@ class MemoryPeaks:
     def take_phases_gb(self) -> Dict[str, float]:
         """Each phase's peak since the last call (GiB), and clears them: one step's phases per call. The device's used
         memory at a phase's end (or a moment) comes as `DEVICE_USED + name`, a moment's live and reserved bytes as `LIVE + name`
-        and `RESERVED + name`."""
+        and `RESERVED + name`, the default pool's reserved and free bytes as `DEFAULT_POOL + name` and `DEFAULT_FREE + name`."""
         out = {k: v / GIB for k, v in self.phases.items()}
         out.update({DEVICE_USED + k: v / GIB for k, v in self.used.items()})
         out.update({LIVE + k: v / GIB for k, v in self.live.items()})
         out.update({RESERVED + k: v / GIB for k, v in self.reserved.items()})
-        for counts in (self.phases, self.used, self.live, self.reserved):
+        out.update({DEFAULT_POOL + k: v / GIB for k, v in self.default_pool.items()})
+        out.update({DEFAULT_FREE + k: v / GIB for k, v in self.default_free.items()})
+        for counts in (self.phases, self.used, self.live, self.reserved, self.default_pool, self.default_free):
             counts.clear()
         return out
 
@@ -94,12 +118,15 @@ class MemoryPeaks:
 DEVICE_USED = "device_used:"
 LIVE = "allocated:"
 RESERVED = "reserved:"
+DEFAULT_POOL = "default_pool:"
+DEFAULT_FREE = "default_pool_free:"
 
 
 def metric_name(key: str) -> str:
     """The tracker's name of a `take_phases_gb` key."""
     for prefix, metric in ((DEVICE_USED, "perf/device_memory_used_gb/"), (LIVE, "perf/memory_allocated_gb/"),
-                           (RESERVED, "perf/memory_reserved_gb/")):
+                           (RESERVED, "perf/memory_reserved_gb/"), (DEFAULT_POOL, "perf/memory_default_pool_gb/"),
+                           (DEFAULT_FREE, "perf/memory_default_pool_free_gb/")):
         if key.startswith(prefix):
             return metric + key[len(prefix):]
     return "perf/max_memory_allocated_gb/" + key

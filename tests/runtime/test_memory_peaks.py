@@ -83,6 +83,13 @@ class FakeDevice(FakeAllocator):
     def mem_get_info(self):
         return self.total - self.memory_reserved() - self.outside, self.total
 
+    private = 0                       # reserved in a private pool (vLLM's sleep-mode pool, CUDA graphs)
+
+    def memory_snapshot(self):
+        return [{"segment_pool_id": (0, 0), "total_size": self.memory_reserved() - self.private,
+                 "allocated_size": self.allocated},
+                {"segment_pool_id": (1, 0), "total_size": self.private, "allocated_size": 0}]
+
 
 def test_a_moment_records_device_use_and_live_bytes_under_their_tracker_names():
     from qwen35rl.runtime.memory_peaks import metric_name
@@ -90,7 +97,8 @@ def test_a_moment_records_device_use_and_live_bytes_under_their_tracker_names():
     dev = FakeDevice(total=80 * GIB, outside=3 * GIB)
     peaks = MemoryPeaks(dev)
     dev.alloc(6 * GIB)
-    dev.cached = 2 * GIB              # blocks the allocator could not give back
+    dev.cached = 7 * GIB              # blocks the allocator could not give back
+    dev.private = 5 * GIB             # of them in a private pool (a CUDA graph's), 2 in the default pool
     peaks.moment("before_wake")
     dev.cached = 0
     dev.alloc(30 * GIB)               # the engine awake
@@ -99,7 +107,8 @@ def test_a_moment_records_device_use_and_live_bytes_under_their_tracker_names():
         dev.free(1 * GIB)
     named = {metric_name(k): v for k, v in peaks.take_phases_gb().items()}
     assert named == {"perf/max_memory_allocated_gb/gen": 37.0, "perf/device_memory_used_gb/gen": 39.0,
-                     "perf/device_memory_used_gb/before_wake": 11.0, "perf/memory_allocated_gb/before_wake": 6.0,
-                     "perf/memory_reserved_gb/before_wake": 8.0}
+                     "perf/device_memory_used_gb/before_wake": 16.0, "perf/memory_allocated_gb/before_wake": 6.0,
+                     "perf/memory_reserved_gb/before_wake": 13.0, "perf/memory_default_pool_gb/before_wake": 8.0,
+                     "perf/memory_default_pool_free_gb/before_wake": 2.0}
     assert peaks.take_phases_gb() == {}
     MemoryPeaks(None).moment("before_wake")  # CPU: nothing to read, nothing recorded
