@@ -14,6 +14,7 @@ workload, per-call / per-step timings, tokens/s, errors) and exits 1 on an error
              of 256 tokens x 8 samples of up to 512, KL 0.001, micro batches of 16), sleep mode on (--no-sleep: TRL's
              default): per step its wall time, weight push, vLLM generate (tokens/s), wake / sleep, log-probs, update.
     python3 bench/gpu/peers.py trl-vllm --work-dir /tmp/trl --out trl.json [--steps 4 --gpu-memory-utilization 0.5]
+        [hydra overrides of the shared workload, e.g. model.vocab_size=320]
 
 TRL and vLLM (the trl 1.16.0 wheel, the newest on PyPI):
 - trl/import_utils.py `is_vllm_available`: vLLM 0.22.0 to 0.31.0 supported; other versions get a warning, none is
@@ -639,7 +640,7 @@ def trl_vllm(args, record: Dict[str, Any], save: Callable[[], None]) -> None:
                           "response_len": args.response_len, "micro": args.micro, "steps": args.steps,
                           "kl": not args.no_kl, "gradient_checkpointing": args.ckpt,
                           "vllm_gpu_memory_utilization": args.gpu_memory_utilization, "sleep_mode": args.sleep,
-                          "policy": args.policy}
+                          "policy": args.policy, "overrides": list(args.extra)}
     # The GDN prefill kernel and the engine's environment as qwen35rl's composed config has them for this workload.
     rcfg, how = rollout_config(rollout_overrides(args))
     for key, value in engine_env(rcfg).items():
@@ -670,7 +671,7 @@ def trl_vllm(args, record: Dict[str, Any], save: Callable[[], None]) -> None:
 
     cfg = compose(workload(model=args.model, hw=args.hw, micro=args.micro, ckpt=args.ckpt, kl=not args.no_kl,
                            prompts=args.prompts, n=args.n, steps=args.steps, prompt_len=args.prompt_len,
-                           response_len=args.response_len, memory_gb=None))
+                           response_len=args.response_len, memory_gb=None) + list(args.extra))
     tok = build_tokenizer(cfg.model)
     work = Path(args.work_dir)
     seed = int(cfg.trainer.seed)
@@ -880,6 +881,8 @@ def parser() -> argparse.ArgumentParser:
                    help="additional_config.gdn_prefill_backend of TRL's engine: auto (qwen35rl's choice), none, a name")
     s.add_argument("--vllm-dtype", default=None, help="dtype added to TRL's vllm.LLM (default: vLLM's auto; "
                                                      "bfloat16 on CPU, where vLLM's GDN kernels need it)")
+    s.add_argument("extra", nargs="*", help="more Hydra overrides of the shared workload (e.g. model.vocab_size=320: "
+                                            "both sides build the model from it)")
     return p
 
 

@@ -25,7 +25,9 @@
 #   bash bench/gpu/vllm_runs.sh caches    the compiled kernels of this machine's runs into $OUT/kcache/ (parts of 15 MiB),
 #        for the next session's `install` to carry in as .kcache-vllm/
 #   bash bench/gpu/vllm_runs.sh peers     bare vLLM generate and TRL's GRPOTrainer (vLLM colocate) on run A's workload
-#   bash bench/gpu/vllm_runs.sh trl       TRL's half of peers alone
+#   bash bench/gpu/vllm_runs.sh trl       TRL's half of peers alone (TRL_EXTRA: overrides of the shared workload, e.g.
+#        TRL_EXTRA=model.vocab_size=320 for run A's learnable variant `textl`: both sides on the same vocabulary;
+#        results in $OUT/peers/trl-x.json)
 # Each run's card memory comes from the device (hw.memory_gb), never a constant. Kernel caches live in
 # /tmp/kcache (trainer.kernel_cache_dir) for the whole warm machine: the first engine start compiles, later ones
 # reuse. Results: $OUT/<run>/ (metrics.jsonl, plan.json, the log's tail) and one summary line per run.
@@ -116,7 +118,7 @@ D4=(data.train_batch_size=${B4:-8} "algorithm.mini_batch_size=${B4:-8}" rollout.
 
 trl_peer() {
   timeout "$(left 580)" python3 bench/gpu/peers.py trl-vllm "${W[@]}" --micro 16 --steps ${TRL_STEPS:-8} \
-    --work-dir /tmp/peers/trl --out "$OUT/peers/trl.json" 2>&1 | tail -12
+    --work-dir /tmp/peers/trl${TRL_EXTRA:+-x} --out "$OUT/peers/trl${TRL_EXTRA:+-x}.json" ${TRL_EXTRA:-} 2>&1 | tail -12
   elapsed "TRL (vLLM colocate) done"
 }
 
