@@ -90,7 +90,11 @@ class RolloutEngineSpec:
     declared_version: Optional[Tuple[str, str]]
     """(distribution, config key) of the package release the config declares (see TrainEngineSpec)."""
     decode_floor_s: Tuple[float, float, float]
-    """Seconds per decode step (low, typical, high) however small the model: the step-time estimate's floor."""
+    """Seconds per decode step (low, typical, high) however small the model and the batch: the step-time estimate's
+    floor, to which `decode_per_sequence_s` adds each sequence decoded in the step."""
+    decode_per_sequence_s: Tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Seconds per decode step and sequence in the batch (low, typical, high) that the engine spends however small
+    the model (scheduling, sampling, output handling), on top of `decode_floor_s`."""
 
     def uses(self, package: str) -> bool:
         return package in self.packages
@@ -116,8 +120,11 @@ TRAIN_ENGINES: Dict[str, TrainEngineSpec] = {s.name: s for s in (
 )}
 
 # Decode floors: the transformers rollout 8.0 ms a step with its CUDA graph and 40-47 ms eager
-# (bench/results/h200.md); vLLM 0.26 on an H100 11.2 ms (1.44 s for 128 steps of 64 sequences, prefill included;
-# bench/results/vllm_gpu.md). The low ends halve the typical value (a faster GPU, another release).
+# (bench/results/h200.md). vLLM 0.26 in the trainer's process (bench/results/vllm_gpu.md; generations of 128 steps,
+# prefill, wake and sleep included): the 4B 11.9 ms a step at 64 sequences (H100) and 33.7 ms at 256 (H200), so
+# 4.6 ms plus 0.11 ms a sequence; the 0.8B 8.7-12.3 ms at 64. At 256 sequences the per-sequence part outweighs
+# reading the 4B's weights 3x over: the engine's work per sequence, not the model, sets the pace. The low ends halve
+# the typical value (a faster GPU, another release), the high ends double it.
 ROLLOUT_ENGINES: Dict[str, RolloutEngineSpec] = {s.name: s for s in (
     RolloutEngineSpec("hf", "qwen35rl.engines.hf_rollout:HfRolloutEngine", own_weights=False, kv_pool=False,
                       tensor_parallel=False, split_pool=True, packages=(), expert_parallel=False,
@@ -125,7 +132,7 @@ ROLLOUT_ENGINES: Dict[str, RolloutEngineSpec] = {s.name: s for s in (
     RolloutEngineSpec("vllm", "qwen35rl.engines.vllm_rollout:VllmRolloutEngine", own_weights=True, kv_pool=True,
                       tensor_parallel=True, split_pool=False, packages=("vllm",), expert_parallel=True,
                       compiles_decode=False, declared_version=("vllm", "rollout.vllm_version"),
-                      decode_floor_s=(0.006, 0.011, 0.022)),
+                      decode_floor_s=(0.0023, 0.0046, 0.0092), decode_per_sequence_s=(5.7e-5, 1.13e-4, 2.27e-4)),
 )}
 
 

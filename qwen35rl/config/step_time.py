@@ -5,7 +5,8 @@ duration needs those too. One step here is the sum of its phases (colocated; wit
 `algorithm.max_staleness` >= 1 the longer of generation and training):
 
 - generation: `decode steps x max(the cost model's decode step, the engine's measured floor per step)`: small models
-  are not bound by reading their weights but by the engine's per-step work (scheduling, sampling, launches);
+  are not bound by reading their weights but by the engine's per-step work (scheduling, sampling, launches), which
+  grows with the sequences decoded together;
 - weight sync (vLLM only: the transformers rollout shares the trainer's weights): the rollout's bf16 weights per
   device over the measured copy bandwidth;
 - log-prob passes: the reference's (when a KL term uses it) and the old policy's (unless the rollout's log-probs
@@ -93,7 +94,9 @@ def estimate(cfg: Any, layout: Layout, est: M.MemoryEstimate) -> Optional[StepTi
     engine = rollout_engine(tree)
     model_step = _decode_step_s(tree, layout, est)
     steps = _decode_steps(tree, layout, est)
-    floor = engine.decode_floor_s
+    batch = _decode_batch(tree, layout, est)
+    floor = (base + per_sequence * batch for base, per_sequence in zip(engine.decode_floor_s,
+                                                                         engine.decode_per_sequence_s))
     generation = tuple(steps * max(model_step, f) for f in floor)
     phases: Dict[str, Tuple[float, float, float]] = {"generation": generation}  # type: ignore[dict-item]
     if engine.own_weights:  # refreshed from the trainer after every update
@@ -104,14 +107,25 @@ def estimate(cfg: Any, layout: Layout, est: M.MemoryEstimate) -> Optional[StepTi
     return StepTime(phases, overlapped=layout_search.overlaps(tree))
 
 
-def _decode_steps(tree: Any, layout: Layout, est: M.MemoryEstimate) -> int:
-    """Decode steps of one generation: response length x the waves of sequences each scheduler runs."""
+def _per_scheduler(tree: Any, layout: Layout, est: M.MemoryEstimate) -> Tuple[int, int]:
+    """(sequences each scheduler generates, how many of them it decodes at once)."""
     r = tree["rollout"]
     sequences = int(tree["data"]["train_batch_size"]) * int(r["n"])
     schedulers = max(layout.rollout_world // max(layout.rollout_tp, 1), 1)
     room = est.rollout_sequences if est.rollout_sequences is not None else M.hf_engine_sequences(tree, layout)
-    concurrent = max(1, min(int(r["max_num_seqs"]), room))
-    return math.ceil(sequences / schedulers / concurrent) * int(tree["data"]["max_response_length"])
+    return math.ceil(sequences / schedulers), max(1, min(int(r["max_num_seqs"]), room))
+
+
+def _decode_steps(tree: Any, layout: Layout, est: M.MemoryEstimate) -> int:
+    """Decode steps of one generation: response length x the waves of sequences each scheduler runs."""
+    sequences, concurrent = _per_scheduler(tree, layout, est)
+    return math.ceil(sequences / concurrent) * int(tree["data"]["max_response_length"])
+
+
+def _decode_batch(tree: Any, layout: Layout, est: M.MemoryEstimate) -> int:
+    """Sequences one decode step of a scheduler carries (its first wave's)."""
+    sequences, concurrent = _per_scheduler(tree, layout, est)
+    return min(sequences, concurrent)
 
 
 def _decode_step_s(tree: Any, layout: Layout, est: M.MemoryEstimate) -> float:

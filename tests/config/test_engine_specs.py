@@ -31,6 +31,8 @@ def test_the_specs_are_the_configs_choices():
     for spec in E.ROLLOUT_ENGINES.values():  # every engine's measured floor per step: low <= typical <= high
         low, typical, high = spec.decode_floor_s
         assert 0 < low <= typical <= high
+        low, typical, high = spec.decode_per_sequence_s
+        assert 0 <= low <= typical <= high
     for name in E.ROLLOUT_ENGINES:
         assert compose([f"rollout={name}"]).rollout.engine == name
 

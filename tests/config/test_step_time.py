@@ -32,7 +32,7 @@ def _estimate(overrides):
 @pytest.mark.parametrize("run, data", [("text-0.8b-fsdp", "gsm8k"), ("images-0.8b-fsdp", "geo3k")])
 def test_the_recorded_gpu_runs_fall_inside_the_range(run, data):
     recorded_plan = json.loads((RESULTS / run / "plan.json").read_text())
-    summary = json.loads((RESULTS / run / "summary.txt").read_text().split("SUMMARY ", 1)[1].splitlines()[0])
+    summary = _summary(run)
     overrides = [*RECORDED, f"data={data}"]
     batch = build_plan(compose(overrides))["batch"]
     for key in ("micro_batches_per_device", "gradient_checkpointing", "sequence_length", "responses_per_step"):
@@ -40,6 +40,37 @@ def test_the_recorded_gpu_runs_fall_inside_the_range(run, data):
     low, mid, high = _estimate(overrides).total()
     measured = summary["timing_s/step"]["median_after_first"]
     assert low < mid < high and low <= measured <= high, (low, mid, high, measured)
+
+
+def _summary(run):
+    return json.loads((RESULTS / run / "summary.txt").read_text().split("SUMMARY ", 1)[1].splitlines()[0])
+
+
+# The later runs of bench/results/vllm_gpu.md, by their overrides in the memory calibration's fixture
+CALIBRATION = json.loads((Path(__file__).parent / "data" / "memory_vllm_gpu_2026_12.json").read_text())
+LATER = {"text-0.8b-fsdp-learn": "text-0.8b-fsdp-learn", "text-4b-fsdp": "text-4b-fsdp-50",
+         "text-4b-fsdp-max-h200": "text-4b-max"}
+
+
+@pytest.mark.parametrize("name", sorted(LATER))
+def test_the_later_gpu_runs_step_and_generation_fall_inside_the_range(name):
+    run = next(r for r in CALIBRATION["runs"] if r["name"] == name)
+    plan = build_plan(compose([*CALIBRATION["common_overrides"], *run["overrides"], "data.train_files=[/x/t.jsonl]"]))
+    recorded_plan = json.loads((RESULTS / LATER[name] / "plan.json").read_text())
+    assert plan["batch"]["micro_batch_size_per_device"] == recorded_plan["batch"]["micro_batch_size_per_device"]
+    summary = _summary(LATER[name])
+    st = plan["step_time"]
+    assert st["low_s"] <= summary["timing_s/step"]["median_after_first"] <= st["high_s"], (st, summary)
+    low, _, high = st["phases"]["generation"]
+    assert low <= summary["timing_s/gen"]["median_after_first"] <= high, (st["phases"], summary)
+
+
+def test_decoding_more_sequences_at_once_takes_longer_per_step():
+    """The engine's work per sequence: 256 sequences in one wave cost more per decode step than 64."""
+    base = [*RECORDED, "data=gsm8k"]
+    small = _estimate(base).phases["generation"][1]
+    wide = _estimate([*base, "data.train_batch_size=32", "algorithm.mini_batch_size=32"]).phases["generation"][1]
+    assert wide > 2 * small  # one wave each: the same number of decode steps
 
 
 def test_phases_follow_the_config():
