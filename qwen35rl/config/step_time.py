@@ -28,10 +28,17 @@ from qwen35rl.config.capabilities import single_on_policy_update
 from qwen35rl.config.engine_specs import rollout_engine
 from qwen35rl.config.layout import Layout
 
-MFU_MEASURED: Tuple[float, float, float] = (0.08, 0.25, 0.50)
-"""Training MFU (low, typical, high) measured through the trainer: 8 % in the 0.8B FSDP + vLLM run on an H100 (64
-short responses a step, bench/results/vllm_gpu.md: update 1.9 s), 22.9-31.8 % in the 0.8B CLI runs on an H200 and
-50.1 % for the 4B with compiled layers and full micro batches (bench/results/h200.md)."""
+MFU_MEASURED: Tuple[float, float, float] = (0.035, 0.25, 0.50)
+"""Training MFU (low, typical, high) measured through the trainer, as the cost model counts the work: 3.9-7.8 % in
+the 0.8B + vLLM runs on an H100 (64 short responses a step in micro batches of 16: the update 1.5-2.7 s, the lowest
+Megatron TP1 on images; bench/results/vllm_gpu.md), 22.9-31.8 % in the 0.8B CLI runs on an H200, 50.1 % for the 4B
+with compiled layers and full micro batches (bench/results/h200.md) and about 50 % for the 4B's host-offloaded
+update between 64 and 256 responses (vllm_gpu.md)."""
+
+OFFLOAD_RANGE: Tuple[float, float, float] = (0.5, 1.0, 2.0)
+"""The host offload's seconds (fast, typical, slow) against the cost model's: its PCIe rate is a Gen4 x16 link's
+practical one, pinned copies over Gen5 reach twice it, pageable or shared links half. The 4B's host-offloaded update
+measured 2.35 s of fixed cost against the model's 2.69 (vllm_gpu.md)."""
 
 SYNC_GBPS: Tuple[float, float, float] = (20.0, 5.0, 0.8)
 """GB/s of the rollout's weight refresh (fast, typical, slow): 0.8 measured through the host (2.1 s for the 0.8B's
@@ -85,8 +92,9 @@ def estimate(cfg: Any, layout: Layout, est: M.MemoryEstimate) -> Optional[StepTi
         return None
     train = layout_search.train_cost(tree, layout)
     compute = train["compute_s"]
-    fixed = sum(v for k, v in train.items() if k.startswith("comm_")) + train["offload_s"]
-    update = tuple(c / (1 - train["bubble_fraction"]) + fixed for c in _scaled(compute))  # the bubble scales too
+    comm = sum(v for k, v in train.items() if k.startswith("comm_"))
+    update = tuple(c / (1 - train["bubble_fraction"]) + comm + train["offload_s"] * f  # the bubble scales too
+                   for c, f in zip(_scaled(compute), OFFLOAD_RANGE))
     a, backend = tree["algorithm"], tree["backend"]
     passes = int(bool(a["use_kl_loss"] or a["use_kl_in_reward"]))
     passes += int(not backend["use_rollout_log_probs"] and not single_on_policy_update(tree))

@@ -37,9 +37,13 @@ def test_the_recorded_gpu_runs_fall_inside_the_range(run, data):
     batch = build_plan(compose(overrides))["batch"]
     for key in ("micro_batches_per_device", "gradient_checkpointing", "sequence_length", "responses_per_step"):
         assert batch[key] == recorded_plan["batch"][key], key  # the workload the record measured
-    low, mid, high = _estimate(overrides).total()
+    estimate = _estimate(overrides)
+    low, mid, high = estimate.total()
     measured = summary["timing_s/step"]["median_after_first"]
     assert low < mid < high and low <= measured <= high, (low, mid, high, measured)
+    for phase, key in (("generation", "timing_s/gen"), ("update", "timing_s/update_actor")):
+        low, _, high = estimate.phases[phase]
+        assert low <= summary[key]["median_after_first"] <= high, (phase, estimate.phases, summary)
 
 
 def _summary(run):
@@ -49,11 +53,11 @@ def _summary(run):
 # The later runs of bench/results/vllm_gpu.md, by their overrides in the memory calibration's fixture
 CALIBRATION = json.loads((Path(__file__).parent / "data" / "memory_vllm_gpu_2026_12.json").read_text())
 LATER = {"text-0.8b-fsdp-learn": "text-0.8b-fsdp-learn", "text-4b-fsdp": "text-4b-fsdp-50",
-         "text-4b-fsdp-max-h200": "text-4b-max"}
+         "text-4b-fsdp-max-h200": "text-4b-max", "images-0.8b-megatron": "images-0.8b-megatron"}
 
 
 @pytest.mark.parametrize("name", sorted(LATER))
-def test_the_later_gpu_runs_step_and_generation_fall_inside_the_range(name):
+def test_the_later_gpu_runs_step_and_phases_fall_inside_the_range(name):
     run = next(r for r in CALIBRATION["runs"] if r["name"] == name)
     plan = build_plan(compose([*CALIBRATION["common_overrides"], *run["overrides"], "data.train_files=[/x/t.jsonl]"]))
     recorded_plan = json.loads((RESULTS / LATER[name] / "plan.json").read_text())
@@ -61,8 +65,9 @@ def test_the_later_gpu_runs_step_and_generation_fall_inside_the_range(name):
     summary = _summary(LATER[name])
     st = plan["step_time"]
     assert st["low_s"] <= summary["timing_s/step"]["median_after_first"] <= st["high_s"], (st, summary)
-    low, _, high = st["phases"]["generation"]
-    assert low <= summary["timing_s/gen"]["median_after_first"] <= high, (st["phases"], summary)
+    for phase, key in (("generation", "timing_s/gen"), ("update", "timing_s/update_actor")):
+        low, _, high = st["phases"][phase]
+        assert low <= summary[key]["median_after_first"] <= high, (phase, st["phases"], summary)
 
 
 def test_decoding_more_sequences_at_once_takes_longer_per_step():
