@@ -43,7 +43,8 @@ PROMPT_LEN = 16
 
 def tiny_cfg(model: str = "qwen3_5_tiny", *extra: str):
     return compose([f"model={model}", "hw=cpu", "rollout=vllm", "data.max_prompt_length=32",
-                    "data.max_response_length=128", "model.tokenizer=byte", "model.init=random", *extra])
+                    "data.max_response_length=128", "model.tokenizer=byte", "model.init=random",
+                    "rollout.load_format=auto", *extra])
 
 
 def checkpoint(cfg, out: str):

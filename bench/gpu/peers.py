@@ -160,8 +160,10 @@ def rollout_overrides(args) -> List[str]:
     """grpo_h200.py's workload with the vLLM rollout, this bench's batch and memory share, and the user's overrides."""
     base = workload(model=args.model, hw=args.hw, prompts=args.prompts, n=args.n, prompt_len=args.prompt_len,
                     response_len=args.response_len, memory_gb=None)
+    # both engines read the written checkpoint (the comparison generates before any weight sync)
     return ([o if o != "rollout=hf" else "rollout=vllm" for o in base]
-            + [f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}", *getattr(args, "extra", [])])
+            + [f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}", "rollout.load_format=auto",
+               *getattr(args, "extra", [])])
 
 
 def rollout_config(overrides: Sequence[str]) -> Tuple[Any, str]:

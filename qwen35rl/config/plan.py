@@ -108,7 +108,8 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "auto_candidate_count": len(candidates),
         "auto_tested": layout_search.tested_rank(searched_from, candidates) if candidates else None,
         "auto_choice": layout_search.explain(searched_from, candidates) if candidates else None,
-        "vllm": resolved.vllm.to_dict() if resolved.vllm is not None else None,
+        "vllm": ({**resolved.vllm.to_dict(), "load_format": dict(zip(("value", "why"), vllm_facts.load_format(cfg)))}
+                 if resolved.vllm is not None else None),
         "run": run,
         "data_check": data_check.check(cfg),
         "verl": verl_export(cfg),
@@ -412,7 +413,8 @@ def render_text(plan: Dict[str, Any]) -> str:
     v = plan.get("vllm")
     if v:
         lines.append(f"  vllm       {v['version']} ({v['source']}); GDN prefill {v['gdn_prefill']}; rollout checkpoint "
-                     f"{v['rollout_checkpoint']}; engine arguments checked against {v['engine_args_from']}")
+                     f"{v['rollout_checkpoint']}; weights at start: {v['load_format']['why']} (load_format="
+                     f"{v['load_format']['value']}); engine arguments checked against {v['engine_args_from']}")
     for q in plan.get("vllm_quirks", []):
         state = "overridden by rollout.engine_kwargs" if q["overridden"] else "applied"
         lines.append(f"  vllm quirk {q['key']}={q['value']} ({state}): {q['why']}")

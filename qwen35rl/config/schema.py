@@ -346,6 +346,12 @@ class RolloutConfig:
     with dynamic shapes, then captured into the CUDA graph). null (the default) compiles on CUDA and decodes eagerly
     on CPU and NPU. The first generation pays the compilation: on an H200, 0.8B, 128 x 512 tokens, it took 36 s with a
     warm Inductor cache and 85 s without, the next ones 5.0 s instead of 8.0 (bench/results/h200.md, 2026-12-03c)."""
+    load_format: Optional[str] = None
+    """vLLM's weights at start: `dummy` (placeholders: the policy's weights arrive with the first weight sync, which
+    comes before any generation, so the checkpoint's weight files are never read) or `auto` (vLLM reads them from
+    the checkpoint). null (the default): `dummy` on text data, `auto` on image data, where vLLM derives part of the
+    vision tower at load and placeholders would overwrite it (`vllm_facts.load_format`). Speculative decoding's draft
+    weights, which no sync brings, need `auto` too. vLLM only."""
     engine_kwargs: Dict[str, Any] = field(default_factory=dict)
     """Extra `vllm.LLM` arguments; names are checked against the known set."""
     val_temperature: float = at_least(0.0, 0.0, high=INF)

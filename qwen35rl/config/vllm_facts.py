@@ -247,6 +247,25 @@ def resolve(cfg: Any) -> Any:
     return cfg
 
 
+# ------------------------------------------------------------------------------------------ weights at start
+PLACEHOLDERS, CHECKPOINT = "dummy", "auto"
+
+
+def load_format(cfg: Any) -> Tuple[str, str]:
+    """vLLM's `load_format` for the rollout engine, and why. `rollout.load_format` when set; else placeholders
+    (`dummy`) on text data: the first weight sync, before any generation, brings every weight a text prompt runs
+    through, and the checkpoint's weight files are never read. On image data the checkpoint's (`auto`): vLLM's
+    placeholders also overwrite what it derives at load instead of reading it (vLLM 0.32's vision input
+    normalisation, from the processor's mean and std: image log-probs 0.02 off after a full sync), and no sync
+    restores that."""
+    chosen = cfg["rollout"].get("load_format")
+    if chosen is not None:
+        return str(chosen), "as rollout.load_format sets"
+    if cfg["data"]["has_images"]:
+        return CHECKPOINT, "read from the checkpoint (image data: the vision tower's input normalisation is derived at load)"
+    return PLACEHOLDERS, "placeholders until the first weight sync (text data)"
+
+
 # ------------------------------------------------------------------------------------ prefix caching on GDN
 ALIGN_MODE_FROM = "0.26.0"
 """From this release (checked in 0.26 and 0.32) prefix caching on a hybrid GDN model runs in vLLM's 'align' mamba

@@ -55,6 +55,7 @@ from omegaconf import OmegaConf
 
 from qwen35rl.config.layout import Layout
 from qwen35rl.config.quirks import effective_engine_kwargs
+from qwen35rl.config.vllm_facts import load_format
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult
 from qwen35rl.config.special_tokens import special_token_ids
 from qwen35rl.engines import kernel_cache
@@ -150,6 +151,7 @@ def engine_args_from_config(cfg: Any, layout: Layout, model_dir: str) -> Dict[st
         enable_chunked_prefill=bool(r["enable_chunked_prefill"]),
         enable_prefix_caching=bool(r["enable_prefix_caching"]),
         enforce_eager=bool(r["enforce_eager"]),
+        load_format=load_format(cfg)[0],
         # Log-probs of the distribution actually sampled from (temperature applied), as RolloutResult documents.
         logprobs_mode="processed_logprobs",
         # vLLM refuses sleep mode where it cannot free memory (CPU); there sleep/wake are plain calls.

@@ -160,3 +160,22 @@ def test_the_plan_states_what_prefix_caching_does_on_gdn():
                          "rollout.enable_prefix_caching=true"]))
     [p] = rules.vllm_prefix_caching_on_gdn(t, derive_layout(t))
     assert p.severity == "warning" and "'align' mode" in p.message and "0.26.0" in p.message
+
+
+def test_weights_at_start_placeholders_on_text_the_checkpoints_on_images(capsys):
+    """rollout.load_format: null picks placeholders on text data and the checkpoint on image data; placeholders set
+    on image data are refused before launch, with the key and the fix."""
+    text, images = compose(["rollout=vllm", "data=gsm8k"]), compose(["rollout=vllm", "data=geo3k"])
+    assert vllm_facts.load_format(text)[0] == "dummy" and vllm_facts.load_format(images)[0] == "auto"
+    assert vllm_facts.load_format(compose(["rollout=vllm", "data=gsm8k", "rollout.load_format=auto"]))[0] == "auto"
+
+    def refused(overrides):
+        t = as_tree(compose(overrides))
+        return rules.placeholder_weights_need_a_sync(t, derive_layout(t))
+
+    assert not refused(["rollout=vllm", "data=geo3k"]) and not refused(["rollout=vllm", "rollout.load_format=dummy"])
+    problem, = refused(["rollout=vllm", "data=geo3k", "rollout.load_format=dummy"])
+    assert problem.key == "rollout.load_format" and "vision tower" in problem.message and "auto" in problem.hint
+    assert not refused(["rollout=hf", "data=geo3k", "rollout.load_format=dummy"])  # the hf engine has no load step
+    assert plan(["rollout=vllm", "data=geo3k", "rollout.load_format=dummy"]) != 0
+    assert "placeholder_weights_need_a_sync" in capsys.readouterr().out

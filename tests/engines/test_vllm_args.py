@@ -62,6 +62,7 @@ def test_tiny_cpu_engine_defaults():
     assert a["tensor_parallel_size"] == 1 and "distributed_executor_backend" not in a
     assert a["limit_mm_per_prompt"] == {"image": 0, "video": 0}
     assert a["logprobs_mode"] == "processed_logprobs"
+    assert a["load_format"] == "dummy"  # the first weight sync, before any generation, brings the policy's
     for key in ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "enable_prefix_caching",
                 "enforce_eager", "gpu_memory_utilization"):
         assert key in a
@@ -73,11 +74,21 @@ def test_every_rollout_knob_reaches_the_args():
     a = args_for("hw=gpu_1x", "rollout=vllm", "rollout.max_model_len=4096", "rollout.max_num_batched_tokens=2048",
                  "rollout.max_num_seqs=64", "rollout.enable_chunked_prefill=false", "rollout.enable_prefix_caching=true",
                  "rollout.enforce_eager=true", "rollout.gpu_memory_utilization=0.4", "rollout.free_cache_engine=false",
-                 "rollout.cudagraph_mode=PIECEWISE", "trainer.seed=17", "model.dtype=float16")
+                 "rollout.cudagraph_mode=PIECEWISE", "trainer.seed=17", "model.dtype=float16",
+                 "rollout.load_format=auto")
     assert (a["max_model_len"], a["max_num_batched_tokens"], a["max_num_seqs"]) == (4096, 2048, 64)
     assert (a["enable_chunked_prefill"], a["enable_prefix_caching"], a["enforce_eager"]) == (False, True, True)
     assert (a["gpu_memory_utilization"], a["seed"], a["dtype"]) == (0.4, 17, "float16")
     assert a["enable_sleep_mode"] is False and a["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+    assert a["load_format"] == "auto"
+
+
+def test_placeholder_weights_on_text_data_the_checkpoints_on_images():
+    text = args_for("model=qwen3_5_0_8b", "hw=gpu_1x", "rollout=vllm", "data=gsm8k")
+    images = args_for("model=qwen3_5_0_8b", "hw=gpu_1x", "rollout=vllm", "data=geo3k")
+    assert (text["load_format"], images["load_format"]) == ("dummy", "auto")
+    assert args_for("model=qwen3_5_0_8b", "hw=gpu_1x", "rollout=vllm", "data=gsm8k",
+                    "rollout.load_format=auto")["load_format"] == "auto"
 
 
 def test_image_data_keeps_an_image_budget_from_the_data_and_no_video():

@@ -24,8 +24,10 @@ def tiny_checkpoint(tmp_path_factory):
     from qwen35rl.models.tokenizer import build_tokenizer
 
     def make(model_name: str, seed: int = 0, overrides=(), state=None):
+        # the engines here generate from the checkpoint's weights before any sync (rollout.load_format=auto)
         cfg = compose([f"model={model_name}", "hw=cpu", "rollout=vllm", "data.max_prompt_length=32",
-                       "data.max_response_length=32", "rollout.enforce_eager=true", *overrides])
+                       "data.max_response_length=32", "rollout.enforce_eager=true", "rollout.load_format=auto",
+                       *overrides])
         model = build_model(cfg.model, dtype="float32", seed=seed, text_only=cfg.model.vision is None).eval()
         if state is not None:
             model.load_state_dict(state)

@@ -126,6 +126,24 @@ def test_weight_sync_changes_output_and_restores_it(setup, tiny_checkpoint):
     assert max(abs(a - b) for x, y in zip(restored_lps, before_lps) for a, b in zip(x, y)) < 1e-5
 
 
+def test_placeholder_weights_until_the_first_sync(tiny_checkpoint):
+    """rollout.load_format=dummy: vLLM never reads the checkpoint's weights; the policy's arrive with a sync."""
+    model_dir, cfg, model = tiny_checkpoint("qwen3_5_tiny", overrides=["rollout.load_format=dummy"])
+    engine = VllmRolloutEngine(cfg, model_dir, derive_layout(cfg))
+    try:
+        assert engine.args["load_format"] == "dummy"
+        placeholder_ids, _ = probe(engine)
+        engine.load_weights(as_buckets({n: p.detach() for n, p in model.named_parameters()}, 4, []))
+        synced_ids, _ = probe(engine)
+        assert sum(a != b for a, b in zip(placeholder_ids, synced_ids)) >= len(synced_ids) // 2
+        for prompt in PROMPTS:  # synced, the engine scores its samples as the checkpoint's model does
+            out = engine.generate(RolloutRequest(prompt_ids=[prompt], n=1, temperature=1.0, max_new_tokens=8, seed=11))
+            ref = recompute_log_probs(model, prompt, out.response_ids[0], 1.0)
+            assert (ref - torch.tensor(out.log_probs[0])).abs().max().item() < LOGPROB_TOL
+    finally:
+        engine.close()
+
+
 def test_sleep_then_sync_then_generate(setup):
     engine, cfg, model = setup
     assert cfg.rollout.free_cache_engine
@@ -196,7 +214,7 @@ def test_vision_form_checkpoint_of_a_text_policy_samples_as_the_text_model(tmp_p
     from qwen35rl.runtime.worker import write_vision_form
 
     cfg = compose(["model=qwen3_5_tiny_vl", "model.init=random", "hw=cpu", "rollout=vllm", "data.max_prompt_length=32",
-                   "data.max_response_length=32", "rollout.enforce_eager=true"])
+                   "data.max_response_length=32", "rollout.enforce_eager=true", "rollout.load_format=auto"])
     text = build_model(cfg.model, dtype="float32", seed=4, text_only=True).eval()
     write_vision_form(cfg.model, {n: t.detach().clone() for n, t in text.state_dict().items()},
                       build_tokenizer(cfg.model), str(tmp_path))

@@ -197,6 +197,29 @@ def test_weight_sync_with_images_equals_a_fresh_engine(vl, tiny_checkpoint):
     assert _greedy_image_prompts(engine, prompts) == (before_ids, before_lps)
 
 
+def test_placeholder_weights_miss_what_vllm_derives_for_images(vl, tiny_checkpoint):
+    """Why image data reads the checkpoint (`vllm_facts.load_format`, the rule placeholder_weights_need_a_sync):
+    a placeholder-started engine, synced with every weight the trainer exports (vision tower and text model), still
+    scores image prompts off, because vLLM derives the vision tower's input normalisation at load and its
+    placeholders overwrite it. The day a vLLM keeps it, this fails and image data can start on placeholders too."""
+    engine, _, model, model_dir, _, prompts = vl
+    assert engine.args["load_format"] == "auto"  # the default on image data
+    expected = _greedy_image_prompts(engine, prompts)
+    _, cfg, _ = tiny_checkpoint("qwen3_5_tiny_vl", overrides=["data.has_images=true", "rollout.load_format=dummy",
+                                                              f"data.max_prompt_length={PROMPT_LEN}"])
+    placeholder = VllmRolloutEngine(cfg, model_dir, derive_layout(cfg))
+    try:
+        assert placeholder.args["load_format"] == "dummy"
+        exported = [(n, p.detach()) for n, p in model.named_parameters()]
+        placeholder.load_weights([exported[k:k + 16] for k in range(0, len(exported), 16)])
+        _, lps = _greedy_image_prompts(placeholder, prompts)
+    finally:
+        placeholder.close()
+    gap = max(abs(a - b) for x, y in zip(lps, expected[1]) for a, b in zip(x, y))
+    print(f"image log-probs, placeholders synced vs the checkpoint's engine: {gap:.3f}")
+    assert gap > 100 * SAME_WEIGHTS_TOL
+
+
 def _with_state(model, state):
     import copy
 

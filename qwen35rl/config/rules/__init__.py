@@ -36,9 +36,10 @@ from qwen35rl.config.rules.parallelism import (AXIS_DEFAULTS, degrees_match_back
                                                tp_cp_divide_gdn_heads, tp_divides_attention_heads, tp_fits_kv_heads,
                                                world_size_matches_devices)
 from qwen35rl.config.rules.engines import engine_builds_setting, expert_grads_need_ep_or_etp_equal_tp
-from qwen35rl.config.rules.rollout import (rollout_engine_parallelism, rollout_ep_divides_experts,
-                                           rollout_ep_matches_tp_dp, rollout_replicas_cover_devices,
-                                           rollout_tp_divides_heads, rollout_tp_within_node)
+from qwen35rl.config.rules.rollout import (placeholder_weights_need_a_sync, rollout_engine_parallelism,
+                                           rollout_ep_divides_experts, rollout_ep_matches_tp_dp,
+                                           rollout_replicas_cover_devices, rollout_tp_divides_heads,
+                                           rollout_tp_within_node)
 from qwen35rl.config.rules.batches import (batch_divisible_by_dp_micro, batch_divisible_by_mini_batch,
                                            dynamic_batch_holds_a_sequence, images_need_vision_model,
                                            megatron_dispatcher_takes_variable_lengths, mini_batch_divisible_by_dp,

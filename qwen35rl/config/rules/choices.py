@@ -34,6 +34,7 @@ CHOICES: Dict[str, Sequence[Any]] = {
     "hw.device": ("cpu", "cuda", "npu"),
     "hw.collective_backend": ("gloo", "nccl", "hccl"),
     "rollout.sleep_level": (1, 2),
+    "rollout.load_format": ("dummy", "auto", None),
     "rollout.cudagraph_mode": ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", None),
     "format": ("text", "json", "verl"),
     "trainer.launcher": LAUNCHERS,

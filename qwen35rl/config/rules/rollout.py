@@ -1,6 +1,6 @@
 """The rollout layout: the rollout engine takes the requested TP/EP, rollout TP divides the heads,
 rollout EP matches TP x DP and divides the experts, the replicas cover the rollout devices and a TP group stays
-within a node."""
+within a node; and placeholder weights at the engine's start only where the weight sync brings every weight used."""
 from __future__ import annotations
 
 from typing import Any, List
@@ -113,3 +113,24 @@ def rollout_tp_within_node(cfg: Any, layout: Layout) -> List[Problem]:
                     f"{per_node} devices", f"a placement.rollout_devices that leaves a multiple of {tp} training "
                     "devices, or hw.multi_node_rollout_tp=true")
     return []
+
+
+@rule("rollout")
+def placeholder_weights_need_a_sync(cfg: Any, layout: Layout) -> List[Problem]:
+    """rollout.load_format=dummy starts vLLM on placeholder weights and the weight sync brings the policy's. Neither
+    a speculative decoding draft (MTP: no part of the policy) nor what vLLM derives at load for images (the vision
+    tower's input normalisation) arrives that way."""
+    if (not engine_specs.rollout_engine(val(cfg, "rollout.engine")).own_weights
+            or str(val(cfg, "rollout.load_format")) != "dummy"):
+        return []
+    if "speculative_config" in (val(cfg, "rollout.engine_kwargs") or {}):
+        why = ("rollout.engine_kwargs.speculative_config decodes with draft weights that only the checkpoint holds "
+               "(the weight sync brings the policy's)")
+    elif val(cfg, "data.has_images"):
+        why = ("on image data vLLM derives part of the vision tower at load (its input normalisation), which "
+               "placeholders overwrite and no weight sync restores")
+    else:
+        return []
+    return _err("placeholder_weights_need_a_sync", "rollout.load_format",
+                f"{why}, but rollout.load_format=dummy starts vLLM without reading the checkpoint",
+                _try("rollout.load_format", "auto"))

@@ -638,7 +638,8 @@ NOT_CARRIED: Dict[str, str] = {
     "hydra.": "Hydra's own settings for verl's process (qwen35rl sets its run directory itself)",
     "actor_rollout_ref.hybrid_engine": "verl-internal: qwen35rl colocates rollout and training on every device "
                                        "unless placement=split",
-    f"{ROLLOUT}.load_format": "verl-internal: qwen35rl loads the rollout weights from the training engine",
+    f"{ROLLOUT}.load_format": "qwen35rl picks vLLM's weights at start itself (rollout.load_format: placeholders "
+                              "on text data, the weight sync brings the policy's; the checkpoint's on image data)",
     f"{ROLLOUT}.layered_summon": "verl-internal weight-sync detail (qwen35rl syncs in rollout.weight_sync_bucket_mb buckets)",
     f"{ROLLOUT}.multi_stage_wake_up": "verl-internal: qwen35rl wakes the engine in one step",
     f"{ROLLOUT}.agent.": "verl's agent loop: qwen35rl generates single-turn responses",
