@@ -108,8 +108,7 @@ def build_plan(cfg: DictConfig) -> Dict[str, Any]:
         "auto_candidate_count": len(candidates),
         "auto_tested": layout_search.tested_rank(searched_from, candidates) if candidates else None,
         "auto_choice": layout_search.explain(searched_from, candidates) if candidates else None,
-        "vllm": ({**resolved.vllm.to_dict(), "load_format": dict(zip(("value", "why"), vllm_facts.load_format(cfg)))}
-                 if resolved.vllm is not None else None),
+        "vllm": resolved.vllm.to_dict() if resolved.vllm is not None else None,
         "run": run,
         "data_check": data_check.check(cfg),
         "verl": verl_export(cfg),

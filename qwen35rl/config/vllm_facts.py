@@ -200,12 +200,15 @@ class Resolution:
     """Whether this vLLM loads a text-only `Qwen3_5ForCausalLM` checkpoint (else the rollout gets the
     ForConditionalGeneration form)."""
     engine_args_from: str
+    load_format: Tuple[str, str]
+    """vLLM's weights at start and why (`load_format`)."""
 
     def to_dict(self) -> Dict[str, Any]:
         return {"version": self.version, "source": self.source, "gdn_prefill": self.gdn_why,
                 "rollout_checkpoint": "text-only (ForCausalLM)" if self.text_checkpoint
                 else "vision-language form (ForConditionalGeneration; text-only limits for text data)",
-                "engine_args_from": self.engine_args_from}
+                "engine_args_from": self.engine_args_from,
+                "load_format": {"value": self.load_format[0], "why": self.load_format[1]}}
 
 
 def resolution(cfg: Any) -> Optional[Resolution]:
@@ -224,7 +227,7 @@ def resolution(cfg: Any) -> Optional[Resolution]:
     backend, why = gdn_prefill_choice(kwargs, str(cfg["hw"]["device"]), version,
                                       flashinfer_installed() if same else None)
     return Resolution(version, source, backend, why, loads_text_checkpoint(version, install if same else None),
-                      engine_arg_names(install if same else None)[1])
+                      engine_arg_names(install if same else None)[1], load_format(cfg))
 
 
 def resolve(cfg: Any) -> Any:
