@@ -15,7 +15,7 @@ duration needs those too. One step here is the sum of its phases (colocated; wit
 
 Each phase has a low, an expected and a high value from the measurements below (all in bench/results/); the run's
 range sums the lows and the highs. The band is wide on purpose: the model's MFU is one number for every workload,
-and measured MFU spans 8-50 %. Torch-free."""
+and measured MFU spans 3.5-50 %. Torch-free."""
 from __future__ import annotations
 
 import math
@@ -156,7 +156,9 @@ def render(step: Optional[Dict[str, Any]], device: str = "cuda") -> str:
         line += (f"; the run ~{_h(step['run_hours'])} ({_h(lo)}-{_h(hi)}) = {step['device_hours']:.3g} "
                  f"{_KIND.get(device, device.upper())}-hours ({dlo:.3g}-{dhi:.3g})")
     parts = ", ".join(f"{k.replace('_', ' ')} {_t(v[1])}" for k, v in step["phases"].items() if v[1] > 0)
-    return line + f"\n             per step: {parts} (range: measured MFU 8-50 %, engine floors; qwen35rl/config/step_time.py)"
+    low, _, high = MFU_MEASURED
+    return line + (f"\n             per step: {parts} (range: measured MFU {low:.1%}-{high:.0%}, engine floors; "
+                   "qwen35rl/config/step_time.py)")
 
 
 def _t(s: float) -> str:
