@@ -43,7 +43,8 @@ measured 2.35 s of fixed cost against the model's 2.69 (vllm_gpu.md)."""
 SYNC_GBPS: Tuple[float, float, float] = (20.0, 5.0, 0.8)
 """GB/s of the rollout's weight refresh (fast, typical, slow): 0.8 measured through the host (2.1 s for the 0.8B's
 1.7 GB, bench/results/vllm_gpu.md), about 20 on the device (the transformers rollout's 0.05-0.10 s per 1.5 GB,
-bench/results/h200.md); the vLLM device path has no measurement of its own yet, so its typical value sits between."""
+bench/results/h200.md). vLLM's on-device handover measured 5.9 GB/s for the 320-token 0.8B (0.17 s) and 10-12 for
+the 4B (0.71-0.82 s) from FSDP, 1.3 from Megatron TP1 (0.80 s, vllm_gpu.md): the typical value sits among them."""
 
 
 @dataclass(frozen=True)
