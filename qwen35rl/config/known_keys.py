@@ -90,6 +90,7 @@ VLLM_OWNED: Dict[str, str] = {
     "enable_chunked_prefill": "rollout.enable_chunked_prefill",
     "enable_prefix_caching": "rollout.enable_prefix_caching",
     "enforce_eager": "rollout.enforce_eager",
+    "load_format": "rollout.load_format",
     "enable_sleep_mode": "rollout.free_cache_engine",
     "cudagraph_capture_sizes": "rollout.cudagraph_capture_sizes",
     "cuda_graph_sizes": "rollout.cudagraph_capture_sizes",

@@ -257,15 +257,17 @@ PLACEHOLDERS, CHECKPOINT = "dummy", "auto"
 def load_format(cfg: Any) -> Tuple[str, str]:
     """vLLM's `load_format` for the rollout engine, and why. `rollout.load_format` when set; else placeholders
     (`dummy`) on text data: the first weight sync, before any generation, brings every weight a text prompt runs
-    through, and the checkpoint's weight files are never read. On image data the checkpoint's (`auto`): vLLM's
-    placeholders also overwrite what it derives at load instead of reading it (vLLM 0.32's vision input
-    normalisation, from the processor's mean and std: image log-probs 0.02 off after a full sync), and no sync
-    restores that."""
+    through, and the checkpoint's weight files are never read. The checkpoint's (`auto`) where a sync cannot bring
+    everything: on image data vLLM's placeholders also overwrite what it derives at load instead of reading it
+    (vLLM 0.32's vision input normalisation, from the processor's mean and std: image log-probs 0.02 off after a
+    full sync), and speculative decoding's draft weights (MTP) are no part of the policy."""
     chosen = cfg["rollout"].get("load_format")
     if chosen is not None:
         return str(chosen), "as rollout.load_format sets"
     if cfg["data"]["has_images"]:
         return CHECKPOINT, "read from the checkpoint (image data: the vision tower's input normalisation is derived at load)"
+    if "speculative_config" in (cfg["rollout"]["engine_kwargs"] or {}):
+        return CHECKPOINT, "read from the checkpoint (speculative decoding's draft weights come from it only)"
     return PLACEHOLDERS, "placeholders until the first weight sync (text data)"
 
 

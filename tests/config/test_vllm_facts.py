@@ -177,5 +177,14 @@ def test_weights_at_start_placeholders_on_text_the_checkpoints_on_images(capsys)
     problem, = refused(["rollout=vllm", "data=geo3k", "rollout.load_format=dummy"])
     assert problem.key == "rollout.load_format" and "vision tower" in problem.message and "auto" in problem.hint
     assert not refused(["rollout=hf", "data=geo3k", "rollout.load_format=dummy"])  # the hf engine has no load step
+    # speculative decoding's draft weights come from the checkpoint only: read it by default, refuse placeholders
+    draft = ["rollout=vllm", "data=gsm8k", "+rollout.engine_kwargs.speculative_config={method: mtp}"]
+    assert vllm_facts.load_format(compose(draft))[0] == "auto" and not refused(draft)
+    problem, = refused([*draft, "rollout.load_format=dummy"])
+    assert "speculative_config" in problem.message and problem.key == "rollout.load_format"
+    # vLLM's own argument is rollout.load_format's: set there, once
+    t = as_tree(compose(["rollout=vllm", "+rollout.engine_kwargs.load_format=dummy"]))
+    owned, = rules.engine_kwargs_not_owned(t, derive_layout(t))
+    assert owned.key == "rollout.engine_kwargs.load_format" and "rollout.load_format" in owned.hint + owned.message
     assert plan(["rollout=vllm", "data=geo3k", "rollout.load_format=dummy"]) != 0
     assert "placeholder_weights_need_a_sync" in capsys.readouterr().out

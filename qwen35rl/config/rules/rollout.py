@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, List
 
-from qwen35rl.config import engine_specs
+from qwen35rl.config import engine_specs, vllm_facts
 from qwen35rl.config.layout import Layout
 from qwen35rl.config.problems import Problem
 from qwen35rl.config.rules.registry import _divisors, _err, _moe, _nearest, _try, rule, val
@@ -121,7 +121,7 @@ def placeholder_weights_need_a_sync(cfg: Any, layout: Layout) -> List[Problem]:
     a speculative decoding draft (MTP: no part of the policy) nor what vLLM derives at load for images (the vision
     tower's input normalisation) arrives that way."""
     if (not engine_specs.rollout_engine(val(cfg, "rollout.engine")).own_weights
-            or str(val(cfg, "rollout.load_format")) != "dummy"):
+            or vllm_facts.load_format(cfg)[0] != vllm_facts.PLACEHOLDERS):
         return []
     if "speculative_config" in (val(cfg, "rollout.engine_kwargs") or {}):
         why = ("rollout.engine_kwargs.speculative_config decodes with draft weights that only the checkpoint holds "
