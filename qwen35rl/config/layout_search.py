@@ -523,14 +523,25 @@ def train_cost(cfg: Any, layout: Layout) -> Dict[str, float]:
             "offload_s": offload_seconds(cfg, layout, shard, micro, steps)}
 
 
-def rollout_seconds(cfg: Any, layout: Layout, est: M.MemoryEstimate) -> float:
-    """Decode-bound generation time of one step (see the module docstring)."""
-    m, r, per_node = cfg["model"], cfg["rollout"], int(cfg["hw"]["devices_per_node"])
+def decode_schedule(cfg: Any, layout: Layout, est: M.MemoryEstimate) -> Tuple[int, int]:
+    """(sequences each rollout scheduler generates in a step, how many of them it decodes at once)."""
+    r = cfg["rollout"]
     sequences = int(cfg["data"]["train_batch_size"]) * int(r["n"])
     schedulers = max(layout.rollout_world // max(layout.rollout_tp, 1), 1)
     room = est.rollout_sequences if est.rollout_sequences is not None else M.hf_engine_sequences(cfg, layout)
-    concurrent = max(1, min(int(r["max_num_seqs"]), room))
-    steps = math.ceil(sequences / schedulers / concurrent) * int(cfg["data"]["max_response_length"])
+    return math.ceil(sequences / schedulers), max(1, min(int(r["max_num_seqs"]), room))
+
+
+def decode_steps(cfg: Any, layout: Layout, est: M.MemoryEstimate) -> int:
+    """Decode steps of one generation: response length x the waves of sequences each scheduler runs."""
+    sequences, concurrent = decode_schedule(cfg, layout, est)
+    return math.ceil(sequences / concurrent) * int(cfg["data"]["max_response_length"])
+
+
+def rollout_seconds(cfg: Any, layout: Layout, est: M.MemoryEstimate) -> float:
+    """Decode-bound generation time of one step (see the module docstring)."""
+    m, per_node = cfg["model"], int(cfg["hw"]["devices_per_node"])
+    steps = decode_steps(cfg, layout, est)
     weight_read = est.terms["rollout/weights"] * M.GIB / (HBM_GBPS * 1e9)
     layers = len(P.layer_kinds(m))
     spans = lambda group: 1 if group <= per_node else 4  # noqa: E731

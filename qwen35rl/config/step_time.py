@@ -18,7 +18,6 @@ range sums the lows and the highs. The band is wide on purpose: the model's MFU 
 and measured MFU spans 3.5-50 %. Torch-free."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -102,7 +101,7 @@ def estimate(cfg: Any, layout: Layout, est: M.MemoryEstimate) -> Optional[StepTi
     forward = tuple(passes * c / 3 for c in _scaled(compute))
     engine = rollout_engine(tree)
     model_step = _decode_step_s(tree, layout, est)
-    steps = _decode_steps(tree, layout, est)
+    steps = layout_search.decode_steps(tree, layout, est)
     batch = _decode_batch(tree, layout, est)
     floor = (base + per_sequence * batch for base, per_sequence in zip(engine.decode_floor_s,
                                                                          engine.decode_per_sequence_s))
@@ -116,31 +115,14 @@ def estimate(cfg: Any, layout: Layout, est: M.MemoryEstimate) -> Optional[StepTi
     return StepTime(phases, overlapped=layout_search.overlaps(tree))
 
 
-def _per_scheduler(tree: Any, layout: Layout, est: M.MemoryEstimate) -> Tuple[int, int]:
-    """(sequences each scheduler generates, how many of them it decodes at once)."""
-    r = tree["rollout"]
-    sequences = int(tree["data"]["train_batch_size"]) * int(r["n"])
-    schedulers = max(layout.rollout_world // max(layout.rollout_tp, 1), 1)
-    room = est.rollout_sequences if est.rollout_sequences is not None else M.hf_engine_sequences(tree, layout)
-    return math.ceil(sequences / schedulers), max(1, min(int(r["max_num_seqs"]), room))
-
-
-def _decode_steps(tree: Any, layout: Layout, est: M.MemoryEstimate) -> int:
-    """Decode steps of one generation: response length x the waves of sequences each scheduler runs."""
-    sequences, concurrent = _per_scheduler(tree, layout, est)
-    return math.ceil(sequences / concurrent) * int(tree["data"]["max_response_length"])
-
-
 def _decode_batch(tree: Any, layout: Layout, est: M.MemoryEstimate) -> int:
     """Sequences one decode step of a scheduler carries (its first wave's)."""
-    sequences, concurrent = _per_scheduler(tree, layout, est)
-    return min(sequences, concurrent)
+    return min(layout_search.decode_schedule(tree, layout, est))
 
 
 def _decode_step_s(tree: Any, layout: Layout, est: M.MemoryEstimate) -> float:
     """The cost model's seconds per decode step (weights read once, plus the collectives)."""
-    steps = _decode_steps(tree, layout, est)
-    return layout_search.rollout_seconds(tree, layout, est) / max(steps, 1)
+    return layout_search.rollout_seconds(tree, layout, est) / max(layout_search.decode_steps(tree, layout, est), 1)
 
 
 _KIND = {"cuda": "GPU", "npu": "NPU"}

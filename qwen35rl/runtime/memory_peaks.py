@@ -10,7 +10,7 @@ and the overall peak is the process's peak resident set. All in GiB, the plan's 
 Memory that is not the caching allocator's (vLLM's sleep-mode pools, allocated through its own cuMem allocator; the
 CUDA context) is in no allocator counter: each phase also records the device's used memory (total - free, one
 `mem_get_info` at its end), `perf/device_memory_used_gb/<phase>`, the number to hold against the plan's rollout
-estimate under vLLM. A `moment` (e.g. `before_wake`: the trainer's side alone, the engine asleep) records both the
+estimate under vLLM. A `moment` (e.g. `before_wake`: the trainer's side, the engine's KV cache asleep) records both the
 device's used memory and the allocator's live bytes at one point, `perf/memory_allocated_gb/<moment>`, and what the
 allocator holds from the device then, `perf/memory_reserved_gb/<moment>` (after an empty_cache: blocks it could not
 give back). Used less reserved is what no allocator counts (CUDA context, loaded kernels, communicators, memory of

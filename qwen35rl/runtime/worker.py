@@ -203,7 +203,9 @@ class PolicyWorker:
 
             gc.collect()
             device.empty_cache()
-            self.memory.moment("before_wake")  # the trainer's side alone: held against rollout/kept_by_trainer
+            # the trainer's side, held against rollout/kept_by_trainer, plus the engine's weights when the weight
+            # sync woke them (vLLM wakes its weights to load the policy's, its KV cache only now)
+            self.memory.moment("before_wake")
         try:
             self.rollout.wake_up()
         except (RuntimeError, MemoryError) as e:

@@ -41,13 +41,18 @@ def test_the_recorded_gpu_runs_fall_inside_the_range(run, data):
     low, mid, high = estimate.total()
     measured = summary["timing_s/step"]["median_after_first"]
     assert low < mid < high and low <= measured <= high, (low, mid, high, measured)
-    for phase, key in (("generation", "timing_s/gen"), ("update", "timing_s/update_actor")):
-        low, _, high = estimate.phases[phase]
-        assert low <= summary[key]["median_after_first"] <= high, (phase, estimate.phases, summary)
+    _phases_inside(estimate.phases, summary)
 
 
 def _summary(run):
     return json.loads((RESULTS / run / "summary.txt").read_text().split("SUMMARY ", 1)[1].splitlines()[0])
+
+
+def _phases_inside(phases, summary):
+    """The run's generation and update (median after the first step) lie within the plan's ranges for them."""
+    for phase, key in (("generation", "timing_s/gen"), ("update", "timing_s/update_actor")):
+        low, _, high = phases[phase]
+        assert low <= summary[key]["median_after_first"] <= high, (phase, phases, summary)
 
 
 # The later runs of bench/results/vllm_gpu.md, by their overrides in the memory calibration's fixture
@@ -65,9 +70,7 @@ def test_the_later_gpu_runs_step_and_phases_fall_inside_the_range(name):
     summary = _summary(LATER[name])
     st = plan["step_time"]
     assert st["low_s"] <= summary["timing_s/step"]["median_after_first"] <= st["high_s"], (st, summary)
-    for phase, key in (("generation", "timing_s/gen"), ("update", "timing_s/update_actor")):
-        low, _, high = st["phases"][phase]
-        assert low <= summary[key]["median_after_first"] <= high, (phase, st["phases"], summary)
+    _phases_inside(st["phases"], summary)
 
 
 def test_decoding_more_sequences_at_once_takes_longer_per_step():
