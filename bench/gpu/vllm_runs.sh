@@ -76,6 +76,10 @@ q_run() {
   cp "$dir/metrics.jsonl" "$OUT/$name/" 2>/dev/null
   tail -c 20000 "$LOGS/$name.log" > "$OUT/$name/log-tail.txt"
   grep -h "engine started\|kernel caches\|resum\|out of memory\|Error\|error:" "$LOGS/$name.log" | cut -c1-400 | tail -8
+  # this launch's start-up, line by line up to its first step (where the minutes before it go)
+  awk -v from="$(grep -n "libraries imported" "$LOGS/$name.log" | tail -1 | cut -d: -f1)" \
+    'NR >= from && !/it\/s\]|^Autotuning kernel|with config/ {print substr($0, 1, 300)} NR >= from && /first step in/ {exit}' \
+    "$LOGS/$name.log" > "$OUT/$name/log-start.txt"
   elapsed "run $name: exit $rc, $(wc -l 2>/dev/null < "$dir/metrics.jsonl" || echo 0) steps logged"
   python3 bench/gpu/vllm_summary.py "$OUT/$name" | tee "$OUT/$name/summary.txt"
 }
@@ -156,7 +160,9 @@ textl|imagesl)
   # runs A and B on the byte-sized vocabulary with the digit-share reward (LEARN): a task the policy can learn
   card
   if [ "$stage" = textl ]; then name=text-0.8b-fsdp-learn; set_=("${TEXT[@]}"); else name=images-0.8b-fsdp-learn; set_=("${IMAGES[@]}"); fi
-  # LIMIT: seconds of the call the run may use (default 540); EXTRA: more overrides (e.g. rollout.enforce_eager=true)
+  # LIMIT: seconds of the call the run may use (default 540); EXTRA: more overrides (e.g. rollout.enforce_eager=true);
+  # NAME: the run's name instead (a variant of the same run beside the first, e.g. its warm start with STEPS=3)
+  name=${NAME:-$name}
   q_run "$name" "$(left ${LIMIT:-540})" model=qwen3_5_0_8b backend=fsdp $(common) "${set_[@]}" "${SMALL[@]}" "${LEARN[@]}" \
     ${EXTRA:-}
   ;;

@@ -119,6 +119,20 @@ def save_hf(model: PreTrainedModel, tokenizer: Any, out_dir: str, processor: Opt
         tokenizer.save_pretrained(out_dir)
 
 
+def save_hf_config(model_cfg: Any, tokenizer: Any, out_dir: str, *, text_only: bool = True,
+                   processor: Optional[Any] = None) -> None:
+    """Write `out_dir` as `save_hf` would, without weight files: what an engine that starts on placeholder weights
+    reads (vLLM's `load_format=dummy`: config, generation config, tokenizer, processor)."""
+    model = build_model(model_cfg, dtype=model_cfg.dtype, device="meta", text_only=text_only)
+    config = model.config
+    config.architectures = [type(model).__name__]  # what save_pretrained records
+    config.dtype = torch_dtype(model_cfg.dtype)
+    os.makedirs(out_dir, exist_ok=True)
+    config.save_pretrained(out_dir)
+    generation_config(model_cfg).save_pretrained(out_dir)
+    (processor or tokenizer).save_pretrained(out_dir)
+
+
 def save_hf_from_weights(
     model_cfg: Any,
     weights: Iterable[List[Tuple[str, torch.Tensor]]],

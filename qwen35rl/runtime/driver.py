@@ -187,7 +187,7 @@ def _run_training(run: ResolvedRun, run_dir: Path, decision: Any, where: _Where,
             workers, rollout_workers = start_workers(run, platform, group_cls, started, run_dir=str(run_dir),
                                                      optimizer_steps=optimizer_steps)
             try:
-                phases.done("engines built", _describe_engines(run))
+                phases.done("engines built", _describe_engines(run, workers.engine_build_s()))
                 trainer = GRPOTrainer(cfg, layout, workers, tokenizer, loader, val_set, reward_fn,
                                       tracking, checkpoints, stop, total_steps, run_dir, rollout_workers=rollout_workers)
                 trainer.phases, trainer.provenance_start = phases, start_dir.name
@@ -243,13 +243,16 @@ def _run_training(run: ResolvedRun, run_dir: Path, decision: Any, where: _Where,
             _say_summary(trainer, run_dir, code, phases)
 
 
-def _describe_engines(run: ResolvedRun) -> str:
+def _describe_engines(run: ResolvedRun, took: Dict[str, float]) -> str:
+    """What each worker built; `took`: rank 0's seconds per part (where a long start-up's minutes went)."""
     cfg = run.cfg
     train = [f"{cfg.backend.name} train engine"] + (["reference policy"] if needs_reference(cfg) else [])
     if run.layout.split:
-        return (f"{', '.join(train)} on each training worker; {cfg.rollout.engine} rollout engine on each rollout "
-                f"worker")
-    return ", ".join(train + [f"{cfg.rollout.engine} rollout engine"]) + " on each worker"
+        built = (f"{', '.join(train)} on each training worker; {cfg.rollout.engine} rollout engine on each rollout "
+                 f"worker")
+    else:
+        built = ", ".join(train + [f"{cfg.rollout.engine} rollout engine"]) + " on each worker"
+    return built + (f" (rank 0: {', '.join(f'{part} {s:.1f} s' for part, s in took.items())})" if took else "")
 
 
 def start_workers(run: ResolvedRun, platform: Platform, group_cls: type, on_started: Callable[[], None],

@@ -9,13 +9,14 @@ are plain python (`batching.Sequences`, lists, dicts), so nothing here depends o
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,7 @@ class PolicyWorker:
         self.text_only = not trains_vision({"model": self.cfg.model, "data": self.cfg.data})
         self.processor = None
         """The model's processor when the policy sees images (its image processor builds the vision inputs)."""
+        self.build_s: Dict[str, float] = {}
 
     # ---------------------------------------------------------------------------------------------- bring-up
     def rendezvous_address(self) -> Tuple[str, int]:
@@ -112,20 +114,30 @@ class PolicyWorker:
         if self.platform.is_accelerator:
             # Ray gives each worker one CPU (one torch thread); the CPU-side model init may use the node's share
             torch.set_num_threads(node_thread_share(cfg.hw.devices_per_node))
+        took: Dict[str, float] = {}
         try:
-            self.actor = self._train_engine(reference=False)
+            with _timed(took, f"{cfg.backend.name} train engine"):
+                self.actor = self._train_engine(reference=False)
             self.actor_loss = ActorLoss.from_config(cfg)
             if needs_reference(cfg):
-                self.ref = self._train_engine(reference=True)
+                with _timed(took, "reference policy"):
+                    self.ref = self._train_engine(reference=True)
             if not self.layout.split:  # split: the rollout pool generates (rollout_worker.RolloutWorker)
-                self.rollout = self._rollout_engine()
+                self.rollout = self._rollout_engine(took)
         finally:
             torch.set_num_threads(threads)
+        self.build_s = took
+
+    def engine_build_s(self) -> Dict[str, float]:
+        """Seconds each engine of this worker took to build (where a start-up's minutes go)."""
+        return dict(self.build_s)
 
     def _train_engine(self, reference: bool) -> TrainEngine:
         engine_cls = engine_specs.load(engine_specs.train_engine(self.cfg).builder)
+        # the reference starts from the policy's initial weights: copied where the engine can, else drawn or read again
+        copy = {"init_from": self.actor} if reference and getattr(engine_cls, "copies_initial_weights", False) else {}
         return engine_cls(self.cfg, layout=self.layout, rank=self.rank, world_size=self.world_size, device=self.device,
-                          reference=reference, total_steps=self.optimizer_steps)
+                          reference=reference, total_steps=self.optimizer_steps, **copy)
 
     def data_shards(self) -> Dict[str, int]:
         """Which share of the data this worker takes. Training: its data-parallel rank (the ranks of one
@@ -136,19 +148,26 @@ class PolicyWorker:
                 "train_dp_size": int(getattr(self.actor, "dp_size", self.world_size)),
                 "rollout_group": self.rank // rollout_tp, "rollout_groups": self.world_size // rollout_tp}
 
-    def _rollout_engine(self) -> RolloutEngine:
+    def _rollout_engine(self, took: Optional[Dict[str, float]] = None) -> RolloutEngine:
         """The driver syncs the policy's weights into the rollout engine before every generation (fresh or
-        resumed), so with a random init the hf engine's model is only allocated, not initialised."""
+        resumed), so with a random init the hf engine's model is only allocated, not initialised. `took` gets the
+        seconds of each part."""
+        took = {} if took is None else took
         spec = engine_specs.rollout_engine(self.cfg)
+        name = f"{self.cfg.rollout.engine} rollout engine"
         if not spec.own_weights:  # generates with a model the weight sync fills in place
-            return hf_rollout_engine(self.cfg, self.device, self.tokenizer, self.processor, self.text_only)
+            with _timed(took, name):
+                return hf_rollout_engine(self.cfg, self.device, self.tokenizer, self.processor, self.text_only)
         if self.cfg.model.init == "pretrained":
             model_dir = self.cfg.model.path
         else:  # an engine with its own weights starts from a checkpoint directory: the random init, written once
             model_dir = str(self.run_dir / ".rollout_init_hf")
-            self.export_hf(model_dir, vision_form=self.text_only and self.cfg.model.vision is not None
-                           and not installed_vllm_loads_text_checkpoint())
-        return engine_specs.load(spec.builder)(self.cfg, model_dir, self.layout)
+            with _timed(took, "rollout checkpoint written"):
+                self.export_hf(model_dir, vision_form=self.text_only and self.cfg.model.vision is not None
+                               and not installed_vllm_loads_text_checkpoint(),
+                               weights=not placeholder_weights(self.cfg))
+        with _timed(took, name):
+            return engine_specs.load(spec.builder)(self.cfg, model_dir, self.layout)
 
     @property
     def pad_token_id(self) -> int:
@@ -307,17 +326,28 @@ class PolicyWorker:
         if dist.is_initialized():  # a single process without a group (tests) has nobody to wait for
             dist.barrier()
 
-    def export_hf(self, path: str, vision_form: bool = False) -> None:
+    def export_hf(self, path: str, vision_form: bool = False, weights: bool = True) -> None:
         """Collective: gather the full policy; rank 0 writes it in Hugging Face format. From a pretrained checkpoint
         the policy is written over a copy of it (`models.export`), so it loads as that checkpoint's type with what
         training did not hold (a VL vision tower, `mtp.*`, tokenizer, processor, chat template); from a random init,
         the policy's own model with the tokenizer (and processor). `vision_form`: a text-only policy written as the
         vision-language checkpoint (`Qwen3_5*ForConditionalGeneration`, the text model under
         `model.language_model.`, a zero vision tower that text prompts never run, and the processor), for vLLM
-        releases that load no text-only Qwen3.5 checkpoint."""
-        from qwen35rl.models.build import build_model, generation_config, save_hf
+        releases that load no text-only Qwen3.5 checkpoint. `weights=False`: the checkpoint without its weight
+        files, for an engine that starts on placeholders (nothing gathered)."""
+        from qwen35rl.models.build import build_model, generation_config, save_hf, save_hf_config
         from qwen35rl.models.export import export_over_source, source_weight_files
 
+        if not weights:
+            if self.rank == 0:
+                from qwen35rl.models.processor import build_processor
+
+                as_vision = vision_form and self.text_only
+                save_hf_config(self.cfg.model, self.tokenizer, path, text_only=self.text_only and not as_vision,
+                               processor=build_processor(self.cfg.model, self.tokenizer) if as_vision
+                               else self.processor)
+            self._barrier()
+            return
         self._trainers_on_device()
         state: Dict[str, torch.Tensor] = {}
         for bucket in self.actor.export_weights(self.cfg.rollout.weight_sync_bucket_mb):
@@ -355,6 +385,20 @@ class PolicyWorker:
             self.sync_group.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _timed(took: Dict[str, float], what: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    took[what] = time.perf_counter() - start
+
+
+def placeholder_weights(cfg: Any) -> bool:
+    """Whether the rollout engine starts on placeholder weights (the first weight sync brings the policy's)."""
+    from qwen35rl.config import vllm_facts
+
+    return vllm_facts.load_format(cfg)[0] == vllm_facts.PLACEHOLDERS
 
 
 def installed_vllm_loads_text_checkpoint() -> bool:

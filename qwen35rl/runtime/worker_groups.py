@@ -104,6 +104,10 @@ class PolicyWorkers(_Workers):
         self.train_group = [s["train_dp_rank"] for s in shards]
         return shards
 
+    def engine_build_s(self) -> Dict[str, float]:
+        """Rank 0's seconds per engine built (the ranks build alike)."""
+        return self._fan_out("engine_build_s", rank=0).wait()[0]
+
     # ----------------------------------------------------------------------------------------- weight sync
     def sync_weights(self) -> None:
         """Collective, colocated: each worker streams the policy's full weights into its own rollout engine."""

@@ -71,15 +71,29 @@ def _batch(case, cfg, dp_rank, dp):
 
 
 def _train_once(case, cfg, rank, world):
+    """Sharded (world > 1), the reference copies the policy's initial shards; on one rank it draws them itself."""
+    def reference(init_from=None):
+        return FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=rank, world_size=world, device="cpu",
+                               reference=True, init_from=init_from)
+
     engine = FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=rank, world_size=world, device="cpu")
-    ref = FsdpTrainEngine(cfg, layout=derive_layout(cfg), rank=rank, world_size=world, device="cpu", reference=True)
+    ref = reference(engine if world > 1 else None)
     batch = _batch(case, cfg, engine.dp_rank, engine.dp_size)
     logp, ent = engine.compute_log_probs(batch, with_entropy=True)
     ref_logp, _ = ref.compute_log_probs(batch)
     metrics, grads, weights = _step_capturing_grads(engine, [batch])
+    copied = None
+    if world > 1:  # a copy of the weights as they are now (a second draw would give the initial ones)
+        def same(a, b):
+            a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (a, b))
+            return torch.equal(a.to(b.dtype), b)
+
+        trained, again, initial = (e.module.state_dict() for e in (engine, reference(engine), ref))
+        copied = (all(same(t, again[k]) for k, t in trained.items())
+                  and not all(same(t, initial[k]) for k, t in trained.items()))
     return dict(dp=(engine.dp_rank, engine.dp_size), layout=engine.micro_batch_layout, logp=logp, ent=ent,
                 ref_logp=ref_logp, metrics=metrics, grads=grads if rank == 0 else None,
-                weights=weights if rank == 0 else None)
+                weights=weights if rank == 0 else None, copied=copied)
 
 
 def _resume_cfg(world):
@@ -144,6 +158,7 @@ def test_hsdp_and_sp_train_like_one_rank_and_resume_bitwise():
             dp_rank, dp = got["dp"]
             assert (dp_rank, dp) == (rank // sp, WORLD // sp)
             assert got["layout"] == ("packed" if sp > 1 else "padded")
+            assert got["copied"], f"{case} rank {rank}: the reference did not copy the policy's shards"
             rows = slice(dp_rank * mask.shape[0] // dp, (dp_rank + 1) * mask.shape[0] // dp)
             share = _batch(case, _cfg(case[0], 1), dp_rank, dp).response_mask.bool()  # this share's padding
             for key in ("logp", "ent", "ref_logp"):

@@ -37,3 +37,5 @@ def test_grpo_two_steps_with_vllm_rollout(tmp_path):
     # sync, before the first generation, brought the policy's
     for r in rows:
         assert abs(r["actor/ppo_kl"]) < MISMATCH_TOL, (r["step"], r["actor/ppo_kl"])
+    init = tmp_path / "grpo_vllm" / ".rollout_init_hf"  # what vLLM started from: the config, no weight files
+    assert (init / "config.json").is_file() and not list(init.glob("*.safetensors"))

@@ -102,6 +102,9 @@ def test_train_end_to_end(tmp_path):
     # trainer.launcher=auto on this host's CPUs: local worker processes, no Ray
     assert "Ray up" not in err and "workers up in " in err and "2 worker process(es) on 1 node(s)" in err
     assert re.search(r"\[qwen35rl\] workers up in \d+\.\d s: 2 worker process\(es\) on 1 node\(s\)", err)
+    # and where the engines' time went, part by part, on rank 0
+    assert re.search(r"engines built in [\d.]+ s: .* on each worker \(rank 0: fsdp train engine \d+\.\d s, .*"
+                     r"hf rollout engine \d+\.\d s\)", err), err[:3000]
     # the end: steps, time, tokens/s, reward first -> last, validation, where everything is
     summary = err[err.index("[qwen35rl] done: step 3 of 3"):]
     assert re.search(r"time: +\d:\d\d:\d\d wall time for 3 step\(s\) in this launch; [\d.]+ s per step, [\d,]+ "

@@ -39,3 +39,28 @@ def test_a_model_without_a_vision_tower_has_no_such_form(tmp_path):
     cfg = compose(["model=qwen3_5_tiny", "model.init=random", "hw=cpu"])
     with pytest.raises(ValueError, match="no vision tower"):
         write_vision_form(cfg.model, {}, build_tokenizer(cfg.model), str(tmp_path))
+
+
+@pytest.mark.parametrize("vision_form", [True, False])
+def test_placeholder_checkpoint_is_the_full_one_without_weights(tmp_path, vision_form):
+    """For an engine that starts on placeholders (vLLM's load_format=dummy) the rollout checkpoint is written without
+    weight files, and what it does write is what the full checkpoint holds."""
+    from qwen35rl.models.build import generation_config, save_hf, save_hf_config
+    from qwen35rl.models.processor import build_processor
+
+    cfg = compose(["model=qwen3_5_tiny_vl", "model.init=random", "hw=cpu", "data=synthetic"])
+    tok = build_tokenizer(cfg.model)
+    full, bare = tmp_path / "full", tmp_path / "bare"
+    text = build_model(cfg.model, dtype=cfg.model.dtype, seed=3, text_only=True)
+    if vision_form:
+        write_vision_form(cfg.model, dict(text.state_dict()), tok, str(full))
+        save_hf_config(cfg.model, tok, str(bare), text_only=False, processor=build_processor(cfg.model, tok))
+    else:
+        text.generation_config = generation_config(cfg.model)
+        save_hf(text, tok, str(full))
+        save_hf_config(cfg.model, tok, str(bare), text_only=True)
+    assert list(full.glob("*.safetensors")) and not list(bare.glob("*.safetensors"))
+    written = sorted(p.name for p in full.iterdir() if not p.name.startswith("model"))
+    assert sorted(p.name for p in bare.iterdir()) == written
+    for name in written:
+        assert (bare / name).read_text() == (full / name).read_text(), name
