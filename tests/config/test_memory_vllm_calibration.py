@@ -4,10 +4,11 @@ tests/config/data/memory_vllm_gpu_2026_12.json). The device's used memory (total
 sleeping pools, which the trainer's peak leaves out; just before the KV cache wakes, the engine's weights are awake
 already (the weight sync woke them), beside what the trainer keeps.
 
-Two misses are pinned as expected failures (strict: the day the model covers them, they fail as passing) and are
-measured in bench/results/vllm_gpu.md: with the 4B's states on the host, 4.6-5.9 GiB stay on the device while the
-engine sleeps against the plan's 3 GiB reserve; and at 256 responses in one micro batch the plan's train peak, sized
-for prompts of data.max_prompt_length, is 11 % above the run's, whose prompts were 200 of 256 tokens."""
+The training peak is compared at the run's own prompt lengths (the runs' prompts were ~200 of 256 tokens; launched,
+the plan sizes for data.max_prompt_length, which must not fall below the run). Two misses of the 4B with its states
+on the host are pinned as expected failures (strict: the day the model covers them, they fail as passing) and are
+measured in bench/results/vllm_gpu.md: 4.6-5.9 GiB stay on the device while the engine sleeps against the plan's
+3 GiB reserve, and its update at 64 responses held ~2 GiB more than the plan."""
 import json
 import os
 from pathlib import Path
@@ -48,16 +49,41 @@ def known_miss(runs, names, reason):
             if r["name"] in names else pytest.param(r, id=r["name"]) for r in runs]
 
 
-TRAINED = known_miss([r for r in RUNS if "update_allocated_gib" in r], {"text-4b-fsdp-max-h200"},
-                     "sized for full-length prompts: +11 % at 256 responses of 200-token prompts")
+def at_run_lengths(run):
+    """The plan's memory at the run's own prompt lengths (its mean), with the micro batch and checkpointing the run's
+    plan resolved: the model's accuracy, apart from the launch's sizing for prompts of data.max_prompt_length."""
+    base = FIXTURE["common_overrides"] + run["overrides"]
+    batch = build_plan(compose(base))["batch"]
+    plan = build_plan(compose(base + [f"backend.micro_batch_size_per_device={batch['micro_batch_size_per_device']}",
+                                      f"backend.gradient_checkpointing={str(batch['gradient_checkpointing']).lower()}",
+                                      f"data.max_prompt_length={round(run['prompt_length_mean'])}"]))
+    assert plan["valid"], plan["problems"]
+    return plan["memory_gib"]
 
 
-@pytest.mark.parametrize("run", TRAINED)
-def test_training_peak_beside_the_sleeping_engine_within_10_percent(run):
-    m = memory_of(run)
-    measured = run["update_allocated_gib"] - run["sleeping_pool_gib"]
-    err = m["train_peak"] / measured - 1
-    assert abs(err) <= TOLERANCE, f"{run['name']}: plan {m['train_peak']} GiB vs {measured:.2f} ({err:+.1%})"
+def trainer_peak(run):
+    """The allocator's peak in the update less vLLM's sleeping pools, which it still counts."""
+    return run["update_allocated_gib"] - run["sleeping_pool_gib"]
+
+
+TRAINED = [r for r in RUNS if "update_allocated_gib" in r]
+
+
+@pytest.mark.parametrize("run", known_miss(TRAINED, {"text-4b-fsdp"}, "with its states on the host the 4B's update "
+                                           "held ~2 GiB more than the plan at 64 responses (1.5 GiB at 256)"))
+def test_training_peak_at_the_runs_prompt_lengths_within_10_percent(run):
+    planned = at_run_lengths(run)["train_peak"]
+    err = planned / trainer_peak(run) - 1
+    assert abs(err) <= TOLERANCE, f"{run['name']}: plan {planned:.2f} GiB vs {trainer_peak(run):.2f} ({err:+.1%})"
+
+
+@pytest.mark.parametrize("run", TRAINED, ids=[r["name"] for r in TRAINED])
+def test_training_peak_as_launched_is_not_below_the_run(run):
+    """Launched, the plan sizes for prompts of data.max_prompt_length: above what shorter prompts measure (0.8B at
+    32 responses without checkpointing: +12.6 %), never more than the tolerance below."""
+    err = memory_of(run)["train_peak"] / trainer_peak(run) - 1
+    assert err >= -TOLERANCE, f"{run['name']}: plan {memory_of(run)['train_peak']:.2f} GiB vs " \
+                              f"{trainer_peak(run):.2f} ({err:+.1%})"
 
 
 WOKEN = known_miss([r for r in RUNS if "device_used_before_wake_gib" in r], {"text-4b-fsdp", "text-4b-fsdp-max-h200"},

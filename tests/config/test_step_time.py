@@ -58,7 +58,8 @@ def _phases_inside(phases, summary):
 # The later runs of bench/results/vllm_gpu.md, by their overrides in the memory calibration's fixture
 CALIBRATION = json.loads((Path(__file__).parent / "data" / "memory_vllm_gpu_2026_12.json").read_text())
 LATER = {"text-0.8b-fsdp-learn": "text-0.8b-fsdp-learn", "text-4b-fsdp": "text-4b-fsdp-50",
-         "text-4b-fsdp-max-h200": "text-4b-max", "images-0.8b-megatron": "images-0.8b-megatron"}
+         "text-4b-fsdp-max-h200": "text-4b-max", "images-0.8b-megatron": "images-0.8b-megatron",
+         "text-0.8b-fsdp-auto": "text-0.8b-fsdp-auto"}
 
 
 @pytest.mark.parametrize("name", sorted(LATER))

@@ -168,6 +168,10 @@ def test_weights_at_start_placeholders_on_text_the_checkpoints_on_images(capsys)
     text, images = compose(["rollout=vllm", "data=gsm8k"]), compose(["rollout=vllm", "data=geo3k"])
     assert vllm_facts.load_format(text)[0] == "dummy" and vllm_facts.load_format(images)[0] == "auto"
     assert vllm_facts.load_format(compose(["rollout=vllm", "data=gsm8k", "rollout.load_format=auto"]))[0] == "auto"
+    # by default only where placeholders have trained (CPU, CUDA); an NPU reads the checkpoint and says why
+    assert vllm_facts.load_format(compose(["rollout=vllm", "data=gsm8k", "hw=gpu_1x"]))[0] == "dummy"
+    npu, why = vllm_facts.load_format(compose(["rollout=vllm", "data=gsm8k", "hw=a2_1node"]))
+    assert npu == "auto" and "npu" in why and "rollout.load_format=dummy" in why
 
     def refused(overrides):
         t = as_tree(compose(overrides))

@@ -89,9 +89,10 @@ def test_placeholder_weights_on_text_data_where_they_have_run_the_checkpoints_el
     assert (text["load_format"], images["load_format"]) == ("dummy", "auto")
     assert args_for("model=qwen3_5_tiny", "hw=cpu", "rollout=vllm", "data=gsm8k",
                     "rollout.load_format=auto")["load_format"] == "auto"
-    # not yet run on a GPU: the checkpoint by default, placeholders when asked for
-    assert args_for("model=qwen3_5_0_8b", "hw=gpu_1x", "rollout=vllm", "data=gsm8k")["load_format"] == "auto"
-    assert args_for("model=qwen3_5_0_8b", "hw=gpu_1x", "rollout=vllm", "data=gsm8k",
+    # run on CUDA too (vLLM 0.26, H100); not yet on an NPU: the checkpoint by default, placeholders when asked for
+    assert args_for("model=qwen3_5_0_8b", "hw=gpu_1x", "rollout=vllm", "data=gsm8k")["load_format"] == "dummy"
+    assert args_for("model=qwen3_5_0_8b", "hw=a2_1node", "rollout=vllm", "data=gsm8k")["load_format"] == "auto"
+    assert args_for("model=qwen3_5_0_8b", "hw=a2_1node", "rollout=vllm", "data=gsm8k",
                     "rollout.load_format=dummy")["load_format"] == "dummy"
 
 

@@ -39,3 +39,6 @@ def test_grpo_two_steps_with_vllm_rollout(tmp_path):
         assert abs(r["actor/ppo_kl"]) < MISMATCH_TOL, (r["step"], r["actor/ppo_kl"])
     init = tmp_path / "grpo_vllm" / ".rollout_init_hf"  # what vLLM started from: the config, no weight files
     assert (init / "config.json").is_file() and not list(init.glob("*.safetensors"))
+    # ... kept by its content beside the kernel caches, where the next run of the model finds the same path
+    shared, = (tmp_path / ".kernel_cache" / "rollout_configs").iterdir()
+    assert (shared / "config.json").read_text() == (init / "config.json").read_text()

@@ -2,6 +2,7 @@
 checkpoint): the text model's weights under model.language_model., a zero vision tower, the processor; it computes
 what the text model computes."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,3 +65,22 @@ def test_placeholder_checkpoint_is_the_full_one_without_weights(tmp_path, vision
     assert sorted(p.name for p in bare.iterdir()) == written
     for name in written:
         assert (bare / name).read_text() == (full / name).read_text(), name
+
+
+def test_weightless_checkpoints_are_kept_by_content(tmp_path):
+    """The same config written by two runs starts vLLM from one path (vLLM's compile cache is keyed by it); another
+    config gets its own."""
+    from qwen35rl.models.build import save_hf_config
+    from qwen35rl.runtime.worker import shared_config_dir
+
+    def written(name, *overrides):
+        cfg = compose(["model=qwen3_5_tiny", "model.init=random", "hw=cpu", *overrides])
+        save_hf_config(cfg.model, build_tokenizer(cfg.model), str(tmp_path / name))
+        return str(tmp_path / name)
+
+    root = tmp_path / "cache"
+    first = shared_config_dir(written("run1"), root)
+    assert shared_config_dir(written("run2"), root) == first != written("run1")
+    other = shared_config_dir(written("run3", "model.num_hidden_layers=2"), root)
+    assert other != first and sorted(p.name for p in root.iterdir()) == sorted({Path(first).name, Path(other).name})
+    assert json.loads((Path(other) / "config.json").read_text())["num_hidden_layers"] == 2
