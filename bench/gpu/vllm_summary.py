@@ -30,7 +30,8 @@ def summary(run: Path) -> dict:
         if gap_mean else None
     out["logprob_gap_max"] = {"median": round(statistics.median(gap_max), 4), "max": round(max(gap_max), 4)} \
         if gap_max else None
-    for key in ("timing_s/step", "timing_s/gen", "timing_s/sync_weights", "timing_s/update_actor"):
+    for key in ("timing_s/step", "timing_s/gen", "timing_s/gen_wake", "timing_s/gen_generate", "timing_s/gen_sleep",
+                "timing_s/sync_weights", "timing_s/update_actor"):
         xs = col(key)
         if xs:
             steady = xs[1:] or xs

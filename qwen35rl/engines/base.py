@@ -46,8 +46,9 @@ class RolloutResult:
     finish_reasons: List[str]
     """`stop` (EOS / stop token) or `length` (hit max_new_tokens)."""
     decode: Dict[str, Any] = field(default_factory=dict)
-    """How the engine decoded (the hf engine's DecodeStats: rows, steps, cuda_graph, graph_error); empty for an
-    engine without such stats (vLLM) or a share without prompts."""
+    """How the engine decoded (the hf engine's DecodeStats: rows, steps, cuda_graph, graph_error); a colocated
+    worker adds the seconds of its generation's parts (wake_s, generate_s, sleep_s). Empty for an engine without
+    such stats (vLLM) or a share without prompts."""
 
 
 @dataclass

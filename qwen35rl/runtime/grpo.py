@@ -387,17 +387,21 @@ class GRPOTrainer:
         return batch
 
     def decode_metrics(self, decode: Sequence[Dict[str, Any]]) -> Dict[str, float]:
-        """`rollout/cuda_graph`: share of the rollout groups whose generation of the batch decoded as a captured CUDA
-        graph (hf engine only: `rollout.cuda_graph`). The first failed capture's error is logged as a warning."""
+        """`timing_s/gen_wake`, `timing_s/gen_generate`, `timing_s/gen_sleep`: the parts of a colocated generation
+        (the slowest rollout group's). `rollout/cuda_graph`: share of the rollout groups whose generation of the batch
+        decoded as a captured CUDA graph (hf engine only: `rollout.cuda_graph`). The first failed capture's error is
+        logged as a warning."""
+        metrics = {f"timing_s/gen_{part[:-2]}": max(s[part] for s in decode if part in s)
+                   for part in ("wake_s", "generate_s", "sleep_s") if any(part in s for s in decode)}
         decoded = [s for s in decode if s.get("rows")]
         if not decoded:
-            return {}
+            return metrics
         error = next((s["graph_error"] for s in decoded if s["graph_error"]), "")
         if error and not self.graph_error_logged:
             self.graph_error_logged = True
             log.warning("the rollout's decode step could not be captured as a CUDA graph, so it decodes eagerly "
                         "(rollout/cuda_graph < 1; rollout.cuda_graph=false skips the attempt): %s", error)
-        return {"rollout/cuda_graph": sum(float(s["cuda_graph"]) for s in decoded) / len(decoded)}
+        return {**metrics, "rollout/cuda_graph": sum(float(s["cuda_graph"]) for s in decoded) / len(decoded)}
 
     def score(self, batch: RolloutBatch, tally: Optional[List[Any]] = None) -> Dict[str, float]:
         """Reward function per response (in worker processes with a time limit), then overlong shaping. Training

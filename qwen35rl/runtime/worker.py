@@ -204,14 +204,18 @@ class PolicyWorker:
         if not prompt_ids:
             return RolloutResult(response_ids=[], log_probs=[], finish_reasons=[])
         self._move_trainer_states("to the host", lambda e: e.offload_states())  # backend.*_offload
-        self._wake_rollout()
-        with self.memory.phase("gen"):
+        took: Dict[str, float] = {}
+        with _timed(took, "wake_s"):  # with the trainer's cached blocks returned to the device first
+            self._wake_rollout()
+        with self.memory.phase("gen"), _timed(took, "generate_s"):
             result = self.rollout.generate(RolloutRequest(prompt_ids=prompt_ids, **params))
         stats = getattr(self.rollout, "stats", None)  # the hf engine's DecodeStats; the vLLM engine has none
         if stats is not None:
             result.decode = dataclasses.asdict(stats)
         if self.cfg.rollout.free_cache_engine:  # give the memory back to the trainer until the next generation
-            self.rollout.sleep(self.cfg.rollout.sleep_level)
+            with _timed(took, "sleep_s"):
+                self.rollout.sleep(self.cfg.rollout.sleep_level)
+        result.decode.update(took)
         return result
 
     def _wake_rollout(self) -> None:

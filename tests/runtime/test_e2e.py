@@ -69,6 +69,9 @@ def test_train_end_to_end(tmp_path):
         # the rollout engine samples from the synced policy: its log-probs are the trainer's
         assert r["rollout/logprob_diff_max"] < 1e-3 and r["rollout/logprob_diff_mean"] < 1e-4
         assert r["rollout/cuda_graph"] == 0.0  # on by default, never on a CPU
+        # generation's parts, on the slowest worker: within the generation the driver timed
+        parts = [r[f"timing_s/gen_{p}"] for p in ("wake", "generate", "sleep")]
+        assert r["timing_s/gen_generate"] > 0 and all(p >= 0 for p in parts) and sum(parts) <= r["timing_s/gen"]
     assert "val/score/mean" in rows[2] and "val/score/mean" not in rows[0]
 
     ckpts = run / "checkpoints"
