@@ -349,6 +349,8 @@ class PolicyWorker:
                 from qwen35rl.models.processor import build_processor
 
                 as_vision = vision_form and self.text_only
+                for stale in Path(path).glob("*.safetensors*"):  # an earlier launch's weights: none belong here
+                    stale.unlink()
                 save_hf_config(self.cfg.model, self.tokenizer, path, text_only=self.text_only and not as_vision,
                                processor=build_processor(self.cfg.model, self.tokenizer) if as_vision
                                else self.processor)

@@ -161,6 +161,11 @@ def test_hf_export_loads_with_transformers(worker, tmp_path):
     assert set(policy) <= set(exported)
     assert all(torch.equal(policy[k], exported[k].detach()) for k in policy)
     assert tok.decode(tok.encode("7 3 9 =")) == "7 3 9 ="
+    # for an engine on placeholders the same directory is written again without weights, the earlier ones removed
+    config = (tmp_path / "final" / "config.json").read_text()
+    worker.export_hf(str(tmp_path / "final"), weights=False)
+    assert not list((tmp_path / "final").glob("*.safetensors*"))
+    assert (tmp_path / "final" / "config.json").read_text() == config
 
 
 def test_log_prob_passes_cut_their_own_micro_batches(worker, monkeypatch):
