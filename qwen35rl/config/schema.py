@@ -349,7 +349,7 @@ class RolloutConfig:
     load_format: Optional[str] = None
     """vLLM's weights at start: `dummy` (placeholders: the policy's weights arrive with the first weight sync, which
     comes before any generation, so the checkpoint's weight files are never read) or `auto` (vLLM reads them from
-    the checkpoint). null (the default): `dummy` on text data on devices where placeholders have run (CPU so far),
+    the checkpoint). null (the default): `dummy` on text data on devices where placeholders have run (CPU, CUDA),
     `auto` elsewhere, on image data, where vLLM derives part of the vision tower at load and placeholders would
     overwrite it, and with speculative decoding, whose draft weights no sync brings (`vllm_facts.load_format`).
     vLLM only."""

@@ -263,9 +263,10 @@ def load_format(cfg: Any) -> Tuple[str, str]:
     """vLLM's `load_format` for the rollout engine, and why. `rollout.load_format` when set; else placeholders
     (`dummy`) on text data: the first weight sync, before any generation, brings every weight a text prompt runs
     through, and the checkpoint's weight files are never read; so far only where placeholders have run
-    (`PLACEHOLDERS_RAN_ON`). The checkpoint's (`auto`) elsewhere, and where a sync cannot bring everything: on image data vLLM's placeholders also overwrite what it derives at load instead of reading it
-    (vLLM 0.32's vision input normalisation, from the processor's mean and std: image log-probs 0.02 off after a
-    full sync), and speculative decoding's draft weights (MTP) are no part of the policy."""
+    (`PLACEHOLDERS_RAN_ON`). The checkpoint's (`auto`) elsewhere, and where a sync cannot bring everything: on
+    image data vLLM's placeholders also overwrite what it derives at load instead of reading it (vLLM 0.32's vision
+    input normalisation, from the processor's mean and std: image log-probs 0.02 off after a full sync), and
+    speculative decoding's draft weights (MTP) are no part of the policy."""
     chosen = cfg["rollout"].get("load_format")
     if chosen is not None:
         return str(chosen), "as rollout.load_format sets"
@@ -278,6 +279,11 @@ def load_format(cfg: Any) -> Tuple[str, str]:
         return CHECKPOINT, (f"read from the checkpoint (placeholders have not run with vLLM on {device} yet: "
                             "rollout.load_format=dummy opts in)")
     return PLACEHOLDERS, "placeholders until the first weight sync (text data)"
+
+
+def starts_on_placeholders(cfg: Any) -> bool:
+    """Whether vLLM starts on placeholder weights (`load_format`): the first weight sync brings the policy's."""
+    return load_format(cfg)[0] == PLACEHOLDERS
 
 
 # ------------------------------------------------------------------------------------ prefix caching on GDN

@@ -41,6 +41,7 @@ from qwen35rl.runtime.prefetch import Prefetcher, Rollouts
 from qwen35rl.runtime.run_identity import FINAL_DIR, PROVENANCE_KEY
 from qwen35rl.runtime.rollouts import RolloutBatch, data_metrics, logprob_diff_metrics
 from qwen35rl.runtime.signals import StopRequest
+from qwen35rl.runtime.timer import Timer
 from qwen35rl.runtime.tracking import Tracking
 from qwen35rl.runtime.worker import needs_reference
 from qwen35rl.runtime.worker_groups import PolicyWorkers, RolloutWorkers
@@ -49,24 +50,6 @@ log = logging.getLogger(__name__)
 
 SKIPPED_KEY = "actor/skipped_steps"
 """Train-engine metric: optimizer steps skipped so far in the run because the loss or gradient was not finite."""
-
-
-class Timer:
-    """Accumulates wall time per name (dynamic sampling generates several times per step)."""
-
-    def __init__(self) -> None:
-        self.seconds: Dict[str, float] = defaultdict(float)
-
-    @contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] += time.perf_counter() - t0
-
-    def metrics(self) -> Dict[str, float]:
-        return {f"timing_s/{k}": v for k, v in self.seconds.items()}
 
 
 def step_seed(*parts: int) -> int:
@@ -391,8 +374,8 @@ class GRPOTrainer:
         (the slowest rollout group's). `rollout/cuda_graph`: share of the rollout groups whose generation of the batch
         decoded as a captured CUDA graph (hf engine only: `rollout.cuda_graph`). The first failed capture's error is
         logged as a warning."""
-        metrics = {f"timing_s/gen_{part[:-2]}": max(s[part] for s in decode if part in s)
-                   for part in ("wake_s", "generate_s", "sleep_s") if any(part in s for s in decode)}
+        metrics = {f"timing_s/gen_{part}": max(s[f"{part}_s"] for s in decode if f"{part}_s" in s)
+                   for part in ("wake", "generate", "sleep") if any(f"{part}_s" in s for s in decode)}
         decoded = [s for s in decode if s.get("rows")]
         if not decoded:
             return metrics

@@ -9,21 +9,20 @@ are plain python (`batching.Sequences`, lists, dicts), so nothing here depends o
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from qwen35rl.algo.loss import ActorLoss
-from qwen35rl.config import engine_specs
+from qwen35rl.config import engine_specs, vllm_facts
 from qwen35rl.config.layout import Layout
 from qwen35rl.config.schema import typed
 from qwen35rl.engines.base import RolloutEngine, RolloutRequest, RolloutResult, TrainEngine
@@ -37,6 +36,7 @@ from qwen35rl.runtime.micro_batches import fixed_groups, token_budget_groups
 from qwen35rl.runtime.memory_peaks import MemoryPeaks
 from qwen35rl.runtime.platform import require_stack, resolve_platform
 from qwen35rl.runtime.quiet import quiet_known_warnings
+from qwen35rl.runtime.timer import Timer
 
 log = logging.getLogger(__name__)
 
@@ -114,19 +114,19 @@ class PolicyWorker:
         if self.platform.is_accelerator:
             # Ray gives each worker one CPU (one torch thread); the CPU-side model init may use the node's share
             torch.set_num_threads(node_thread_share(cfg.hw.devices_per_node))
-        took: Dict[str, float] = {}
+        timer = Timer()
         try:
-            with _timed(took, f"{cfg.backend.name} train engine"):
+            with timer(f"{cfg.backend.name} train engine"):
                 self.actor = self._train_engine(reference=False)
             self.actor_loss = ActorLoss.from_config(cfg)
             if needs_reference(cfg):
-                with _timed(took, "reference policy"):
+                with timer("reference policy"):
                     self.ref = self._train_engine(reference=True)
             if not self.layout.split:  # split: the rollout pool generates (rollout_worker.RolloutWorker)
-                self.rollout = self._rollout_engine(took)
+                self.rollout = self._rollout_engine(timer)
         finally:
             torch.set_num_threads(threads)
-        self.build_s = took
+        self.build_s = dict(timer.seconds)
 
     def engine_build_s(self) -> Dict[str, float]:
         """Seconds each engine of this worker took to build (where a start-up's minutes go)."""
@@ -148,27 +148,27 @@ class PolicyWorker:
                 "train_dp_size": int(getattr(self.actor, "dp_size", self.world_size)),
                 "rollout_group": self.rank // rollout_tp, "rollout_groups": self.world_size // rollout_tp}
 
-    def _rollout_engine(self, took: Optional[Dict[str, float]] = None) -> RolloutEngine:
+    def _rollout_engine(self, timer: Optional[Timer] = None) -> RolloutEngine:
         """The driver syncs the policy's weights into the rollout engine before every generation (fresh or
-        resumed), so with a random init the hf engine's model is only allocated, not initialised. `took` gets the
+        resumed), so with a random init the hf engine's model is only allocated, not initialised. `timer` gets the
         seconds of each part."""
-        took = {} if took is None else took
+        timer = timer or Timer()
         spec = engine_specs.rollout_engine(self.cfg)
         name = f"{self.cfg.rollout.engine} rollout engine"
         if not spec.own_weights:  # generates with a model the weight sync fills in place
-            with _timed(took, name):
+            with timer(name):
                 return hf_rollout_engine(self.cfg, self.device, self.tokenizer, self.processor, self.text_only)
         if self.cfg.model.init == "pretrained":
             model_dir = self.cfg.model.path
         else:  # an engine with its own weights starts from a checkpoint directory: the random init, written once
             model_dir = str(self.run_dir / ".rollout_init_hf")
-            weights = not placeholder_weights(self.cfg)
-            with _timed(took, "rollout checkpoint written"):
+            weights = not vllm_facts.starts_on_placeholders(self.cfg)
+            with timer("rollout checkpoint written"):
                 self.export_hf(model_dir, vision_form=self.text_only and self.cfg.model.vision is not None
                                and not installed_vllm_loads_text_checkpoint(), weights=weights)
                 if not weights:
                     model_dir = shared_config_dir(model_dir, kernel_cache.cache_root(self.cfg) / "rollout_configs")
-        with _timed(took, name):
+        with timer(name):
             return engine_specs.load(spec.builder)(self.cfg, model_dir, self.layout)
 
     @property
@@ -204,18 +204,18 @@ class PolicyWorker:
         if not prompt_ids:
             return RolloutResult(response_ids=[], log_probs=[], finish_reasons=[])
         self._move_trainer_states("to the host", lambda e: e.offload_states())  # backend.*_offload
-        took: Dict[str, float] = {}
-        with _timed(took, "wake_s"):  # with the trainer's cached blocks returned to the device first
+        timer = Timer()
+        with timer("wake_s"):  # with the trainer's cached blocks returned to the device first
             self._wake_rollout()
-        with self.memory.phase("gen"), _timed(took, "generate_s"):
+        with self.memory.phase("gen"), timer("generate_s"):
             result = self.rollout.generate(RolloutRequest(prompt_ids=prompt_ids, **params))
         stats = getattr(self.rollout, "stats", None)  # the hf engine's DecodeStats; the vLLM engine has none
         if stats is not None:
             result.decode = dataclasses.asdict(stats)
         if self.cfg.rollout.free_cache_engine:  # give the memory back to the trainer until the next generation
-            with _timed(took, "sleep_s"):
+            with timer("sleep_s"):
                 self.rollout.sleep(self.cfg.rollout.sleep_level)
-        result.decode.update(took)
+        result.decode.update(timer.seconds)
         return result
 
     def _wake_rollout(self) -> None:
@@ -395,13 +395,6 @@ class PolicyWorker:
             dist.destroy_process_group()
 
 
-@contextlib.contextmanager
-def _timed(took: Dict[str, float], what: str) -> Iterator[None]:
-    start = time.perf_counter()
-    yield
-    took[what] = time.perf_counter() - start
-
-
 def shared_config_dir(written: str, root: Path) -> str:
     """The weightless checkpoint `written` (config, tokenizer, processor), kept under `root` by its content: the next
     run of the same model starts vLLM from the same path, and vLLM's compile cache, which the model path keys, is
@@ -426,17 +419,8 @@ def shared_config_dir(written: str, root: Path) -> str:
     return str(target)
 
 
-def placeholder_weights(cfg: Any) -> bool:
-    """Whether the rollout engine starts on placeholder weights (the first weight sync brings the policy's)."""
-    from qwen35rl.config import vllm_facts
-
-    return vllm_facts.load_format(cfg)[0] == vllm_facts.PLACEHOLDERS
-
-
 def installed_vllm_loads_text_checkpoint() -> bool:
     """Whether the vLLM of this process loads a text-only `Qwen3_5ForCausalLM` checkpoint (0.26 does not)."""
-    from qwen35rl.config import vllm_facts
-
     install = vllm_facts.installed_vllm()
     return install is None or vllm_facts.loads_text_checkpoint(install.version, install)
 

@@ -26,12 +26,16 @@ RUNS = FIXTURE["runs"]
 _plans = {}
 
 
-def memory_of(run):
+def plan_of(run):
     if run["name"] not in _plans:
         plan = build_plan(compose(FIXTURE["common_overrides"] + run["overrides"]))
         assert plan["valid"], plan["problems"]
-        _plans[run["name"]] = plan["memory_gib"]
+        _plans[run["name"]] = plan
     return _plans[run["name"]]
+
+
+def memory_of(run):
+    return plan_of(run)["memory_gib"]
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[r["name"] for r in RUNS])
@@ -52,11 +56,11 @@ def known_miss(runs, names, reason):
 def at_run_lengths(run):
     """The plan's memory at the run's own prompt lengths (its mean), with the micro batch and checkpointing the run's
     plan resolved: the model's accuracy, apart from the launch's sizing for prompts of data.max_prompt_length."""
-    base = FIXTURE["common_overrides"] + run["overrides"]
-    batch = build_plan(compose(base))["batch"]
-    plan = build_plan(compose(base + [f"backend.micro_batch_size_per_device={batch['micro_batch_size_per_device']}",
-                                      f"backend.gradient_checkpointing={str(batch['gradient_checkpointing']).lower()}",
-                                      f"data.max_prompt_length={round(run['prompt_length_mean'])}"]))
+    batch = plan_of(run)["batch"]
+    pinned = [f"backend.micro_batch_size_per_device={batch['micro_batch_size_per_device']}",
+              f"backend.gradient_checkpointing={str(batch['gradient_checkpointing']).lower()}",
+              f"data.max_prompt_length={round(run['prompt_length_mean'])}"]
+    plan = build_plan(compose(FIXTURE["common_overrides"] + run["overrides"] + pinned))
     assert plan["valid"], plan["problems"]
     return plan["memory_gib"]
 

@@ -121,7 +121,7 @@ def placeholder_weights_need_a_sync(cfg: Any, layout: Layout) -> List[Problem]:
     a speculative decoding draft (MTP: no part of the policy) nor what vLLM derives at load for images (the vision
     tower's input normalisation) arrives that way."""
     if (not engine_specs.rollout_engine(val(cfg, "rollout.engine")).own_weights
-            or vllm_facts.load_format(cfg)[0] != vllm_facts.PLACEHOLDERS):
+            or not vllm_facts.starts_on_placeholders(cfg)):
         return []
     if "speculative_config" in (val(cfg, "rollout.engine_kwargs") or {}):
         why = ("rollout.engine_kwargs.speculative_config decodes with draft weights that only the checkpoint holds "
