@@ -399,7 +399,8 @@ def shared_config_dir(written: str, root: Path) -> str:
     """The weightless checkpoint `written` (config, tokenizer, processor), kept under `root` by its content: the next
     run of the same model starts vLLM from the same path, and vLLM's compile cache, which the model path keys, is
     reused (on an H100 a new path cost the 0.8B's warm start 12-20 s of torch.compile). Each rank copies it (the
-    cache may be node-local); a copy that another rank or run finished first is kept."""
+    cache may be node-local); a copy that another rank or run finished first is kept. Where the cache cannot be
+    written, `written` itself (the run starts as it would without the cache)."""
     import hashlib
     import shutil
 
@@ -410,12 +411,17 @@ def shared_config_dir(written: str, root: Path) -> str:
     target = root / digest.hexdigest()[:16]
     if not target.is_dir():
         tmp = root / f".{target.name}.{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(written, tmp)
         try:
-            os.rename(tmp, target)
-        except OSError:  # another rank or run put it there first
             shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(written, tmp)
+            os.rename(tmp, target)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not target.is_dir():  # not another rank's or run's copy: the cache cannot be written
+                log.warning("the rollout's weightless checkpoint is not kept under %s (%s): vLLM starts from the "
+                            "run's copy and compiles again in the next run; trainer.kernel_cache_dir=<a writable "
+                            "path> keeps it", root, e)
+                return written
     return str(target)
 
 

@@ -84,3 +84,6 @@ def test_weightless_checkpoints_are_kept_by_content(tmp_path):
     other = shared_config_dir(written("run3", "model.num_hidden_layers=2"), root)
     assert other != first and sorted(p.name for p in root.iterdir()) == sorted({Path(first).name, Path(other).name})
     assert json.loads((Path(other) / "config.json").read_text())["num_hidden_layers"] == 2
+    # a cache that cannot be written: the run's own copy, said in the log
+    (tmp_path / "blocked").write_text("a file where the cache directory should be")
+    assert shared_config_dir(written("run4"), tmp_path / "blocked" / "rollout_configs") == written("run4")
